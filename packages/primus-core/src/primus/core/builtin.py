@@ -1,0 +1,61 @@
+"""Core's own plugin: base presets, plain-PyTorch kernels, built-in strategies, run loggers.
+
+Registered like any other plugin (entry point ``core`` of group ``primus``), so defaults are just
+the lowest-ranked contributions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from primus.core import hookimpl
+from primus.core.protocols import KernelProvider
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+_REF = "primus.core.kernels.reference"
+
+
+@hookimpl
+def primus_presets() -> list[Path]:
+    return [PRESETS_DIR]
+
+
+@hookimpl
+def primus_kernels() -> list[KernelProvider]:
+    desc = {"attention": "torch SDPA (cuDNN/flash/efficient on GPU, math on CPU)"}
+    return [
+        KernelProvider(op=op, name="sdpa" if op == "attention" else "torch", impl=f"{_REF}:{op}",
+                       available=f"{_REF}:always", priority=0,
+                       description=desc.get(op, "plain PyTorch reference"))
+        for op in ("attention", "rms_norm", "swiglu", "cross_entropy", "rope")
+    ]
+
+
+@hookimpl
+def primus_strategies() -> list[Any]:
+    from primus.core.strategies import BUILTIN_STRATEGIES
+
+    return BUILTIN_STRATEGIES
+
+
+@hookimpl
+def primus_on_train_start(config: Any, info: Any) -> None:
+    from primus.core import runlog
+
+    runlog.start(config, info)
+
+
+@hookimpl
+def primus_on_step_end(step: int, metrics: dict[str, float], info: Any) -> None:
+    from primus.core import runlog
+
+    runlog.step(step, metrics, info)
+
+
+@hookimpl
+def primus_on_train_end(summary: dict[str, Any], info: Any) -> None:
+    from primus.core import runlog
+
+    runlog.end(summary, info)

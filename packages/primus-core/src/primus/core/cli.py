@@ -1,0 +1,261 @@
+"""The ``primus`` command. Importing this module imports neither torch nor an engine (fast --help)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from primus.core.config.errors import ConfigError
+
+app = typer.Typer(help="Primus: one config and one CLI over Megatron-Core and TorchTitan.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+config_app = typer.Typer(help="Resolve, show and validate configs.", no_args_is_help=True)
+presets_app = typer.Typer(help="Model and recipe presets.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(presets_app, name="presets")
+
+# Wide enough for the preset tables when output is piped (rich assumes 80 columns then).
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True)
+
+Overrides = Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides, applied last")]
+WorldSize = Annotated[int | None, typer.Option("--world-size", help="devices the run will use (default: $WORLD_SIZE or 1)")]
+
+
+def _setup_logging(level: str = "info") -> None:
+    from rich.logging import RichHandler
+
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=level.upper(), format=f"[rank{rank}] %(message)s" if os.environ.get("WORLD_SIZE") else "%(message)s",
+                        handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
+
+
+def _fail(exc: Exception, code: int = 2) -> typer.Exit:
+    err.print(f"error: {exc}", style="red", highlight=False, markup=False)
+    return typer.Exit(code)
+
+
+def _resolve(config: str | None, overrides: list[str] | None, world_size: int | None):
+    from primus.core.train import resolve
+
+    try:
+        return resolve(config, overrides or [], world_size)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+
+
+# ------------------------------------------------------------------------------------------------ train
+
+
+@app.command()
+def train(
+    config: Annotated[str, typer.Argument(help="a YAML file or a preset name (primus presets list)")],
+    overrides: Overrides = None,
+    resume: Annotated[bool, typer.Option(help="continue from the newest complete checkpoint")] = False,
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="processes (devices) per node")] = 1,
+    nnodes: Annotated[int, typer.Option(help="nodes")] = 1,
+    node_rank: Annotated[int, typer.Option(help="this node's rank")] = 0,
+    master_addr: Annotated[str, typer.Option(help="rendezvous host")] = "127.0.0.1",
+    master_port: Annotated[int, typer.Option(help="rendezvous port")] = 29500,
+) -> None:
+    """Train: resolve + validate the config, then run it on the backend named by backend.name."""
+    from primus.core.train import LAUNCHED_ENV, launch_torchrun, run_rank
+
+    _setup_logging()
+    world = nproc_per_node * nnodes
+    inside = os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ
+    res = _resolve(config, overrides, None if inside else world)  # refuse bad configs before launching
+    if world > 1 and not inside:
+        argv = ["train", config, *(overrides or [])] + (["--resume"] if resume else [])
+        raise typer.Exit(launch_torchrun(argv, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                                         master_addr=master_addr, master_port=master_port))
+    from primus.core.kernels import KernelUnavailable
+
+    try:
+        summary = run_rank(res, resume=resume)
+    except KernelUnavailable as exc:
+        raise _fail(exc) from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        err.print(f"done: {json.dumps(summary, default=str)}", highlight=False)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+@config_app.command("show")
+def config_show(
+    config: Annotated[str | None, typer.Argument(help="a YAML file or a preset name")] = None,
+    overrides: Overrides = None,
+    world_size: WorldSize = None,
+    sources: Annotated[bool, typer.Option(help="show the layer each value came from")] = True,
+    as_yaml: Annotated[bool, typer.Option("--yaml", help="print plain YAML")] = False,
+) -> None:
+    """Print the resolved config and, per value, the layer it came from."""
+    import yaml
+
+    from primus.core.config.fields import describe
+
+    res = _resolve(config, overrides, world_size)
+    data = res.config.model_dump(mode="json")
+    if as_yaml:
+        out.print(yaml.safe_dump(data, sort_keys=False), end="", highlight=False)
+        return
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    table.add_column("key")
+    table.add_column("value")
+    if sources:
+        table.add_column("from", style="cyan")
+    table.add_column("description", style="dim")
+    for key, value in _flatten(data):
+        src = res.layers.sources.get(key) or next((s for p, s in res.layers.sources.items() if key.startswith(p + ".")), None)
+        if src is None and key.startswith("parallel.") and key.split(".")[1] in ("dp_shard",):
+            src = "resolved (world size)"
+        row = [key, json.dumps(value)] + ([src or "default"] if sources else []) + [describe(key)]
+        table.add_row(*row)
+    out.print(table)
+
+
+def _flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(data, dict) and data and not prefix.endswith("extra"):
+        rows: list[tuple[str, Any]] = []
+        for k, v in data.items():
+            rows += _flatten(v, f"{prefix}.{k}" if prefix else k)
+        return rows
+    return [(prefix, data)]
+
+
+@config_app.command("validate")
+def config_validate(
+    config: Annotated[str, typer.Argument(help="a YAML file or a preset name")],
+    overrides: Overrides = None,
+    world_size: WorldSize = None,
+) -> None:
+    """Check a config against the schema, the world size and the installed plugins."""
+    res = _resolve(config, overrides, world_size)
+    out.print(f"ok: {res.config.model.name} on backend {res.config.backend.name}, world size {res.world_size}, "
+              f"parallel {res.config.parallel.sizes()}", highlight=False)
+
+
+# ------------------------------------------------------------------------------------------------ presets
+
+
+@presets_app.command("list")
+def presets_list() -> None:
+    """Model presets (params, shape) and recipes."""
+    from primus.core.config.loader import load_layers
+    from primus.core.config.schema import ModelConfig
+    from primus.core.modelmath import count_params, human
+    from primus.core.plugins import get_registry
+    from primus.core.presets import catalog, resolver
+
+    reg = get_registry()
+    cat = catalog(reg)
+    models = Table("name", "params", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "from", title="models",
+                   box=None)
+    recipes = Table("name", "model", "backend", "description", "from", title="recipes", box=None)
+    rows = []
+    for p in cat.values():
+        data = load_layers(str(p.path), resolve_preset=resolver(reg)).data
+        m = ModelConfig.model_validate(data.get("model", {}))
+        if p.kind == "model":
+            rows.append((m.name.startswith("tiny") is False, count_params(m).total, p, m))
+        else:
+            recipes.add_row(p.name, m.name, data.get("backend", {}).get("name", "torchtitan"),
+                            data.get("description", ""), p.dist)
+    for _, n, p, m in sorted(rows, key=lambda r: (r[0], r[1])):  # tiny presets first, then by size
+        models.add_row(p.name, human(n), str(m.num_layers), str(m.hidden_size), str(m.num_attention_heads),
+                       str(m.num_kv_heads), str(m.ffn_hidden_size), str(m.vocab_size), p.dist)
+    out.print(models)
+    out.print(recipes)
+
+
+@presets_app.command("show")
+def presets_show(name: Annotated[str, typer.Argument(help="preset name")]) -> None:
+    """The whole preset, with its extends chain resolved."""
+    import yaml
+
+    from primus.core.config.loader import load_layers
+    from primus.core.plugins import get_registry
+    from primus.core.presets import catalog, resolver
+
+    reg = get_registry()
+    preset = catalog(reg).get(name)
+    if preset is None:
+        from primus.core.config.fields import suggest
+
+        hint = suggest(name, list(catalog(reg)))
+        raise _fail(ValueError(f"no preset named {name!r}" + (f"; did you mean {hint!r}?" if hint else "")))
+    layers = load_layers(str(preset.path), resolve_preset=resolver(reg))
+    out.print(f"# {preset.kind} preset {name} ({preset.dist}): {preset.path}", highlight=False)
+    out.print(yaml.safe_dump(layers.data, sort_keys=False), end="", highlight=False)
+
+
+# ------------------------------------------------------------------------------------------------ plugins, env
+
+
+@app.command()
+def plugins() -> None:
+    """Installed plugins: distribution, version, what each provides, and any that failed."""
+    from primus.core.plugins import get_registry
+
+    reg = get_registry()
+    _ = reg.backends, reg.kernels, reg.strategies, reg.preset_dirs  # collect, so failures are recorded
+    table = Table("plugin", "distribution", "version", "status", "provides", box=None)
+    for rec in reg.pm.records.values():
+        provides = "; ".join(f"{k}: {', '.join(v)}" for k, v in rec.provides.items())
+        status = rec.status if rec.status == "ok" else f"{rec.status}: {rec.error}"
+        table.add_row(rec.name, rec.dist, rec.version, status, provides)
+    out.print(table)
+    for msg in reg.shadowed:
+        out.print(f"shadowed: {msg}", highlight=False)
+
+
+def _version(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+@app.command()
+def env() -> None:
+    """Versions of Python, torch, the engines and Primus packages, and the devices found."""
+    table = Table("component", "version", box=None)
+    table.add_row("python", platform.python_version())
+    for dist in ("torch", "megatron-core", "torchtitan", "triton", "primus-core", "primus-megatron",
+                 "primus-torchtitan", "primus-turbo", "primus-tune"):
+        table.add_row(dist, _version(dist))
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            kind = "rocm " + str(torch.version.hip) if getattr(torch.version, "hip", None) else f"cuda {torch.version.cuda}"
+            for i in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(i)
+                table.add_row(f"device {i}", f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {kind})")
+        else:
+            table.add_row("devices", f"cpu only ({os.cpu_count()} cores)")
+    except ImportError:
+        table.add_row("devices", "unknown (torch not installed)")
+    out.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except ConfigError as exc:
+        err.print(f"error: {exc}", style="red", highlight=False, markup=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Walk the schema by dotted key: field descriptions, annotations, command-line value coercion."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, get_args
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+from primus.core.config.schema import PrimusConfig
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    for arg in (annotation, *get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def field_info(dotted: str, root: type[BaseModel] = PrimusConfig) -> FieldInfo | None:
+    """The pydantic field at ``dotted`` (``"train.optimizer.lr"``), or None if there is none."""
+    model: type[BaseModel] | None = root
+    info: FieldInfo | None = None
+    for part in dotted.split("."):
+        if model is None or part not in model.model_fields:
+            return None
+        info = model.model_fields[part]
+        model = _model_in(info.annotation)
+    return info
+
+
+def coerce(dotted: str, value: Any) -> Any:
+    """Convert a command-line value to its field's type where that is unambiguous ("8" -> 8)."""
+    info = field_info(dotted)
+    if info is None or info.annotation is None or _model_in(info.annotation) is not None:
+        return value
+    try:
+        return TypeAdapter(info.annotation).validate_python(value, strict=False)
+    except ValidationError:
+        return value  # strict validation reports it, naming the key
+
+
+def suggest(name: str, choices: list[str]) -> str | None:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def describe(dotted: str) -> str:
+    info = field_info(dotted)
+    return (info.description or "") if info else ""

@@ -1,0 +1,183 @@
+"""The Primus config schema: one typed model per section, every field with a default and a description.
+
+Checks here are those that need only the config itself (shapes, ranges, cross-field rules). Checks
+that need the installed plugins (backend and kernel names) or the world size live in
+:mod:`primus.core.config.validate`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Auto = Literal["auto"]
+
+
+class Section(BaseModel):
+    # strict: a YAML string is not silently taken for a number; unknown keys are errors.
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class RopeScaling(Section):
+    type: Literal["llama3", "linear", "yarn"] = Field("llama3", description="RoPE frequency scaling rule")
+    factor: float = Field(8.0, gt=0, description="context extension factor")
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: low-frequency wavelength factor")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: high-frequency wavelength factor")
+    original_max_position_embeddings: int = Field(8192, gt=0, description="context the base model was trained at")
+
+
+class ModelConfig(Section):
+    name: str = Field("tiny-llama", description="preset name or a label for this architecture")
+    family: Literal["llama", "qwen2", "qwen3", "mistral"] = Field(
+        "llama", description="architecture family (decides qkv bias / qk-norm defaults in engines)"
+    )
+    hidden_size: int = Field(128, gt=0, description="model width d")
+    num_layers: int = Field(2, gt=0, description="transformer blocks L")
+    num_attention_heads: int = Field(4, gt=0, description="query heads")
+    num_kv_heads: int = Field(2, gt=0, description="key/value heads (GQA); must divide num_attention_heads")
+    head_dim: int | None = Field(None, gt=0, description="per-head dim; default hidden_size / heads")
+    ffn_hidden_size: int = Field(352, gt=0, description="SwiGLU inner width")
+    vocab_size: int = Field(2048, gt=0, description="embedding rows")
+    max_position_embeddings: int = Field(2048, gt=0, description="longest context the RoPE tables cover")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE scaling for long context (Llama 3.1+)")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
+    tie_word_embeddings: bool = Field(False, description="output head shares the input embedding")
+    qkv_bias: bool = Field(False, description="bias on q/k/v projections (Qwen2.5)")
+    qk_norm: bool = Field(False, description="RMSNorm on per-head q and k (Qwen3)")
+    init_std: float = Field(0.02, gt=0, description="std of the normal weight init")
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+
+class OptimizerConfig(Section):
+    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="optimizer")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    min_lr: float = Field(3e-5, ge=0, description="learning rate at the end of decay")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="Adam beta2")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon")
+
+
+class ScheduleConfig(Section):
+    warmup_steps: int = Field(2, ge=0, description="linear warmup steps")
+    decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
+
+
+class TrainConfig(Section):
+    seq_len: int = Field(128, gt=0, description="tokens per sample")
+    micro_batch_size: int = Field(2, gt=0, description="samples per device per forward/backward")
+    global_batch_size: int | None = Field(
+        None, gt=0, description="samples per optimizer step (default micro_batch_size × data-parallel size)"
+    )
+    steps: int = Field(20, gt=0, description="optimizer steps")
+    seed: int = Field(1234, ge=0, description="seed for init and data order")
+    precision: Literal["bf16", "fp32", "fp16"] = Field("bf16", description="compute dtype (params/optimizer fp32)")
+    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    compile: bool = Field(False, description="torch.compile the blocks")
+    init_from_hf: str | None = Field(None, description="start from a Hugging Face checkpoint folder")
+
+
+
+class ParallelConfig(Section):
+    strategy: str = Field(
+        "manual", description="'manual' (sizes as given), 'auto' (planner picks), or a strategy name"
+    )
+    dp_replicate: int = Field(1, gt=0, description="replicated data-parallel degree (DDP / HSDP replicas)")
+    dp_shard: int | Auto = Field("auto", description="sharded data-parallel degree (FSDP); auto = the rest")
+    tp: int = Field(1, gt=0, description="tensor-parallel degree")
+    sequence_parallel: bool = Field(False, description="shard norms/dropout along the sequence (needs tp > 1)")
+    pp: int = Field(1, gt=0, description="pipeline stages")
+    vpp: int = Field(1, gt=0, description="virtual stages per pipeline rank (interleaved 1F1B)")
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe", "zero_bubble"] = Field(
+        "1f1b", description="pipeline schedule"
+    )
+    cp: int = Field(1, gt=0, description="context-parallel degree")
+    distributed_optimizer: bool = Field(False, description="shard optimizer state across data-parallel ranks")
+    overlap_grad_reduce: bool = Field(False, description="overlap gradient reduce with backward")
+    overlap_param_gather: bool = Field(False, description="overlap parameter all-gather with forward")
+    reshard_after_forward: bool = Field(True, description="FSDP: free gathered params after forward")
+    recompute: Literal["none", "selective", "full"] = Field("none", description="activation recompute")
+    recompute_method: Literal["uniform", "block"] = Field(
+        "uniform", description="full recompute: every layer group (uniform) or the first N layers (block)"
+    )
+    recompute_layers: int | None = Field(None, gt=0, description="layers per group (uniform) or N (block)")
+
+
+    def sizes(self) -> dict[str, int | str]:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp, "cp": self.cp}
+
+
+KernelChoice = str  # "auto" or a provider name; checked against the installed providers
+
+
+class KernelsConfig(Section):
+    attention: KernelChoice = Field("auto", description="attention provider (auto = fastest available)")
+    rms_norm: KernelChoice = Field("auto", description="RMSNorm provider")
+    swiglu: KernelChoice = Field("auto", description="SwiGLU activation provider")
+    cross_entropy: KernelChoice = Field("auto", description="(fused linear +) cross-entropy provider")
+    rope: KernelChoice = Field("auto", description="rotary embedding provider")
+    gemm_tuning: Literal["off", "online", "offline"] = Field("off", description="GEMM algorithm tuning mode")
+    gemm_tuning_file: str | None = Field(None, description="offline tuning results file")
+
+
+class DataConfig(Section):
+    source: str = Field(
+        "bundled", description="'bundled' (embedded corpus), 'mock' (random tokens), or a path / glob"
+    )
+    paths: list[str] = Field(default_factory=list, description="extra files or folders (.jsonl/.txt/.parquet/.bin)")
+    format: Literal["auto", "jsonl", "txt", "parquet", "megatron"] = Field("auto", description="file format")
+    text_key: str = Field("text", description="field holding the text in .jsonl/.parquet")
+    tokenizer: str = Field("bundled", description="'bundled' or a folder / tokenizer.json path")
+    num_workers: int = Field(0, ge=0, description="data loader worker processes")
+
+
+class CheckpointConfig(Section):
+    enabled: bool = Field(True, description="save checkpoints")
+    dir: str | None = Field(None, description="checkpoint folder (default <output_dir>/checkpoints)")
+    interval: int = Field(0, ge=0, description="save every N steps (0: only at the end)")
+    keep_last: int = Field(2, gt=0, description="checkpoints kept")
+    resume: bool = Field(False, description="continue from the newest complete checkpoint")
+
+
+class LoggingConfig(Section):
+    output_dir: str | None = Field(None, description="run folder (default outputs/<model.name>)")
+    interval: int = Field(1, gt=0, description="steps per metrics line")
+    tensorboard: bool = Field(True, description="write TensorBoard events")
+    jsonl: bool = Field(True, description="write metrics.jsonl")
+    progress: bool = Field(True, description="show a progress bar on rank 0")
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+
+class ProfileConfig(Section):
+    enabled: bool = Field(False, description="run torch.profiler")
+    wait: int = Field(1, ge=0, description="profiler wait steps")
+    warmup: int = Field(1, ge=0, description="profiler warmup steps")
+    active: int = Field(2, gt=0, description="profiled steps")
+    ranks: list[int] = Field(default_factory=lambda: [0], description="ranks that write a trace")
+
+
+class BackendConfig(Section):
+    name: str = Field("torchtitan", description="training engine (a registered backend)")
+    extra: dict[str, Any] = Field(default_factory=dict, description="passed to the engine unchanged")
+
+
+class PrimusConfig(Section):
+    description: str = Field("", description="what this config is for")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+

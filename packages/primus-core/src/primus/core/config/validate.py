@@ -1,0 +1,203 @@
+"""Turn a layered raw config into a validated :class:`PrimusConfig`, or a :class:`ConfigError` that
+names every bad key, its value and what is allowed.
+
+Three levels of checks, each reporting all it finds: the schema (types, ranges, unknown keys), the
+cross-field rules (shapes, parallel combinations, batch sizes for the world size), and the installed
+plugins (backend, strategy and kernel names; the backend's own refusals).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ValidationError
+
+from primus.core.config.errors import ConfigError
+from primus.core.config.fields import _model_in, suggest
+from primus.core.config.schema import PrimusConfig
+from primus.core.protocols import KERNEL_OPS, ConfigIssue
+
+if TYPE_CHECKING:
+    from primus.core.plugins import Registry
+
+
+def _walk_loc(loc: tuple[Any, ...]) -> tuple[str, type[BaseModel] | None]:
+    """Dotted key path of a pydantic error location, dropping union-branch labels."""
+    model: type[BaseModel] | None = PrimusConfig
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1 if parts else 0:] = [f"{parts[-1]}[{item}]" if parts else f"[{item}]"]
+        elif model is not None:
+            # a field, or an unknown key (reported as such by the caller)
+            parts.append(str(item))
+            field = model.model_fields.get(str(item))
+            model = _model_in(field.annotation) if field else None
+        # else: a union-branch label such as 'int' or "literal['auto']": not part of the key
+    return ".".join(parts), model
+
+
+def issues_from_pydantic(exc: ValidationError) -> list[ConfigIssue]:
+    grouped: dict[str, ConfigIssue] = {}
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden":
+            path, _ = _walk_loc(loc)
+            parent_path, parent = _walk_loc(loc[:-1])
+            fields = sorted(parent.model_fields) if parent else []
+            hint = suggest(str(loc[-1]), fields)
+            msg = f"unknown key {loc[-1]!r}" + (f"; did you mean {hint!r}?" if hint else "")
+            grouped[path] = ConfigIssue(path, msg, allowed=", ".join(fields) or None)
+            continue
+        path, _ = _walk_loc(loc)
+        msg = err["msg"]
+        if err["type"] == "model_type" or err["type"] == "model_attributes_type":
+            msg = "must be a mapping of keys"
+        prev = grouped.get(path)
+        if prev is not None and msg not in prev.message:
+            msg = prev.message + " or " + msg.removeprefix("Input should be ")
+        grouped[path] = ConfigIssue(path or "<top>", msg, value=err.get("input"))
+    return list(grouped.values())
+
+
+def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    """Rules that span fields, each reported at the key a user would change."""
+    out: list[ConfigIssue] = []
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        out.append(ConfigIssue("model.num_attention_heads", f"{m.num_attention_heads} does not divide "
+                               f"model.hidden_size {m.hidden_size}", value=m.num_attention_heads,
+                               allowed="a divisor of hidden_size, or set model.head_dim"))
+    if m.num_attention_heads % m.num_kv_heads:
+        out.append(ConfigIssue("model.num_kv_heads", f"{m.num_kv_heads} does not divide model.num_attention_heads "
+                               f"{m.num_attention_heads}", value=m.num_kv_heads, allowed="a divisor of num_attention_heads"))
+    if m.rope_scaling is not None and m.rope_scaling.high_freq_factor <= m.rope_scaling.low_freq_factor:
+        out.append(ConfigIssue("model.rope_scaling.high_freq_factor", "must exceed low_freq_factor",
+                               value=m.rope_scaling.high_freq_factor))
+    if t.schedule.warmup_steps > t.steps:
+        out.append(ConfigIssue("train.schedule.warmup_steps", f"{t.schedule.warmup_steps} exceeds train.steps {t.steps}",
+                               value=t.schedule.warmup_steps, allowed=f"0..{t.steps}"))
+    if t.optimizer.min_lr > t.optimizer.lr:
+        out.append(ConfigIssue("train.optimizer.min_lr", f"{t.optimizer.min_lr} exceeds train.optimizer.lr {t.optimizer.lr}",
+                               value=t.optimizer.min_lr, allowed=f"0..{t.optimizer.lr}"))
+    if t.seq_len > m.max_position_embeddings:
+        out.append(ConfigIssue("train.seq_len", f"{t.seq_len} exceeds model.max_position_embeddings "
+                               f"{m.max_position_embeddings}", value=t.seq_len))
+    if p.sequence_parallel and p.tp == 1:
+        out.append(ConfigIssue("parallel.sequence_parallel", "needs parallel.tp > 1", value=True))
+    if p.vpp > 1 and p.pp == 1:
+        out.append(ConfigIssue("parallel.vpp", f"{p.vpp} needs parallel.pp > 1", value=p.vpp))
+    if p.pp_schedule == "interleaved_1f1b" and p.vpp == 1:
+        out.append(ConfigIssue("parallel.pp_schedule", "interleaved_1f1b needs parallel.vpp > 1", value=p.pp_schedule))
+    if p.recompute_layers is not None and p.recompute != "full":
+        out.append(ConfigIssue("parallel.recompute_layers", "applies only with parallel.recompute: full",
+                               value=p.recompute_layers))
+    if m.num_attention_heads % p.tp or m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:
+        out.append(ConfigIssue("parallel.tp", f"{p.tp} must divide model.num_attention_heads ({m.num_attention_heads}) "
+                               f"and divide or be a multiple of model.num_kv_heads ({m.num_kv_heads})", value=p.tp))
+    if p.pp * p.vpp > m.num_layers:
+        out.append(ConfigIssue("parallel.pp", f"pp × vpp = {p.pp * p.vpp} exceeds model.num_layers {m.num_layers}",
+                               value=p.pp, allowed=f"pp × vpp ≤ {m.num_layers}"))
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        out.append(ConfigIssue("train.seq_len", f"{t.seq_len} is not divisible by 2 × parallel.cp ({2 * p.cp})",
+                               value=t.seq_len))
+    return out
+
+
+def data_parallel_size(cfg: PrimusConfig, world_size: int) -> int:
+    p = cfg.parallel
+    shard = p.dp_shard if isinstance(p.dp_shard, int) else world_size // (p.dp_replicate * p.tp * p.pp * p.cp)
+    return p.dp_replicate * max(shard, 1)
+
+
+def world_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
+    """Do the parallel sizes tile the world, and do the batch sizes divide?"""
+    p, t = cfg.parallel, cfg.train
+    fixed = p.dp_replicate * p.tp * p.pp * p.cp
+    sizes = f"dp_replicate {p.dp_replicate} × tp {p.tp} × pp {p.pp} × cp {p.cp}"
+    if isinstance(p.dp_shard, int):
+        product = fixed * p.dp_shard
+        if product != world_size:
+            return [ConfigIssue("parallel", f"{sizes} × dp_shard {p.dp_shard} = {product}, but the world size is "
+                                f"{world_size}", allowed="sizes whose product is the world size, or dp_shard: auto")]
+    elif world_size % fixed:
+        return [ConfigIssue("parallel", f"{sizes} = {fixed} does not divide the world size {world_size}",
+                            allowed="sizes whose product divides the world size")]
+    dp = data_parallel_size(cfg, world_size)
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        return [ConfigIssue("train.global_batch_size", f"{t.global_batch_size} is not a multiple of "
+                            f"micro_batch_size {t.micro_batch_size} × data-parallel size {dp}",
+                            value=t.global_batch_size, allowed=f"a multiple of {t.micro_batch_size * dp}")]
+    if p.pp > 1 and t.global_batch_size is not None:
+        micro = t.global_batch_size // (t.micro_batch_size * dp)
+        if p.vpp > 1 and micro % p.pp:
+            return [ConfigIssue("train.global_batch_size", f"interleaved pipelines need the number of micro-batches "
+                                f"({micro}) to be a multiple of parallel.pp ({p.pp})", value=t.global_batch_size)]
+    return []
+
+
+def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> list[ConfigIssue]:
+    """Names the installed plugins must know, then the chosen backend's own refusals."""
+    out: list[ConfigIssue] = []
+    backend = registry.backends.get(cfg.backend.name)
+    if backend is None:
+        out.append(ConfigIssue("backend.name", registry.missing_backend_message(cfg.backend.name),
+                               value=cfg.backend.name, allowed=", ".join(sorted(registry.backends)) or "none installed"))
+    elif backend.model_families and cfg.model.family not in backend.model_families:
+        out.append(ConfigIssue("model.family", f"backend {backend.name!r} cannot run {cfg.model.family!r} models",
+                               value=cfg.model.family, allowed=", ".join(sorted(backend.model_families))))
+    strategy = cfg.parallel.strategy
+    if strategy not in ("manual", "auto") and strategy not in registry.strategies:
+        hint = suggest(strategy, list(registry.strategies))
+        out.append(ConfigIssue("parallel.strategy", f"unknown strategy {strategy!r}" + (f"; did you mean {hint!r}?" if hint else ""),
+                               allowed=", ".join(["manual", "auto", *sorted(registry.strategies)])))
+    for op in KERNEL_OPS:
+        if op == "gemm":
+            continue
+        choice = getattr(cfg.kernels, op)
+        names = sorted(registry.kernel_names(op))
+        if choice != "auto" and choice not in names:
+            hint = suggest(choice, names)
+            out.append(ConfigIssue(f"kernels.{op}", f"unknown provider {choice!r}" + (f"; did you mean {hint!r}?" if hint else ""),
+                                   value=choice, allowed=", ".join(["auto", *names])))
+    if backend is not None and not out:
+        from primus.core.protocols import validate_with
+
+        out.extend(validate_with(backend, cfg, world_size))
+    return out
+
+
+def validate_config(data: dict[str, Any], world_size: int = 1, registry: Registry | None = None) -> PrimusConfig:
+    """Validate a merged raw config; raise :class:`ConfigError` with every problem found."""
+    try:
+        cfg = PrimusConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(issues_from_pydantic(exc)) from None
+    issues = semantic_issues(cfg)
+    if not issues:
+        issues = world_issues(cfg, world_size)
+    if not issues and registry is not None:
+        issues = registry_issues(cfg, registry, world_size)
+    if issues:
+        raise ConfigError(issues)
+    return cfg
+
+
+def resolve_parallel(cfg: PrimusConfig, world_size: int) -> PrimusConfig:
+    """Fill ``dp_shard: auto`` and ``global_batch_size`` from the world size (already validated)."""
+    p = cfg.parallel
+    updates: dict[str, Any] = {}
+    if p.dp_shard == "auto":
+        updates["dp_shard"] = world_size // (p.dp_replicate * p.tp * p.pp * p.cp)
+    new_parallel = p.model_copy(update=updates)
+    dp = new_parallel.dp_replicate * int(new_parallel.dp_shard)
+    gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
+    return cfg.model_copy(update={"parallel": new_parallel,
+                                  "train": cfg.train.model_copy(update={"global_batch_size": gbs})})
+
+
+def grad_accumulation_steps(cfg: PrimusConfig) -> int:
+    p = cfg.parallel
+    dp = p.dp_replicate * int(p.dp_shard)
+    return math.ceil((cfg.train.global_batch_size or 0) / (cfg.train.micro_batch_size * dp))

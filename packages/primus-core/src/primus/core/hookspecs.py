@@ -1,0 +1,138 @@
+"""Primus hook specifications: the one contract every plugin implements against.
+
+Plugins are found through the entry-point group ``primus``; each entry point names a module (or
+object) whose functions are marked with :data:`primus.core.hookimpl`. Hooks are always called with
+keyword arguments, so an implementation may accept fewer arguments than its spec (new arguments
+break no plugin).
+
+Groups, in the order a run meets them: registration, contributions (what a plugin offers),
+configuration, and the training lifecycle.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from primus.core.config.schema import PrimusConfig
+    from primus.core.protocols import BackendSpec, KernelProvider, RunInfo, StrategySpec
+
+hookspec = pluggy.HookspecMarker("primus")
+
+# -------------------------------------------------------------------------------------------------
+# Registration hooks
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def primus_addhooks(pluginmanager: pluggy.PluginManager) -> None:
+    """Add hook specifications of a plugin's own (e.g. backend-specific hooks).
+
+    Historic: a plugin registered later is called at once.
+
+    :param pluginmanager: the Primus plugin manager; call ``pluginmanager.add_hookspecs(module)``.
+
+    Use in plugins: called once, when the plugin manager is built.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# Contribution hooks: what a plugin offers. Each returns a list; results of all plugins are
+# collected and checked by primus.core.plugins (duplicates resolved there, by a logged rule).
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def primus_backends() -> list[BackendSpec]:
+    """Training backends this plugin provides.
+
+    :returns: a list of :class:`primus.core.protocols.BackendSpec`.
+
+    Use in plugins: called when the registry is first built (``primus plugins``, ``primus train``).
+    Must not import the engine: a spec names its ``validate``/``run`` callables as ``"module:attr"``.
+    """
+
+
+@hookspec
+def primus_kernels() -> list[KernelProvider]:
+    """Kernel providers this plugin offers (attention, rms_norm, swiglu, cross_entropy, rope, gemm).
+
+    :returns: a list of :class:`primus.core.protocols.KernelProvider`.
+
+    Use in plugins: called when kernels are selected for a run, and by ``primus plugins``.
+    """
+
+
+@hookspec
+def primus_strategies() -> list[StrategySpec]:
+    """Parallel strategies (ddp, fsdp2, tp_pp_vpp, ...) this plugin provides.
+
+    :returns: a list of :class:`primus.core.protocols.StrategySpec`.
+
+    Use in plugins: called when the parallel section is planned.
+    """
+
+
+@hookspec
+def primus_presets() -> list[Path]:
+    """Folders of YAML presets. Files under ``models/`` are model presets, under ``recipes/`` recipes.
+
+    :returns: a list of folders (``pathlib.Path``).
+
+    Use in plugins: called when a preset name is resolved and by ``primus presets``.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# Configuration hooks
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def primus_configure(config: dict[str, Any]) -> dict[str, Any] | None:
+    """Change the merged config before it is validated.
+
+    :param config: the merged, not yet validated config (a plain nested dict; do not mutate it).
+    :returns: ``None``, or a mapping of dotted keys (``"kernels.gemm_tuning"``) to values. These are
+        applied on top of every file and command-line layer, and ``primus config show`` names the
+        plugin's distribution as their source.
+
+    Use in plugins: called once per config load, after layering, before validation.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# Lifecycle hooks: observe a run. Called on every rank; ``info.rank`` says which.
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def primus_on_train_start(config: PrimusConfig, info: RunInfo) -> None:
+    """A run starts: the engine is built, no step has run.
+
+    :param config: the validated config.
+    :param info: world size, rank, device, kernel choices, parameter count, output folder.
+    """
+
+
+@hookspec
+def primus_on_step_end(step: int, metrics: dict[str, float], info: RunInfo) -> None:
+    """A logging interval ended.
+
+    :param step: the step just finished (1-based).
+    :param metrics: loss, grad_norm, lr, tokens_per_s, tflops_per_device, mfu, memory_gib, ...
+    :param info: as in ``primus_on_train_start``.
+    """
+
+
+@hookspec
+def primus_on_train_end(summary: dict[str, Any], info: RunInfo) -> None:
+    """The run ended (also after an error: ``summary["status"]`` says which).
+
+    :param summary: final step, status, last metrics, checkpoint path.
+    :param info: as in ``primus_on_train_start``.
+    """

@@ -1,0 +1,73 @@
+"""Parameter count and training FLOPs per token of a dense decoder (Llama / Qwen / Mistral shape).
+
+Parameters (d = hidden, h = heads, k = kv heads, c = head dim, f = ffn, V = vocab, L = layers):
+  per layer = d·h·c (q) + 2·d·k·c (k, v) + h·c·d (o) + [qkv bias: h·c + 2·k·c] + [qk-norm: 2·c]
+              + 3·d·f (SwiGLU gate, up, down) + 2·d (two RMSNorms)
+  total     = V·d (embedding) + L·per layer + d (final norm) + [untied: V·d (output head)]
+
+Training FLOPs per token (forward + backward = 3 × forward; a matmul of n weights costs 2n):
+  6 · N_matmul + 12 · L · h·c · S
+where N_matmul = total − V·d (the input embedding is a lookup) + [tied: V·d] (the head GEMM runs
+either way; norm weights are counted too, as the usual 6·N does, < 0.01%), and 12·L·h·c·S counts QKᵀ and AV over a sequence of S tokens (no causal
+discount, as PaLM/TorchTitan/Megatron count it). MFU = achieved FLOP/s ÷ peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from primus.core.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    embedding: int
+    per_layer: int
+    layers: int
+    final_norm: int
+    output_head: int  # 0 when tied
+    norms: int  # all RMSNorm weights (per-layer, qk-norm and final)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.layers + self.final_norm + self.output_head
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def count_params(m: ModelConfig) -> ParamCount:
+    d, h, k, c, f = m.hidden_size, m.num_attention_heads, m.num_kv_heads, m.kv_channels, m.ffn_hidden_size
+    attn = d * h * c + 2 * d * k * c + h * c * d
+    if m.qkv_bias:
+        attn += h * c + 2 * k * c
+    layer_norms = 2 * d + (2 * c if m.qk_norm else 0)
+    per_layer = attn + 3 * d * f + layer_norms
+    emb = m.vocab_size * d
+    return ParamCount(
+        embedding=emb,
+        per_layer=per_layer,
+        layers=m.num_layers * per_layer,
+        final_norm=d,
+        output_head=0 if m.tie_word_embeddings else emb,
+        norms=m.num_layers * layer_norms + d,
+    )
+
+
+def matmul_params(m: ModelConfig) -> int:
+    """Weights that take part in a GEMM per token (the output head counted even when tied)."""
+    p = count_params(m)
+    return p.total - p.embedding + (p.embedding if m.tie_word_embeddings else 0)
+
+
+def flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Training (fwd + bwd) FLOPs per token; see the module docstring for the formula."""
+    return 6.0 * matmul_params(m) + 12.0 * m.num_layers * m.num_attention_heads * m.kv_channels * seq_len
+
+
+def human(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))

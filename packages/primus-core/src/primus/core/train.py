@@ -1,0 +1,130 @@
+"""One run: resolve and validate the config, select kernels, hand over to the backend on each rank.
+
+``launch`` runs in the user's process: one device trains in process; more devices re-run ``primus
+train`` under ``torch.distributed.run`` (torchrun), one process per device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from primus.core.config.loader import Layered, load_layers
+from primus.core.config.schema import PrimusConfig
+from primus.core.config.validate import resolve_parallel, validate_config
+from primus.core.plugins import Registry, get_registry
+from primus.core.presets import resolver
+from primus.core.protocols import RunContext, RunInfo
+
+log = logging.getLogger("primus.train")
+
+LAUNCHED_ENV = "PRIMUS_LAUNCHED"
+
+
+@dataclass
+class Resolved:
+    config: PrimusConfig
+    layers: Layered
+    registry: Registry
+    world_size: int
+
+
+def configure_changes(registry: Registry):
+    """Run every plugin's ``primus_configure`` and label its change with the plugin's distribution."""
+
+    def run(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        from primus.core.config.loader import nest
+
+        changes = []
+        for impl in registry.pm.hook.primus_configure.get_hookimpls():
+            result = impl.function(config=data)
+            if result:
+                merged: dict[str, Any] = {}
+                for key, value in result.items():
+                    from primus.core.config.loader import _deep_merge
+
+                    _deep_merge(merged, nest(key, value), "", "", {})
+                changes.append((f"plugin {registry.pm.dist_of(impl.plugin_name)}", merged))
+        return changes
+
+    return run
+
+
+def resolve(config: str | None, overrides: list[str] = (), world_size: int | None = None,
+            registry: Registry | None = None) -> Resolved:
+    registry = registry or get_registry()
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    layers = load_layers(config, overrides, resolver(registry), configure=configure_changes(registry))
+    cfg = validate_config(layers.data, world_size=world_size, registry=registry)
+    return Resolved(resolve_parallel(cfg, world_size), layers, registry, world_size)
+
+
+def output_dir(cfg: PrimusConfig) -> Path:
+    return Path(cfg.logging.output_dir or f"outputs/{cfg.model.name}")
+
+
+def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
+    """Train on this rank (called once per process)."""
+    from primus.core.kernels import detect_device, select_kernels
+    from primus.core.metrics import peak_flops
+    from primus.core.modelmath import count_params, flops_per_token
+
+    cfg, registry = res.config, res.registry
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = detect_device()
+    device_name = None
+    if device != "cpu":
+        import torch
+
+        device_name = torch.cuda.get_device_name(local_rank)
+    kernels = select_kernels(cfg.kernels, registry, device, head_dim=cfg.model.kv_channels,
+                             dtype=cfg.train.precision)
+    out = output_dir(cfg)
+    info = RunInfo(world_size=res.world_size, rank=rank, local_rank=local_rank, device=device,
+                   backend=cfg.backend.name, output_dir=str(out), kernels={op: k.name for op, k in kernels.items()},
+                   num_params=count_params(cfg.model).total,
+                   flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len), peak_flops=peak_flops(device_name),
+                   extra={"device_name": device_name or "cpu"})
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        log.info("kernels: %s", ", ".join(f"{op}={name}" for op, name in info.kernels.items()))
+    hooks = registry.pm.hook
+    ctx = RunContext(info=info, hooks=hooks, kernels=kernels, resume=resume or cfg.checkpoint.resume)
+    backend = registry.backends[cfg.backend.name]
+    hooks.primus_on_train_start(config=cfg, info=info)
+    summary: dict[str, Any] = {"status": "failed"}
+    try:
+        summary = dict(backend.load_run()(cfg, ctx) or {})
+        summary.setdefault("status", "ok")
+        return summary
+    except BaseException as exc:
+        summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+        raise
+    finally:
+        hooks.primus_on_train_end(summary=summary, info=info)
+
+
+def torchrun_command(argv: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
+                     master_addr: str = "127.0.0.1", master_port: int = 29500, rdzv: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}"]
+    if rdzv:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}"]
+    else:
+        cmd += [f"--node-rank={node_rank}", f"--master-addr={master_addr}", f"--master-port={master_port}"]
+    return [*cmd, "-m", "primus.core.cli", *argv]
+
+
+def launch_torchrun(argv: list[str], **kw: Any) -> int:
+    cmd = torchrun_command(argv, **kw)
+    log.info("launching: %s", shlex.join(cmd))
+    env = dict(os.environ, **{LAUNCHED_ENV: "1"})
+    return subprocess.call(cmd, env=env)
