@@ -25,7 +25,7 @@ app.add_typer(presets_app, name="presets")
 
 # Wide enough for the preset tables when output is piped (rich assumes 80 columns then).
 out = Console(width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides, applied last")]
 WorldSize = Annotated[int | None, typer.Option("--world-size", help="devices the run will use (default: $WORLD_SIZE or 1)")]
@@ -44,11 +44,11 @@ def _fail(exc: Exception, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _resolve(config: str | None, overrides: list[str] | None, world_size: int | None):
+def _resolve(config: str | None, overrides: list[str] | None, world_size: int | None, check_plugins: bool = True):
     from primus.core.train import resolve
 
     try:
-        return resolve(config, overrides or [], world_size)
+        return resolve(config, overrides or [], world_size, check_plugins=check_plugins)
     except ConfigError as exc:
         raise _fail(exc) from None
 
@@ -104,24 +104,29 @@ def config_show(
 
     from primus.core.config.fields import describe
 
-    res = _resolve(config, overrides, world_size)
+    res = _resolve(config, overrides, world_size, check_plugins=False)
     data = res.config.model_dump(mode="json")
     if as_yaml:
         out.print(yaml.safe_dump(data, sort_keys=False), end="", highlight=False)
         return
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-    table.add_column("key")
-    table.add_column("value")
+    labels = set(res.layers.sources.values()) | {"default", "resolved (world size)"}
+    table.add_column("key", no_wrap=True)
+    table.add_column("value", overflow="fold")
     if sources:
-        table.add_column("from", style="cyan")
-    table.add_column("description", style="dim")
+        table.add_column("from", style="cyan", no_wrap=True, min_width=max(map(len, labels)))
+    table.add_column("description", style="dim", no_wrap=True, overflow="ellipsis")
     for key, value in _flatten(data):
         src = res.layers.sources.get(key) or next((s for p, s in res.layers.sources.items() if key.startswith(p + ".")), None)
-        if src is None and key.startswith("parallel.") and key.split(".")[1] in ("dp_shard",):
+        if src is None and key in ("parallel.dp_shard", "train.global_batch_size"):
             src = "resolved (world size)"
         row = [key, json.dumps(value)] + ([src or "default"] if sources else []) + [describe(key)]
         table.add_row(*row)
     out.print(table)
+    from primus.core.config.validate import registry_issues
+
+    for issue in registry_issues(res.config, res.registry, res.world_size):
+        err.print(f"warning: {issue}", style="yellow", highlight=False, markup=False)
 
 
 def _flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:

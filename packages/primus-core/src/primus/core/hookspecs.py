@@ -96,10 +96,10 @@ def primus_presets() -> list[Path]:
 def primus_configure(config: dict[str, Any]) -> dict[str, Any] | None:
     """Change the merged config before it is validated.
 
-    :param config: the merged, not yet validated config (a plain nested dict; do not mutate it).
+    :param config: the merged, not yet validated config, overrides included (a plain nested dict).
     :returns: ``None``, or a mapping of dotted keys (``"kernels.gemm_tuning"``) to values. These are
-        applied on top of every file and command-line layer, and ``primus config show`` names the
-        plugin's distribution as their source.
+        applied on top of the config files (command-line overrides still win), and ``primus config
+        show`` names the plugin's distribution as their source.
 
     Use in plugins: called once per config load, after layering, before validation.
     """

@@ -59,11 +59,13 @@ def configure_changes(registry: Registry):
 
 
 def resolve(config: str | None, overrides: list[str] = (), world_size: int | None = None,
-            registry: Registry | None = None) -> Resolved:
+            registry: Registry | None = None, check_plugins: bool = True) -> Resolved:
+    """Load, layer and validate; ``check_plugins=False`` skips the checks that need installed plugins
+    (backend and kernel names), so ``primus config show`` works with primus-core alone."""
     registry = registry or get_registry()
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layers = load_layers(config, overrides, resolver(registry), configure=configure_changes(registry))
-    cfg = validate_config(layers.data, world_size=world_size, registry=registry)
+    cfg = validate_config(layers.data, world_size=world_size, registry=registry if check_plugins else None)
     return Resolved(resolve_parallel(cfg, world_size), layers, registry, world_size)
 
 

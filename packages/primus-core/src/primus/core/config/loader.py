@@ -1,7 +1,8 @@
 """Read YAML layers into one nested dict, remembering which layer set each value.
 
 Layering, lowest first: schema defaults → ``extends:`` parents (depth first, in list order) → the
-file itself → plugin ``primus_configure`` changes → ``key.sub=value`` overrides.
+file itself → plugin ``primus_configure`` changes (plugins see the overrides too) → ``key.sub=value``
+overrides, which always win.
 """
 
 from __future__ import annotations
@@ -140,11 +141,15 @@ def load_layers(
     if config is not None:
         path = _locate(str(config), None, resolve_preset)
         _load_file(path, out, env, resolve_preset, stack=[])
+    parsed = [parse_override(item) for item in overrides]
     if configure is not None:
-        for source, change in configure(copy.deepcopy(out.data)):
+        # plugins see the whole config, overrides included; their changes go under the overrides
+        preview = Layered(copy.deepcopy(out.data))
+        for key, value in parsed:
+            preview.merge(nest(key, coerce(key, value)), "")
+        for source, change in configure(preview.data):
             out.merge(change, source)
-    for item in overrides:
-        key, value = parse_override(item)
+    for key, value in parsed:
         out.merge(nest(key, coerce(key, value)), "command line")
     return out
 

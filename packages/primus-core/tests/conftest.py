@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import pytest
+
+from primus.core import hookimpl
+from primus.core.plugins import Registry, build_plugin_manager
+from primus.core.protocols import BackendSpec, ConfigIssue
+
+
+def _refuse_cp(cfg, world_size):
+    if cfg.parallel.cp > 1:
+        return [ConfigIssue("parallel.cp", "the fake engine has no context parallelism", value=cfg.parallel.cp)]
+    return []
+
+
+class FakeBackends:
+    """A backend for config tests, so they need no engine installed."""
+
+    @staticmethod
+    @hookimpl
+    def primus_backends():
+        return [BackendSpec(name="fake", description="test backend", run=lambda cfg, ctx: {"status": "ok"},
+                            validate=_refuse_cp, model_families=frozenset({"llama", "qwen2", "qwen3", "mistral"}))]
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return Registry(build_plugin_manager(extra_plugins=[("fake-backend", FakeBackends)]))

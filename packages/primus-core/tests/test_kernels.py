@@ -1,0 +1,59 @@
+"""Core's plain-PyTorch kernels against textbook math, and provider selection."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from primus.core.config.schema import KernelsConfig  # noqa: E402
+from primus.core.kernels import KernelUnavailable, select_kernels  # noqa: E402
+from primus.core.kernels import reference as ref  # noqa: E402
+
+
+def test_gqa_attention_matches_explicit_math():
+    g = torch.Generator().manual_seed(0)
+    b, h, hkv, s, d = 2, 8, 2, 16, 32
+    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (h, hkv, hkv))
+    out = ref.attention(q, k, v, causal=True)
+    kr, vr = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
+    scores = q @ kr.transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    expect = scores.softmax(-1) @ vr
+    torch.testing.assert_close(out, expect, rtol=1e-10, atol=1e-10)
+
+
+def test_rms_norm_swiglu_rope_cross_entropy():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 5, 16, generator=g), torch.randn(16, generator=g)
+    expect = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+    torch.testing.assert_close(ref.rms_norm(x, w, 1e-6), expect)
+    a, b = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    torch.testing.assert_close(ref.swiglu(a, b), a / (1 + torch.exp(-a)) * b)
+    # rope with angle 0 is the identity; with angle θ on a pair (x1, x2) it rotates by θ
+    x = torch.randn(1, 2, 1, 4, generator=g)
+    torch.testing.assert_close(ref.rope(x, torch.ones(2, 4), torch.zeros(2, 4)), x)
+    theta = 0.3
+    cos, sin = torch.full((2, 4), math.cos(theta)), torch.full((2, 4), math.sin(theta))
+    y = ref.rope(x, cos, sin)
+    x1, x2 = x[..., :2], x[..., 2:]
+    torch.testing.assert_close(y[..., :2], x1 * math.cos(theta) - x2 * math.sin(theta))
+    logits, target = torch.randn(6, 10, generator=g), torch.tensor([1, 2, 3, -100, 4, 5])
+    keep = target != -100
+    manual = -(logits.log_softmax(-1)[keep, target[keep]]).mean()
+    torch.testing.assert_close(ref.cross_entropy(logits, target), manual)
+
+
+def test_auto_selects_core_providers_on_cpu(registry, caplog):
+    with caplog.at_level("INFO", logger="primus.kernels"):
+        chosen = select_kernels(KernelsConfig(), registry, "cpu")
+    assert chosen["attention"].name == "sdpa" and chosen["rms_norm"].name == "torch"
+    assert "attention: sdpa (auto)" in caplog.messages
+    assert chosen["attention"].load() is ref.attention
+
+
+def test_unknown_provider_by_name_is_an_error(registry):
+    with pytest.raises(KernelUnavailable, match="kernels.attention: no provider named 'nope'"):
+        select_kernels(KernelsConfig(attention="nope"), registry, "cpu")

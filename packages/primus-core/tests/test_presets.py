@@ -1,0 +1,80 @@
+"""Presets carry the published shapes: their parameter counts match the model cards."""
+
+from __future__ import annotations
+
+import pytest
+
+from primus.core.config.loader import load_layers
+from primus.core.config.schema import ModelConfig, PrimusConfig
+from primus.core.config.validate import validate_config
+from primus.core.modelmath import count_params, flops_per_token
+from primus.core.presets import catalog, resolver
+
+# Published totals (model cards / config.json), in billions, with the rounding they are quoted at.
+PUBLISHED = {
+    "llama3.1-8b": 8.03, "llama3.1-70b": 70.6, "llama3.1-405b": 405.9,
+    "llama3.2-1b": 1.24, "llama3.2-3b": 3.21,
+    "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62,
+    "qwen2.5-14b": 14.8, "qwen2.5-32b": 32.8, "qwen2.5-72b": 72.7,
+    "qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-14b": 14.8, "qwen3-32b": 32.8,
+    "mistral-7b-v0.3": 7.25,
+}
+# Non-embedding counts the Qwen cards also quote.
+PUBLISHED_NON_EMBEDDING = {"qwen2.5-7b": 6.53, "qwen2.5-0.5b": 0.36, "qwen3-0.6b": 0.44, "qwen3-8b": 6.95}
+
+
+def _model(registry, name: str) -> ModelConfig:
+    data = load_layers(name, resolve_preset=resolver(registry)).data
+    return ModelConfig.model_validate(data["model"])
+
+
+@pytest.mark.parametrize("name,billions", sorted(PUBLISHED.items()))
+def test_param_count_matches_published(registry, name, billions):
+    total = count_params(_model(registry, name)).total / 1e9
+    digits = len(str(billions).split(".")[1])
+    # the card rounds to `digits` decimals; allow half a unit of that rounding (and Qwen3's coarse 0.6/1.7)
+    tol = 0.5 * 10**-digits + (0.05 if name.startswith("qwen3") else 0)
+    assert abs(total - billions) <= tol, f"{name}: {total:.3f}B vs published {billions}B"
+
+
+@pytest.mark.parametrize("name,billions", sorted(PUBLISHED_NON_EMBEDDING.items()))
+def test_non_embedding_params(registry, name, billions):
+    m = _model(registry, name)
+    p = count_params(m)
+    non_emb = (p.total - p.embedding - p.output_head) / 1e9  # Qwen counts both embedding tables out
+    assert abs(non_emb - billions) <= 0.01, f"{name}: {non_emb:.3f}B"
+
+
+def test_exact_llama31_8b_breakdown(registry):
+    p = count_params(_model(registry, "llama3.1-8b"))
+    assert p.embedding == 128256 * 4096
+    assert p.per_layer == 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert p.total == 8_030_261_248  # the figure transformers reports for Llama-3.1-8B
+
+
+def test_flops_per_token_formula(registry):
+    m = _model(registry, "llama3.1-8b")
+    n = count_params(m).total - 128256 * 4096
+    assert flops_per_token(m, 8192) == pytest.approx(6 * n + 12 * 32 * 4096 * 8192)
+    tied = _model(registry, "llama3.2-1b")  # tied: the head GEMM still runs
+    assert flops_per_token(tied, 4096) == pytest.approx(6 * count_params(tied).total + 12 * 16 * 2048 * 4096)
+
+
+def test_every_preset_validates(registry):
+    cat = catalog(registry)
+    assert {"tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-demo"} <= set(cat)
+    assert {n for n, p in cat.items() if p.kind == "model" and not n.startswith("tiny")} == set(PUBLISHED)
+    for name, preset in cat.items():
+        data = load_layers(str(preset.path), resolve_preset=resolver(registry)).data
+        par = data.get("parallel", {})
+        world = par.get("tp", 1) * par.get("pp", 1) * par.get("cp", 1)  # the smallest world the recipe tiles
+        cfg = validate_config(data, world_size=world)
+        assert isinstance(cfg, PrimusConfig), name
+        assert cfg.model.name in cat, f"{name}: model.name {cfg.model.name!r} is not a preset"
+
+
+def test_family_specific_shapes(registry):
+    q25, q3, llama = _model(registry, "qwen2.5-7b"), _model(registry, "qwen3-0.6b"), _model(registry, "llama3.2-1b")
+    assert q25.qkv_bias and not q25.qk_norm
+    assert q3.qk_norm and not q3.qkv_bias and q3.kv_channels == 128 and q3.hidden_size == 1024  # 16·128 ≠ 1024
+    assert llama.tie_word_embeddings and llama.rope_scaling is not None and llama.rope_scaling.factor == 32.0

@@ -1,0 +1,75 @@
+"""The run flow around a backend: kernels chosen, lifecycle hooks fired, metrics written, failures kept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from primus.core import hookimpl
+from primus.core.plugins import Registry, build_plugin_manager
+from primus.core.protocols import BackendSpec
+from primus.core.train import resolve, run_rank
+
+pytest.importorskip("torch")  # run_rank detects the device through torch
+
+
+def _fake_run(cfg, ctx):
+    for step in range(1, cfg.train.steps + 1):
+        ctx.step_end(step, {"loss": 10.0 / step, "lr": 1e-3, "tokens_per_s": 100.0})
+    return {"final_step": cfg.train.steps, "kernels": dict(ctx.info.kernels)}
+
+
+def _failing_run(cfg, ctx):
+    ctx.step_end(1, {"loss": 1.0})
+    raise RuntimeError("engine blew up")
+
+
+class Seen:
+    events: list = []
+
+    @hookimpl
+    def primus_on_train_start(self, config, info):
+        self.events.append(("start", info.rank, info.flops_per_token > 0))
+
+    @hookimpl
+    def primus_on_train_end(self, summary, info):
+        self.events.append(("end", summary["status"]))
+
+
+def _registry(seen):
+    class Backends:
+        @staticmethod
+        @hookimpl
+        def primus_backends():
+            return [BackendSpec("fake", "", run=_fake_run), BackendSpec("failing", "", run=_failing_run)]
+
+    return Registry(build_plugin_manager(extra_plugins=[("backends", Backends), ("seen", seen)]))
+
+
+def test_run_writes_metrics_and_calls_hooks(tmp_path):
+    seen = Seen()
+    seen.events = []
+    res = resolve("tiny-llama", ["backend.name=fake", "train.steps=3", f"logging.output_dir={tmp_path}",
+                                 "logging.tensorboard=false"], world_size=1, registry=_registry(seen))
+    summary = run_rank(res)
+    assert summary == {"final_step": 3, "kernels": {"attention": "sdpa", "rms_norm": "torch", "swiglu": "torch",
+                                                    "cross_entropy": "torch", "rope": "torch"}, "status": "ok"}
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] == pytest.approx(10 / 3)
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "ok"
+    assert "hidden_size: 128" in (tmp_path / "config.yaml").read_text()
+    assert seen.events == [("start", 0, True), ("end", "ok")]
+
+
+def test_failure_is_recorded_and_reraised(tmp_path):
+    seen = Seen()
+    seen.events = []
+    res = resolve("tiny-llama", ["backend.name=failing", f"logging.output_dir={tmp_path}", "logging.tensorboard=false"],
+                  world_size=1, registry=_registry(seen))
+    with pytest.raises(RuntimeError, match="engine blew up"):
+        run_rank(res)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == {"status": "failed", "error": "RuntimeError: engine blew up"}
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1  # the step before the failure is kept
+    assert seen.events[-1] == ("end", "failed")
