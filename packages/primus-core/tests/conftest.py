@@ -19,8 +19,15 @@ class FakeBackends:
     @staticmethod
     @hookimpl
     def primus_backends():
-        return [BackendSpec(name="fake", description="test backend", run=lambda cfg, ctx: {"status": "ok"},
-                            validate=_refuse_cp, model_families=frozenset({"llama", "qwen2", "qwen3", "mistral"}))]
+        return [
+            BackendSpec(
+                name="fake",
+                description="test backend",
+                run=lambda cfg, ctx: {"status": "ok"},
+                validate=_refuse_cp,
+                model_families=frozenset({"llama", "qwen2", "qwen3", "mistral"}),
+            )
+        ]
 
 
 @pytest.fixture

@@ -37,10 +37,20 @@ def test_env_substitution_keeps_types(tmp_path, registry):
 
 
 def test_overrides_are_coerced_to_field_types(tmp_path, registry):
-    layers = load_layers("tiny-llama", ["train.optimizer.lr=1e-3", "model.head_dim=null", "train.steps=8",
-                                        "data.paths=[a.jsonl, b.txt]", "parallel.dp_shard=auto", "train.compile=true",
-                                        "model.rope_theta=500000", "backend.extra.foo.bar=3"],
-                         resolve_preset=resolver(registry))
+    layers = load_layers(
+        "tiny-llama",
+        [
+            "train.optimizer.lr=1e-3",
+            "model.head_dim=null",
+            "train.steps=8",
+            "data.paths=[a.jsonl, b.txt]",
+            "parallel.dp_shard=auto",
+            "train.compile=true",
+            "model.rope_theta=500000",
+            "backend.extra.foo.bar=3",
+        ],
+        resolve_preset=resolver(registry),
+    )
     cfg = validate_config(layers.data)
     assert cfg.train.optimizer.lr == 1e-3 and isinstance(cfg.train.optimizer.lr, float)
     assert cfg.model.head_dim is None and cfg.train.steps == 8 and cfg.train.compile is True
@@ -73,15 +83,20 @@ class TuneLike:
 
 def test_configure_hook_changes_are_attributed(tmp_path):
     reg = Registry(build_plugin_manager(extra_plugins=[("tune-like", TuneLike)]))
-    layers = load_layers("tiny-llama", ["kernels.gemm_tuning=offline"], resolve_preset=resolver(reg),
-                         configure=configure_changes(reg))
+    layers = load_layers(
+        "tiny-llama", ["kernels.gemm_tuning=offline"], resolve_preset=resolver(reg), configure=configure_changes(reg)
+    )
     assert layers.data["kernels"]["gemm_tuning_file"] == "/cache/gemm.json"
     assert layers.sources["kernels.gemm_tuning_file"] == "plugin tune-like"
 
 
 def test_resolve_fills_auto_parallel(registry):
-    res = resolve("tiny-llama", ["backend.name=fake", "parallel.tp=2", "train.micro_batch_size=3"], world_size=8,
-                  registry=registry)
+    res = resolve(
+        "tiny-llama",
+        ["backend.name=fake", "parallel.tp=2", "train.micro_batch_size=3"],
+        world_size=8,
+        registry=registry,
+    )
     p = res.config.parallel
     assert (p.tp, p.dp_shard, p.dp_replicate) == (2, 4, 1)
     assert res.config.train.global_batch_size == 12  # micro batch × data-parallel size

@@ -94,11 +94,17 @@ def test_wrong_return_type_rejected_naming_distribution(fake_entry_points):
     reg = Registry(build_plugin_manager())
     assert "dicty" not in reg.backends
     rec = reg.pm.records["wrong"]
-    assert rec.status == "rejected" and "primus-wrong: primus_backends" in rec.error and "expected BackendSpec" in rec.error
+    assert (
+        rec.status == "rejected"
+        and "primus-wrong: primus_backends" in rec.error
+        and "expected BackendSpec" in rec.error
+    )
 
 
 def test_duplicate_backend_rule_is_deterministic_and_logged(fake_entry_points, caplog):
-    fake_entry_points.extend([_ep("zeta", "primus-zeta", _backend("same")), _ep("alpha", "primus-alpha", _backend("same"))])
+    fake_entry_points.extend(
+        [_ep("zeta", "primus-zeta", _backend("same")), _ep("alpha", "primus-alpha", _backend("same"))]
+    )
     with caplog.at_level(logging.INFO, logger="primus.plugins"):
         reg = Registry(build_plugin_manager())
         assert reg.backends["same"].dist == "primus-alpha"  # equal priority: distribution name decides
@@ -106,8 +112,9 @@ def test_duplicate_backend_rule_is_deterministic_and_logged(fake_entry_points, c
 
 
 def test_higher_priority_wins_duplicates(fake_entry_points):
-    fake_entry_points.extend([_ep("alpha", "primus-alpha", _backend("same")),
-                              _ep("zeta", "primus-zeta", _backend("same", priority=5))])
+    fake_entry_points.extend(
+        [_ep("alpha", "primus-alpha", _backend("same")), _ep("zeta", "primus-zeta", _backend("same", priority=5))]
+    )
     assert Registry(build_plugin_manager()).backends["same"].dist == "primus-zeta"
 
 

@@ -12,11 +12,24 @@ from primus.core.presets import catalog, resolver
 
 # Published totals (model cards / config.json), in billions, with the rounding they are quoted at.
 PUBLISHED = {
-    "llama3.1-8b": 8.03, "llama3.1-70b": 70.6, "llama3.1-405b": 405.9,
-    "llama3.2-1b": 1.24, "llama3.2-3b": 3.21,
-    "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62,
-    "qwen2.5-14b": 14.8, "qwen2.5-32b": 32.8, "qwen2.5-72b": 72.7,
-    "qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-14b": 14.8, "qwen3-32b": 32.8,
+    "llama3.1-8b": 8.03,
+    "llama3.1-70b": 70.6,
+    "llama3.1-405b": 405.9,
+    "llama3.2-1b": 1.24,
+    "llama3.2-3b": 3.21,
+    "qwen2.5-0.5b": 0.49,
+    "qwen2.5-1.5b": 1.54,
+    "qwen2.5-3b": 3.09,
+    "qwen2.5-7b": 7.62,
+    "qwen2.5-14b": 14.8,
+    "qwen2.5-32b": 32.8,
+    "qwen2.5-72b": 72.7,
+    "qwen3-0.6b": 0.6,
+    "qwen3-1.7b": 1.7,
+    "qwen3-4b": 4.0,
+    "qwen3-8b": 8.2,
+    "qwen3-14b": 14.8,
+    "qwen3-32b": 32.8,
     "mistral-7b-v0.3": 7.25,
 }
 # Non-embedding counts the Qwen cards also quote.

@@ -50,11 +50,24 @@ def _registry(seen):
 def test_run_writes_metrics_and_calls_hooks(tmp_path):
     seen = Seen()
     seen.events = []
-    res = resolve("tiny-llama", ["backend.name=fake", "train.steps=3", f"logging.output_dir={tmp_path}",
-                                 "logging.tensorboard=false"], world_size=1, registry=_registry(seen))
+    res = resolve(
+        "tiny-llama",
+        ["backend.name=fake", "train.steps=3", f"logging.output_dir={tmp_path}", "logging.tensorboard=false"],
+        world_size=1,
+        registry=_registry(seen),
+    )
     summary = run_rank(res)
-    assert summary == {"final_step": 3, "kernels": {"attention": "sdpa", "rms_norm": "torch", "swiglu": "torch",
-                                                    "cross_entropy": "torch", "rope": "torch"}, "status": "ok"}
+    assert summary == {
+        "final_step": 3,
+        "kernels": {
+            "attention": "sdpa",
+            "rms_norm": "torch",
+            "swiglu": "torch",
+            "cross_entropy": "torch",
+            "rope": "torch",
+        },
+        "status": "ok",
+    }
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] == pytest.approx(10 / 3)
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "ok"
@@ -65,8 +78,12 @@ def test_run_writes_metrics_and_calls_hooks(tmp_path):
 def test_failure_is_recorded_and_reraised(tmp_path):
     seen = Seen()
     seen.events = []
-    res = resolve("tiny-llama", ["backend.name=failing", f"logging.output_dir={tmp_path}", "logging.tensorboard=false"],
-                  world_size=1, registry=_registry(seen))
+    res = resolve(
+        "tiny-llama",
+        ["backend.name=failing", f"logging.output_dir={tmp_path}", "logging.tensorboard=false"],
+        world_size=1,
+        registry=_registry(seen),
+    )
     with pytest.raises(RuntimeError, match="engine blew up"):
         run_rank(res)
     summary = json.loads((tmp_path / "summary.json").read_text())

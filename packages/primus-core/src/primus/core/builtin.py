@@ -26,9 +26,14 @@ def primus_presets() -> list[Path]:
 def primus_kernels() -> list[KernelProvider]:
     desc = {"attention": "torch SDPA (cuDNN/flash/efficient on GPU, math on CPU)"}
     return [
-        KernelProvider(op=op, name="sdpa" if op == "attention" else "torch", impl=f"{_REF}:{op}",
-                       available=f"{_REF}:always", priority=0,
-                       description=desc.get(op, "plain PyTorch reference"))
+        KernelProvider(
+            op=op,
+            name="sdpa" if op == "attention" else "torch",
+            impl=f"{_REF}:{op}",
+            available=f"{_REF}:always",
+            priority=0,
+            description=desc.get(op, "plain PyTorch reference"),
+        )
         for op in ("attention", "rms_norm", "swiglu", "cross_entropy", "rope")
     ]
 

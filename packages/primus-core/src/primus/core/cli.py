@@ -16,8 +16,12 @@ from rich.table import Table
 
 from primus.core.config.errors import ConfigError
 
-app = typer.Typer(help="Primus: one config and one CLI over Megatron-Core and TorchTitan.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="Primus: one config and one CLI over Megatron-Core and TorchTitan.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
 config_app = typer.Typer(help="Resolve, show and validate configs.", no_args_is_help=True)
 presets_app = typer.Typer(help="Model and recipe presets.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
@@ -28,15 +32,21 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, soft_wrap=True)
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides, applied last")]
-WorldSize = Annotated[int | None, typer.Option("--world-size", help="devices the run will use (default: $WORLD_SIZE or 1)")]
+WorldSize = Annotated[
+    int | None, typer.Option("--world-size", help="devices the run will use (default: $WORLD_SIZE or 1)")
+]
 
 
 def _setup_logging(level: str = "info") -> None:
     from rich.logging import RichHandler
 
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=level.upper(), format=f"[rank{rank}] %(message)s" if os.environ.get("WORLD_SIZE") else "%(message)s",
-                        handlers=[RichHandler(console=err, show_path=False, show_time=False)], force=True)
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"[rank{rank}] %(message)s" if os.environ.get("WORLD_SIZE") else "%(message)s",
+        handlers=[RichHandler(console=err, show_path=False, show_time=False)],
+        force=True,
+    )
 
 
 def _fail(exc: Exception, code: int = 2) -> typer.Exit:
@@ -76,8 +86,16 @@ def train(
     res = _resolve(config, overrides, None if inside else world)  # refuse bad configs before launching
     if world > 1 and not inside:
         argv = ["train", config, *(overrides or [])] + (["--resume"] if resume else [])
-        raise typer.Exit(launch_torchrun(argv, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                                         master_addr=master_addr, master_port=master_port))
+        raise typer.Exit(
+            launch_torchrun(
+                argv,
+                nproc_per_node=nproc_per_node,
+                nnodes=nnodes,
+                node_rank=node_rank,
+                master_addr=master_addr,
+                master_port=master_port,
+            )
+        )
     from primus.core.kernels import KernelUnavailable
 
     try:
@@ -117,7 +135,9 @@ def config_show(
         table.add_column("from", style="cyan", no_wrap=True, min_width=max(map(len, labels)))
     table.add_column("description", style="dim", no_wrap=True, overflow="ellipsis")
     for key, value in _flatten(data):
-        src = res.layers.sources.get(key) or next((s for p, s in res.layers.sources.items() if key.startswith(p + ".")), None)
+        src = res.layers.sources.get(key) or next(
+            (s for p, s in res.layers.sources.items() if key.startswith(p + ".")), None
+        )
         if src is None and key in ("parallel.dp_shard", "train.global_batch_size"):
             src = "resolved (world size)"
         row = [key, json.dumps(value)] + ([src or "default"] if sources else []) + [describe(key)]
@@ -146,8 +166,11 @@ def config_validate(
 ) -> None:
     """Check a config against the schema, the world size and the installed plugins."""
     res = _resolve(config, overrides, world_size)
-    out.print(f"ok: {res.config.model.name} on backend {res.config.backend.name}, world size {res.world_size}, "
-              f"parallel {res.config.parallel.sizes()}", highlight=False)
+    out.print(
+        f"ok: {res.config.model.name} on backend {res.config.backend.name}, world size {res.world_size}, "
+        f"parallel {res.config.parallel.sizes()}",
+        highlight=False,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ presets
@@ -164,8 +187,9 @@ def presets_list() -> None:
 
     reg = get_registry()
     cat = catalog(reg)
-    models = Table("name", "params", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "from", title="models",
-                   box=None)
+    models = Table(
+        "name", "params", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "from", title="models", box=None
+    )
     recipes = Table("name", "model", "backend", "description", "from", title="recipes", box=None)
     rows = []
     for p in cat.values():
@@ -174,11 +198,21 @@ def presets_list() -> None:
         if p.kind == "model":
             rows.append((m.name.startswith("tiny") is False, count_params(m).total, p, m))
         else:
-            recipes.add_row(p.name, m.name, data.get("backend", {}).get("name", "torchtitan"),
-                            data.get("description", ""), p.dist)
+            recipes.add_row(
+                p.name, m.name, data.get("backend", {}).get("name", "torchtitan"), data.get("description", ""), p.dist
+            )
     for _, n, p, m in sorted(rows, key=lambda r: (r[0], r[1])):  # tiny presets first, then by size
-        models.add_row(p.name, human(n), str(m.num_layers), str(m.hidden_size), str(m.num_attention_heads),
-                       str(m.num_kv_heads), str(m.ffn_hidden_size), str(m.vocab_size), p.dist)
+        models.add_row(
+            p.name,
+            human(n),
+            str(m.num_layers),
+            str(m.hidden_size),
+            str(m.num_attention_heads),
+            str(m.num_kv_heads),
+            str(m.ffn_hidden_size),
+            str(m.vocab_size),
+            p.dist,
+        )
     out.print(models)
     out.print(recipes)
 
@@ -236,14 +270,27 @@ def env() -> None:
     """Versions of Python, torch, the engines and Primus packages, and the devices found."""
     table = Table("component", "version", box=None)
     table.add_row("python", platform.python_version())
-    for dist in ("torch", "megatron-core", "torchtitan", "triton", "primus-core", "primus-megatron",
-                 "primus-torchtitan", "primus-turbo", "primus-tune"):
+    for dist in (
+        "torch",
+        "megatron-core",
+        "torchtitan",
+        "triton",
+        "primus-core",
+        "primus-megatron",
+        "primus-torchtitan",
+        "primus-turbo",
+        "primus-tune",
+    ):
         table.add_row(dist, _version(dist))
     try:
         import torch
 
         if torch.cuda.is_available():
-            kind = "rocm " + str(torch.version.hip) if getattr(torch.version, "hip", None) else f"cuda {torch.version.cuda}"
+            kind = (
+                "rocm " + str(torch.version.hip)
+                if getattr(torch.version, "hip", None)
+                else f"cuda {torch.version.cuda}"
+            )
             for i in range(torch.cuda.device_count()):
                 props = torch.cuda.get_device_properties(i)
                 table.add_row(f"device {i}", f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {kind})")

@@ -59,8 +59,7 @@ class Throughput:
         tps = self._tokens / dt
         tps_dev = tps / self.world_size
         tflops = tps_dev * self.flops_per_token / 1e12
-        out = {"tokens_per_s": tps, "tokens_per_s_per_device": tps_dev, "tflops_per_device": tflops,
-               "interval_s": dt}
+        out = {"tokens_per_s": tps, "tokens_per_s_per_device": tps_dev, "tflops_per_device": tflops, "interval_s": dt}
         if self.peak:
             out["mfu"] = tflops * 1e12 / self.peak
         self.reset()

@@ -75,8 +75,12 @@ class PrimusPluginManager(pluggy.PluginManager):
             rec.status, rec.error = "rejected", f"{dist}: {exc}"
             log.error("plugin %s (%s) rejected: %s", name, dist, exc)
             return
-        unknown = [impl.function.__name__ for caller in (self.get_hookcallers(plugin) or [])
-                   for impl in caller.get_hookimpls() if impl.plugin is plugin and not caller.has_spec()]
+        unknown = [
+            impl.function.__name__
+            for caller in (self.get_hookcallers(plugin) or [])
+            for impl in caller.get_hookimpls()
+            if impl.plugin is plugin and not caller.has_spec()
+        ]
         if unknown:
             self.unregister(plugin)
             rec.status = "rejected"
@@ -95,8 +99,9 @@ class PrimusPluginManager(pluggy.PluginManager):
             try:
                 plugin = ep.load()
             except Exception as exc:  # noqa: BLE001 - one broken plugin must not take the CLI down
-                self.records[ep.name] = PluginRecord(ep.name, dist, version, ep.value, "import-failed",
-                                                     f"{type(exc).__name__}: {exc}")
+                self.records[ep.name] = PluginRecord(
+                    ep.name, dist, version, ep.value, "import-failed", f"{type(exc).__name__}: {exc}"
+                )
                 log.warning("plugin %s (%s) failed to import: %s", ep.name, dist, exc)
                 continue
             self.register_checked(plugin, ep.name, dist, version, ep.value)
@@ -108,8 +113,9 @@ def build_plugin_manager(extra_plugins: list[tuple[str, Any]] = ()) -> PrimusPlu
     pm.load_entrypoints()
     if "core" not in pm.records or pm.records["core"].status != "ok":
         pm.records.pop("core", None)
-        pm.register_checked(importlib.import_module("primus.core.builtin"), "core", CORE_DIST, _core_version(),
-                            "primus.core.builtin")
+        pm.register_checked(
+            importlib.import_module("primus.core.builtin"), "core", CORE_DIST, _core_version(), "primus.core.builtin"
+        )
     for name, plugin in extra_plugins:
         pm.register_checked(plugin, name, name, "", getattr(plugin, "__name__", repr(plugin)))
     pm.hook.primus_addhooks.call_historic(kwargs={"pluginmanager": pm})

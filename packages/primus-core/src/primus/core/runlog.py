@@ -31,8 +31,14 @@ class _RunLog:
         self.console = Console(stderr=True)
         self.progress = None
         if config.logging.progress and self.console.is_terminal:
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=self.console)
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
             self.task = self.progress.add_task("train", total=config.train.steps, status="")
             self.progress.start()
 
@@ -64,9 +70,15 @@ class _RunLog:
 
 def format_metrics(step: int, steps: int, m: dict[str, float]) -> str:
     parts = [f"step {step:>5}/{steps}"]
-    for key, fmt in (("loss", "loss {:.4f}"), ("grad_norm", "gnorm {:.3f}"), ("lr", "lr {:.2e}"),
-                     ("tokens_per_s_per_device", "{:,.0f} tok/s/dev"), ("tflops_per_device", "{:.1f} TFLOP/s/dev"),
-                     ("mfu", "MFU {:.1%}"), ("memory_gib", "mem {:.1f} GiB")):
+    for key, fmt in (
+        ("loss", "loss {:.4f}"),
+        ("grad_norm", "gnorm {:.3f}"),
+        ("lr", "lr {:.2e}"),
+        ("tokens_per_s_per_device", "{:,.0f} tok/s/dev"),
+        ("tflops_per_device", "{:.1f} TFLOP/s/dev"),
+        ("mfu", "MFU {:.1%}"),
+        ("memory_gib", "mem {:.1f} GiB"),
+    ):
         if key in m:
             parts.append(fmt.format(m[key]))
     return " | ".join(parts)

@@ -53,28 +53,40 @@ def fill_tp_pp_vpp(parallel: dict[str, Any], world_size: int, cfg: PrimusConfig 
 def estimate_memory(cfg: PrimusConfig, world_size: int) -> MemoryEstimate:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     n = count_params(m).total / (p.tp * p.pp)
-    dp_shard = p.dp_shard if isinstance(p.dp_shard, int) else max(world_size // (p.dp_replicate * p.tp * p.pp * p.cp), 1)
+    dp_shard = (
+        p.dp_shard if isinstance(p.dp_shard, int) else max(world_size // (p.dp_replicate * p.tp * p.pp * p.cp), 1)
+    )
     dp = p.dp_replicate * dp_shard
     fsdp = dp_shard > 1
     s, b, d, h = t.seq_len // p.cp, t.micro_batch_size, m.hidden_size, m.num_attention_heads
-    per_layer = {"none": s * b * d * (34 + 5 * h * s / d), "selective": s * b * d * 34, "full": 2 * s * b * d}[p.recompute]
+    per_layer = {"none": s * b * d * (34 + 5 * h * s / d), "selective": s * b * d * 34, "full": 2 * s * b * d}[
+        p.recompute
+    ]
     if p.sequence_parallel or p.recompute != "full":
         per_layer /= p.tp
     in_flight = p.pp if p.pp > 1 else 1
-    return MemoryEstimate({
-        "parameters": n * 2 / (dp_shard if fsdp else 1),
-        "gradients": n * 4 / (dp_shard if fsdp else 1),
-        "optimizer": n * 12 / (dp if (p.distributed_optimizer or fsdp) else 1),
-        "activations": per_layer * m.num_layers / p.pp * in_flight,
-        "logits": s * b * m.vocab_size * 4 / p.tp,
-    })
+    return MemoryEstimate(
+        {
+            "parameters": n * 2 / (dp_shard if fsdp else 1),
+            "gradients": n * 4 / (dp_shard if fsdp else 1),
+            "optimizer": n * 12 / (dp if (p.distributed_optimizer or fsdp) else 1),
+            "activations": per_layer * m.num_layers / p.pp * in_flight,
+            "logits": s * b * m.vocab_size * 4 / p.tp,
+        }
+    )
 
 
 BUILTIN_STRATEGIES = [
-    StrategySpec("ddp", "data parallel, replicated weights; distributed optimizer shards Adam state", fill_ddp,
-                 estimate_memory),
-    StrategySpec("fsdp2", "fully sharded data parallel (params, grads, optimizer sharded)", fill_fsdp2,
-                 estimate_memory),
-    StrategySpec("tp_pp_vpp", "tensor + sequence parallel within a node, pipeline (+ virtual stages) across",
-                 fill_tp_pp_vpp, estimate_memory),
+    StrategySpec(
+        "ddp", "data parallel, replicated weights; distributed optimizer shards Adam state", fill_ddp, estimate_memory
+    ),
+    StrategySpec(
+        "fsdp2", "fully sharded data parallel (params, grads, optimizer sharded)", fill_fsdp2, estimate_memory
+    ),
+    StrategySpec(
+        "tp_pp_vpp",
+        "tensor + sequence parallel within a node, pipeline (+ virtual stages) across",
+        fill_tp_pp_vpp,
+        estimate_memory,
+    ),
 ]

@@ -58,8 +58,13 @@ def configure_changes(registry: Registry):
     return run
 
 
-def resolve(config: str | None, overrides: list[str] = (), world_size: int | None = None,
-            registry: Registry | None = None, check_plugins: bool = True) -> Resolved:
+def resolve(
+    config: str | None,
+    overrides: list[str] = (),
+    world_size: int | None = None,
+    registry: Registry | None = None,
+    check_plugins: bool = True,
+) -> Resolved:
     """Load, layer and validate; ``check_plugins=False`` skips the checks that need installed plugins
     (backend and kernel names), so ``primus config show`` works with primus-core alone."""
     registry = registry or get_registry()
@@ -87,14 +92,21 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
         import torch
 
         device_name = torch.cuda.get_device_name(local_rank)
-    kernels = select_kernels(cfg.kernels, registry, device, head_dim=cfg.model.kv_channels,
-                             dtype=cfg.train.precision)
+    kernels = select_kernels(cfg.kernels, registry, device, head_dim=cfg.model.kv_channels, dtype=cfg.train.precision)
     out = output_dir(cfg)
-    info = RunInfo(world_size=res.world_size, rank=rank, local_rank=local_rank, device=device,
-                   backend=cfg.backend.name, output_dir=str(out), kernels={op: k.name for op, k in kernels.items()},
-                   num_params=count_params(cfg.model).total,
-                   flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len), peak_flops=peak_flops(device_name),
-                   extra={"device_name": device_name or "cpu"})
+    info = RunInfo(
+        world_size=res.world_size,
+        rank=rank,
+        local_rank=local_rank,
+        device=device,
+        backend=cfg.backend.name,
+        output_dir=str(out),
+        kernels={op: k.name for op, k in kernels.items()},
+        num_params=count_params(cfg.model).total,
+        flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len),
+        peak_flops=peak_flops(device_name),
+        extra={"device_name": device_name or "cpu"},
+    )
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -115,8 +127,15 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
         hooks.primus_on_train_end(summary=summary, info=info)
 
 
-def torchrun_command(argv: list[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
-                     master_addr: str = "127.0.0.1", master_port: int = 29500, rdzv: str | None = None) -> list[str]:
+def torchrun_command(
+    argv: list[str],
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    rdzv: str | None = None,
+) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}"]
     if rdzv:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}"]
