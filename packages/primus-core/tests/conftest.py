@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from primus.core import hookimpl
-from primus.core.plugins import Registry, build_plugin_manager
+from primus.core.plugins import DISABLE_ENV, Registry, build_plugin_manager
 from primus.core.protocols import BackendSpec, ConfigIssue
 
 
@@ -31,5 +31,7 @@ class FakeBackends:
 
 
 @pytest.fixture
-def registry() -> Registry:
+def registry(monkeypatch) -> Registry:
+    """Core + the fake backend only, whatever else is installed in the environment."""
+    monkeypatch.setenv(DISABLE_ENV, "1")
     return Registry(build_plugin_manager(extra_plugins=[("fake-backend", FakeBackends)]))

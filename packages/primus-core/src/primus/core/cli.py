@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from primus.core.cli_data import data_app
 from primus.core.config.errors import ConfigError
 
 app = typer.Typer(
@@ -26,6 +27,7 @@ config_app = typer.Typer(help="Resolve, show and validate configs.", no_args_is_
 presets_app = typer.Typer(help="Model and recipe presets.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(presets_app, name="presets")
+app.add_typer(data_app, name="data")
 
 # Wide enough for the preset tables when output is piped (rich assumes 80 columns then).
 out = Console(width=None if sys.stdout.isatty() else 200)

@@ -1,0 +1,154 @@
+"""Finding input files and reading their documents (shared by :mod:`.sources` and :mod:`.prepare`).
+
+Formats, chosen by extension when ``format`` is ``"auto"``:
+
+- ``.jsonl``: one JSON object per line, the document is the string under ``text_key``; blank lines skipped.
+- ``.txt``: the whole file is one document (split a corpus into several files for several documents).
+- ``.parquet``: one document per row, column ``text_key`` (needs pyarrow); null cells skipped.
+- Megatron ``<prefix>.bin/.idx``: already tokenized; named by the prefix, the ``.bin`` or the ``.idx`` path.
+
+A folder stands for every supported file under it (recursively), a glob for its matches, both in sorted order.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from primus.core.data.errors import DataError
+from primus.core.data.indexed import is_prefix
+
+EXTENSIONS = {".jsonl": "jsonl", ".txt": "txt", ".parquet": "parquet", ".bin": "megatron", ".idx": "megatron"}
+FORMATS = ("jsonl", "txt", "parquet", "megatron")
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input: a text file, or a Megatron prefix (``path`` without .bin/.idx) when format is megatron."""
+
+    path: Path
+    format: str
+
+    def files(self) -> list[Path]:
+        if self.format == "megatron":
+            return [Path(f"{self.path}.bin"), Path(f"{self.path}.idx")]
+        return [self.path]
+
+
+def _from_file(path: Path, fmt: str, where: str) -> Input:
+    if fmt == "auto":
+        fmt = EXTENSIONS.get(path.suffix.lower(), "")
+        if not fmt:
+            raise DataError(f"{where}: cannot tell the format of {path} from its extension "
+                            f"(supported: {', '.join(EXTENSIONS)}; or set data.format)")
+    if fmt == "megatron":
+        prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+        if not is_prefix(prefix):
+            raise DataError(f"{where}: {path} is not half of a Megatron .bin/.idx pair ({prefix}.bin/.idx)")
+        return Input(prefix, "megatron")
+    return Input(path, fmt)
+
+
+def _from_folder(folder: Path, fmt: str, where: str, text_only: bool) -> list[Input]:
+    inputs: dict[Path, Input] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        kind = EXTENSIONS.get(path.suffix.lower())
+        if kind is None or (fmt != "auto" and kind != fmt) or (text_only and kind == "megatron"):
+            continue
+        if kind == "megatron" and not is_prefix(path.with_suffix("")):
+            continue  # a lone .bin/.idx inside a folder is skipped; named directly it is an error
+        found = _from_file(path, kind, where)
+        inputs.setdefault(found.path, found)  # .bin and .idx name the same prefix
+    if not inputs:
+        raise DataError(f"{where}: folder {folder} holds no {'supported' if fmt == 'auto' else fmt} files")
+    return list(inputs.values())
+
+
+def resolve_inputs(specs: list[tuple[str, str]], fmt: str = "auto", text_only: bool = False) -> list[Input]:
+    """Expand ``(spec, where)`` pairs (a path, folder, glob or Megatron prefix; ``where`` names the config key
+    for error messages) into inputs, in order, each once. ``text_only``: folders and globs skip .bin/.idx."""
+    if fmt != "auto" and fmt not in FORMATS:
+        raise DataError(f"data.format: unknown format {fmt!r} (auto, {', '.join(FORMATS)})")
+    out: dict[tuple[Path, str], Input] = {}
+    for spec, where in specs:
+        path = Path(spec).expanduser()
+        if any(ch in spec for ch in "*?["):
+            matches = sorted(glob.glob(str(path), recursive=True))
+            if not matches:
+                raise DataError(f"{where}: no files match {spec!r}")
+            found = []
+            for match in map(Path, matches):
+                if match.is_dir():
+                    found += _from_folder(match, fmt, where, text_only)
+                    continue
+                kind = EXTENSIONS.get(match.suffix.lower()) if fmt == "auto" else fmt
+                if kind is not None and not (text_only and kind == "megatron"):
+                    found.append(_from_file(match, fmt, where))
+        elif path.is_dir():
+            found = _from_folder(path, fmt, where, text_only)
+        elif path.is_file():
+            found = [_from_file(path, fmt, where)]
+        elif fmt in ("auto", "megatron") and is_prefix(path):
+            found = [Input(path, "megatron")]
+        else:
+            raise DataError(f"{where}: no such file, folder or Megatron prefix: {path}")
+        for item in found:
+            out.setdefault((item.path.resolve(), item.format), item)
+    return list(out.values())
+
+
+def iter_documents(item: Input, text_key: str = "text") -> Iterator[str]:
+    """The documents of a text input, in file order."""
+    if item.format == "jsonl":
+        yield from _jsonl(item.path, text_key)
+    elif item.format == "txt":
+        try:
+            yield item.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{item.path}: not UTF-8 text ({exc})") from exc
+    elif item.format == "parquet":
+        yield from _parquet(item.path, text_key)
+    else:
+        raise DataError(f"{item.path}: {item.format} inputs hold tokens, not text")
+
+
+def _jsonl(path: Path, text_key: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as stream:
+        try:
+            for lineno, line in enumerate(stream, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
+                text = record.get(text_key) if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{lineno}: no string field {text_key!r} (data.text_key / --text-key)")
+                yield text
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}: not UTF-8 text ({exc})") from exc
+
+
+def _parquet(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise DataError(f"reading {path} needs pyarrow: install pyarrow (pip install pyarrow)") from exc
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises its own error types
+        raise DataError(f"cannot read parquet file {path}: {exc}") from exc
+    if text_key not in table.schema_arrow.names:
+        raise DataError(f"{path}: no column {text_key!r} (columns: {', '.join(table.schema_arrow.names)}; "
+                        "data.text_key / --text-key)")
+    for batch in table.iter_batches(columns=[text_key], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"{path}: column {text_key!r} holds {type(text).__name__}, not text")
+            yield text
