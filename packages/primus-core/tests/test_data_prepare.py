@@ -47,8 +47,9 @@ def _cli() -> typer.Typer:
 
 def test_cli_prepare_reads_back_token_exact(inputs: Path, tmp_path: Path):
     out = tmp_path / "out" / "corpus"
-    result = CliRunner().invoke(_cli(), ["data", "prepare", str(inputs), "--tokenizer", "bundled",
-                                         "--output", str(out), "--text-key", "body"])
+    result = CliRunner().invoke(
+        _cli(), ["data", "prepare", str(inputs), "--tokenizer", "bundled", "--output", str(out), "--text-key", "body"]
+    )
     assert result.exit_code == 0, result.output
     assert "3 documents" in result.output
 
@@ -66,8 +67,9 @@ def test_cli_prepare_reads_back_token_exact(inputs: Path, tmp_path: Path):
 
 
 def test_no_append_eos(inputs: Path, tmp_path: Path):
-    result = CliRunner().invoke(_cli(), ["data", "prepare", str(inputs / "b.txt"), "-o", str(tmp_path / "x"),
-                                         "--no-append-eos"])
+    result = CliRunner().invoke(
+        _cli(), ["data", "prepare", str(inputs / "b.txt"), "-o", str(tmp_path / "x"), "--no-append-eos"]
+    )
     assert result.exit_code == 0, result.output
     tok = load_tokenizer("bundled")
     assert IndexedReader(tmp_path / "x")[0].tolist() == tok.encode(DOCS[3], add_special_tokens=False).ids

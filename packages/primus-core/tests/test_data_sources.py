@@ -106,7 +106,7 @@ def test_glob_paths_and_explicit_format(tmp_path: Path, tok):
     cfg = DataConfig(source="bundled", paths=[str(tmp_path / "extra.data")], format="txt")
     stream = load_token_stream(cfg, tok, 2048, 0)
     tail = _expected(tok, DOCS[:1])
-    assert stream[-len(tail):].tolist() == tail and len(stream) > 100_000
+    assert stream[-len(tail) :].tolist() == tail and len(stream) > 100_000
 
 
 def test_parquet(tmp_path: Path, tok):
@@ -114,8 +114,9 @@ def test_parquet(tmp_path: Path, tok):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": DOCS + [None], "n": list(range(len(DOCS) + 1))}), tmp_path / "d.parquet")
-    assert load_token_stream(DataConfig(source=str(tmp_path / "d.parquet")), tok, 2048, 0).tolist() == \
-        _expected(tok, DOCS)
+    assert load_token_stream(DataConfig(source=str(tmp_path / "d.parquet")), tok, 2048, 0).tolist() == _expected(
+        tok, DOCS
+    )
     with pytest.raises(DataError, match=f"{tmp_path / 'd.parquet'}: no column 'body'"):
         load_token_stream(DataConfig(source=str(tmp_path / "d.parquet"), text_key="body"), tok, 2048, 0)
 
@@ -176,8 +177,9 @@ def test_concurrent_ranks_share_one_cache_entry(tmp_path: Path, cache: Path):
         "print(hashlib.sha256(s.tobytes()).hexdigest(), len(s))"
     )
     env = {**os.environ, "PRIMUS_CACHE": str(cache)}  # a fresh cache: the ranks also share one tokenizer build
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)
+    ]
     outputs = {proc.communicate()[0].strip() for proc in procs}
     assert all(proc.returncode == 0 for proc in procs)
     assert len(outputs) == 1

@@ -33,9 +33,11 @@ def test_corpus_is_deterministic_and_sizeable():
 
 
 def test_import_and_corpus_walk_pull_in_no_torch_and_no_side_effect_modules():
-    code = ("import sys; import primus.core.data as d; from primus.core.data import corpus; corpus.documents();"
-            "bad = [m for m in ('torch', 'this', 'antigravity', 'tkinter', 'turtle') if m in sys.modules];"
-            "print(bad)")
+    code = (
+        "import sys; import primus.core.data as d; from primus.core.data import corpus; corpus.documents();"
+        "bad = [m for m in ('torch', 'this', 'antigravity', 'tkinter', 'turtle') if m in sys.modules];"
+        "print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
     # The CLI sub-app stays light: `primus --help` must not pay for numpy or tokenizers.
@@ -49,7 +51,7 @@ def test_bundled_tokenizer_vocab_specials_and_round_trip(shared_cache: Path):
     assert tok.get_vocab_size() == 2048
     assert tok.token_to_id("<|endoftext|>") == 0 == eos_id(tok)
     assert tok.token_to_id("<|pad|>") == 1
-    text = "def mean(xs):\n    \"\"\"Return the arithmetic mean of xs.\"\"\"  # naïve ✓\n"
+    text = 'def mean(xs):\n    """Return the arithmetic mean of xs."""  # naïve ✓\n'
     ids = tok.encode(text).ids
     assert max(ids) < 2048
     assert tok.decode(ids) == text
@@ -88,11 +90,14 @@ def test_damaged_bundled_cache_is_rebuilt(tmp_path: Path, monkeypatch):
 
 
 def test_concurrent_ranks_build_one_valid_tokenizer(tmp_path: Path):
-    code = ("from primus.core.data import load_tokenizer; import hashlib;"
-            "print(hashlib.sha256(load_tokenizer('bundled').to_str().encode()).hexdigest())")
+    code = (
+        "from primus.core.data import load_tokenizer; import hashlib;"
+        "print(hashlib.sha256(load_tokenizer('bundled').to_str().encode()).hexdigest())"
+    )
     env = {**os.environ, "PRIMUS_CACHE": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)
+    ]
     digests = {proc.communicate()[0].strip() for proc in procs}
     assert all(proc.returncode == 0 for proc in procs)
     assert len(digests) == 1

@@ -37,5 +37,10 @@ def prepare(
     except DataError as exc:
         _err.print(f"error: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(2) from None
-    _out.print(f"wrote {result.prefix}.bin/.idx: {result.documents:,} documents, {result.tokens:,} tokens "
-               f"({result.dtype}, {result.writer} writer)", highlight=False, markup=False, soft_wrap=True)
+    _out.print(
+        f"wrote {result.prefix}.bin/.idx: {result.documents:,} documents, {result.tokens:,} tokens "
+        f"({result.dtype}, {result.writer} writer)",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )

@@ -82,8 +82,14 @@ def substitute_env(node: Any, path: str, env: Mapping[str, str], source: str) ->
         if default is not None:
             return default
         raise ConfigError(
-            [ConfigIssue(path, f"environment variable {name} is not set and has no default (in {source})",
-                         value=node, allowed=f"set {name}, or write ${{{name}:default}}")]
+            [
+                ConfigIssue(
+                    path,
+                    f"environment variable {name} is not set and has no default (in {source})",
+                    value=node,
+                    allowed=f"set {name}, or write ${{{name}:default}}",
+                )
+            ]
         )
 
     whole = _VAR.fullmatch(node)
@@ -170,12 +176,19 @@ def _locate(ref: str, base: Path | None, resolve_preset: PresetResolver | None) 
             return found.resolve()
     where = f" (relative to {base})" if base is not None else ""
     raise ConfigError(
-        [ConfigIssue("extends" if base else "config", f"no file or preset named {ref!r}{where}",
-                     allowed="a YAML path or a name from `primus presets list`")]
+        [
+            ConfigIssue(
+                "extends" if base else "config",
+                f"no file or preset named {ref!r}{where}",
+                allowed="a YAML path or a name from `primus presets list`",
+            )
+        ]
     )
 
 
-def _load_file(path: Path, out: Layered, env: Mapping[str, str], resolve: PresetResolver | None, stack: list[Path]) -> None:
+def _load_file(
+    path: Path, out: Layered, env: Mapping[str, str], resolve: PresetResolver | None, stack: list[Path]
+) -> None:
     if path in stack:
         chain = " -> ".join(p.name for p in [*stack, path])
         raise ConfigError([ConfigIssue("extends", f"cycle: {chain}", value=str(path))])

@@ -53,7 +53,6 @@ class ModelConfig(Section):
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
-
 class OptimizerConfig(Section):
     name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="optimizer")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
@@ -85,11 +84,8 @@ class TrainConfig(Section):
     init_from_hf: str | None = Field(None, description="start from a Hugging Face checkpoint folder")
 
 
-
 class ParallelConfig(Section):
-    strategy: str = Field(
-        "manual", description="'manual' (sizes as given), 'auto' (planner picks), or a strategy name"
-    )
+    strategy: str = Field("manual", description="'manual' (sizes as given), 'auto' (planner picks), or a strategy name")
     dp_replicate: int = Field(1, gt=0, description="replicated data-parallel degree (DDP / HSDP replicas)")
     dp_shard: int | Auto = Field("auto", description="sharded data-parallel degree (FSDP); auto = the rest")
     tp: int = Field(1, gt=0, description="tensor-parallel degree")
@@ -110,9 +106,14 @@ class ParallelConfig(Section):
     )
     recompute_layers: int | None = Field(None, gt=0, description="layers per group (uniform) or N (block)")
 
-
     def sizes(self) -> dict[str, int | str]:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp, "cp": self.cp}
+        return {
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
+            "pp": self.pp,
+            "cp": self.cp,
+        }
 
 
 KernelChoice = str  # "auto" or a provider name; checked against the installed providers
@@ -129,9 +130,7 @@ class KernelsConfig(Section):
 
 
 class DataConfig(Section):
-    source: str = Field(
-        "bundled", description="'bundled' (embedded corpus), 'mock' (random tokens), or a path / glob"
-    )
+    source: str = Field("bundled", description="'bundled' (embedded corpus), 'mock' (random tokens), or a path / glob")
     paths: list[str] = Field(default_factory=list, description="extra files or folders (.jsonl/.txt/.parquet/.bin)")
     format: Literal["auto", "jsonl", "txt", "parquet", "megatron"] = Field("auto", description="file format")
     text_key: str = Field("text", description="field holding the text in .jsonl/.parquet")
@@ -180,4 +179,3 @@ class PrimusConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
-

@@ -28,7 +28,7 @@ def _walk_loc(loc: tuple[Any, ...]) -> tuple[str, type[BaseModel] | None]:
     parts: list[str] = []
     for item in loc:
         if isinstance(item, int):
-            parts[-1 if parts else 0:] = [f"{parts[-1]}[{item}]" if parts else f"[{item}]"]
+            parts[-1 if parts else 0 :] = [f"{parts[-1]}[{item}]" if parts else f"[{item}]"]
         elif model is not None:
             # a field, or an unknown key (reported as such by the caller)
             parts.append(str(item))
@@ -66,24 +66,57 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     out: list[ConfigIssue] = []
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if m.head_dim is None and m.hidden_size % m.num_attention_heads:
-        out.append(ConfigIssue("model.num_attention_heads", f"{m.num_attention_heads} does not divide "
-                               f"model.hidden_size {m.hidden_size}", value=m.num_attention_heads,
-                               allowed="a divisor of hidden_size, or set model.head_dim"))
+        out.append(
+            ConfigIssue(
+                "model.num_attention_heads",
+                f"{m.num_attention_heads} does not divide model.hidden_size {m.hidden_size}",
+                value=m.num_attention_heads,
+                allowed="a divisor of hidden_size, or set model.head_dim",
+            )
+        )
     if m.num_attention_heads % m.num_kv_heads:
-        out.append(ConfigIssue("model.num_kv_heads", f"{m.num_kv_heads} does not divide model.num_attention_heads "
-                               f"{m.num_attention_heads}", value=m.num_kv_heads, allowed="a divisor of num_attention_heads"))
+        out.append(
+            ConfigIssue(
+                "model.num_kv_heads",
+                f"{m.num_kv_heads} does not divide model.num_attention_heads {m.num_attention_heads}",
+                value=m.num_kv_heads,
+                allowed="a divisor of num_attention_heads",
+            )
+        )
     if m.rope_scaling is not None and m.rope_scaling.high_freq_factor <= m.rope_scaling.low_freq_factor:
-        out.append(ConfigIssue("model.rope_scaling.high_freq_factor", "must exceed low_freq_factor",
-                               value=m.rope_scaling.high_freq_factor))
+        out.append(
+            ConfigIssue(
+                "model.rope_scaling.high_freq_factor",
+                "must exceed low_freq_factor",
+                value=m.rope_scaling.high_freq_factor,
+            )
+        )
     if t.schedule.warmup_steps > t.steps:
-        out.append(ConfigIssue("train.schedule.warmup_steps", f"{t.schedule.warmup_steps} exceeds train.steps {t.steps}",
-                               value=t.schedule.warmup_steps, allowed=f"0..{t.steps}"))
+        out.append(
+            ConfigIssue(
+                "train.schedule.warmup_steps",
+                f"{t.schedule.warmup_steps} exceeds train.steps {t.steps}",
+                value=t.schedule.warmup_steps,
+                allowed=f"0..{t.steps}",
+            )
+        )
     if t.optimizer.min_lr > t.optimizer.lr:
-        out.append(ConfigIssue("train.optimizer.min_lr", f"{t.optimizer.min_lr} exceeds train.optimizer.lr {t.optimizer.lr}",
-                               value=t.optimizer.min_lr, allowed=f"0..{t.optimizer.lr}"))
+        out.append(
+            ConfigIssue(
+                "train.optimizer.min_lr",
+                f"{t.optimizer.min_lr} exceeds train.optimizer.lr {t.optimizer.lr}",
+                value=t.optimizer.min_lr,
+                allowed=f"0..{t.optimizer.lr}",
+            )
+        )
     if t.seq_len > m.max_position_embeddings:
-        out.append(ConfigIssue("train.seq_len", f"{t.seq_len} exceeds model.max_position_embeddings "
-                               f"{m.max_position_embeddings}", value=t.seq_len))
+        out.append(
+            ConfigIssue(
+                "train.seq_len",
+                f"{t.seq_len} exceeds model.max_position_embeddings {m.max_position_embeddings}",
+                value=t.seq_len,
+            )
+        )
     if p.sequence_parallel and p.tp == 1:
         out.append(ConfigIssue("parallel.sequence_parallel", "needs parallel.tp > 1", value=True))
     if p.vpp > 1 and p.pp == 1:
@@ -91,17 +124,35 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if p.pp_schedule == "interleaved_1f1b" and p.vpp == 1:
         out.append(ConfigIssue("parallel.pp_schedule", "interleaved_1f1b needs parallel.vpp > 1", value=p.pp_schedule))
     if p.recompute_layers is not None and p.recompute != "full":
-        out.append(ConfigIssue("parallel.recompute_layers", "applies only with parallel.recompute: full",
-                               value=p.recompute_layers))
+        out.append(
+            ConfigIssue(
+                "parallel.recompute_layers", "applies only with parallel.recompute: full", value=p.recompute_layers
+            )
+        )
     if m.num_attention_heads % p.tp or m.num_kv_heads % p.tp and p.tp % m.num_kv_heads:
-        out.append(ConfigIssue("parallel.tp", f"{p.tp} must divide model.num_attention_heads ({m.num_attention_heads}) "
-                               f"and divide or be a multiple of model.num_kv_heads ({m.num_kv_heads})", value=p.tp))
+        out.append(
+            ConfigIssue(
+                "parallel.tp",
+                f"{p.tp} must divide model.num_attention_heads ({m.num_attention_heads}) "
+                f"and divide or be a multiple of model.num_kv_heads ({m.num_kv_heads})",
+                value=p.tp,
+            )
+        )
     if p.pp * p.vpp > m.num_layers:
-        out.append(ConfigIssue("parallel.pp", f"pp × vpp = {p.pp * p.vpp} exceeds model.num_layers {m.num_layers}",
-                               value=p.pp, allowed=f"pp × vpp ≤ {m.num_layers}"))
+        out.append(
+            ConfigIssue(
+                "parallel.pp",
+                f"pp × vpp = {p.pp * p.vpp} exceeds model.num_layers {m.num_layers}",
+                value=p.pp,
+                allowed=f"pp × vpp ≤ {m.num_layers}",
+            )
+        )
     if p.cp > 1 and t.seq_len % (2 * p.cp):
-        out.append(ConfigIssue("train.seq_len", f"{t.seq_len} is not divisible by 2 × parallel.cp ({2 * p.cp})",
-                               value=t.seq_len))
+        out.append(
+            ConfigIssue(
+                "train.seq_len", f"{t.seq_len} is not divisible by 2 × parallel.cp ({2 * p.cp})", value=t.seq_len
+            )
+        )
     return out
 
 
@@ -119,21 +170,43 @@ def world_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
     if isinstance(p.dp_shard, int):
         product = fixed * p.dp_shard
         if product != world_size:
-            return [ConfigIssue("parallel", f"{sizes} × dp_shard {p.dp_shard} = {product}, but the world size is "
-                                f"{world_size}", allowed="sizes whose product is the world size, or dp_shard: auto")]
+            return [
+                ConfigIssue(
+                    "parallel",
+                    f"{sizes} × dp_shard {p.dp_shard} = {product}, but the world size is {world_size}",
+                    allowed="sizes whose product is the world size, or dp_shard: auto",
+                )
+            ]
     elif world_size % fixed:
-        return [ConfigIssue("parallel", f"{sizes} = {fixed} does not divide the world size {world_size}",
-                            allowed="sizes whose product divides the world size")]
+        return [
+            ConfigIssue(
+                "parallel",
+                f"{sizes} = {fixed} does not divide the world size {world_size}",
+                allowed="sizes whose product divides the world size",
+            )
+        ]
     dp = data_parallel_size(cfg, world_size)
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
-        return [ConfigIssue("train.global_batch_size", f"{t.global_batch_size} is not a multiple of "
-                            f"micro_batch_size {t.micro_batch_size} × data-parallel size {dp}",
-                            value=t.global_batch_size, allowed=f"a multiple of {t.micro_batch_size * dp}")]
+        return [
+            ConfigIssue(
+                "train.global_batch_size",
+                f"{t.global_batch_size} is not a multiple of "
+                f"micro_batch_size {t.micro_batch_size} × data-parallel size {dp}",
+                value=t.global_batch_size,
+                allowed=f"a multiple of {t.micro_batch_size * dp}",
+            )
+        ]
     if p.pp > 1 and t.global_batch_size is not None:
         micro = t.global_batch_size // (t.micro_batch_size * dp)
         if p.vpp > 1 and micro % p.pp:
-            return [ConfigIssue("train.global_batch_size", f"interleaved pipelines need the number of micro-batches "
-                                f"({micro}) to be a multiple of parallel.pp ({p.pp})", value=t.global_batch_size)]
+            return [
+                ConfigIssue(
+                    "train.global_batch_size",
+                    f"interleaved pipelines need the number of micro-batches "
+                    f"({micro}) to be a multiple of parallel.pp ({p.pp})",
+                    value=t.global_batch_size,
+                )
+            ]
     return []
 
 
@@ -142,16 +215,33 @@ def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> l
     out: list[ConfigIssue] = []
     backend = registry.backends.get(cfg.backend.name)
     if backend is None:
-        out.append(ConfigIssue("backend.name", registry.missing_backend_message(cfg.backend.name),
-                               value=cfg.backend.name, allowed=", ".join(sorted(registry.backends)) or "none installed"))
+        out.append(
+            ConfigIssue(
+                "backend.name",
+                registry.missing_backend_message(cfg.backend.name),
+                value=cfg.backend.name,
+                allowed=", ".join(sorted(registry.backends)) or "none installed",
+            )
+        )
     elif backend.model_families and cfg.model.family not in backend.model_families:
-        out.append(ConfigIssue("model.family", f"backend {backend.name!r} cannot run {cfg.model.family!r} models",
-                               value=cfg.model.family, allowed=", ".join(sorted(backend.model_families))))
+        out.append(
+            ConfigIssue(
+                "model.family",
+                f"backend {backend.name!r} cannot run {cfg.model.family!r} models",
+                value=cfg.model.family,
+                allowed=", ".join(sorted(backend.model_families)),
+            )
+        )
     strategy = cfg.parallel.strategy
     if strategy not in ("manual", "auto") and strategy not in registry.strategies:
         hint = suggest(strategy, list(registry.strategies))
-        out.append(ConfigIssue("parallel.strategy", f"unknown strategy {strategy!r}" + (f"; did you mean {hint!r}?" if hint else ""),
-                               allowed=", ".join(["manual", "auto", *sorted(registry.strategies)])))
+        out.append(
+            ConfigIssue(
+                "parallel.strategy",
+                f"unknown strategy {strategy!r}" + (f"; did you mean {hint!r}?" if hint else ""),
+                allowed=", ".join(["manual", "auto", *sorted(registry.strategies)]),
+            )
+        )
     for op in KERNEL_OPS:
         if op == "gemm":
             continue
@@ -159,8 +249,14 @@ def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> l
         names = sorted(registry.kernel_names(op))
         if choice != "auto" and choice not in names:
             hint = suggest(choice, names)
-            out.append(ConfigIssue(f"kernels.{op}", f"unknown provider {choice!r}" + (f"; did you mean {hint!r}?" if hint else ""),
-                                   value=choice, allowed=", ".join(["auto", *names])))
+            out.append(
+                ConfigIssue(
+                    f"kernels.{op}",
+                    f"unknown provider {choice!r}" + (f"; did you mean {hint!r}?" if hint else ""),
+                    value=choice,
+                    allowed=", ".join(["auto", *names]),
+                )
+            )
     if backend is not None and not out:
         from primus.core.protocols import validate_with
 
@@ -193,8 +289,9 @@ def resolve_parallel(cfg: PrimusConfig, world_size: int) -> PrimusConfig:
     new_parallel = p.model_copy(update=updates)
     dp = new_parallel.dp_replicate * int(new_parallel.dp_shard)
     gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
-    return cfg.model_copy(update={"parallel": new_parallel,
-                                  "train": cfg.train.model_copy(update={"global_batch_size": gbs})})
+    return cfg.model_copy(
+        update={"parallel": new_parallel, "train": cfg.train.model_copy(update={"global_batch_size": gbs})}
+    )
 
 
 def grad_accumulation_steps(cfg: PrimusConfig) -> int:

@@ -9,5 +9,12 @@ from primus.core.data.packed import PackedDataset
 from primus.core.data.sources import load_token_stream
 from primus.core.data.tokenizer import eos_id, load_tokenizer
 
-__all__ = ["DataError", "IndexedReader", "PackedDataset", "eos_id", "load_token_stream", "load_tokenizer",
-           "write_indexed"]
+__all__ = [
+    "DataError",
+    "IndexedReader",
+    "PackedDataset",
+    "eos_id",
+    "load_token_stream",
+    "load_tokenizer",
+    "write_indexed",
+]

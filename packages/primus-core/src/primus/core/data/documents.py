@@ -42,8 +42,10 @@ def _from_file(path: Path, fmt: str, where: str) -> Input:
     if fmt == "auto":
         fmt = EXTENSIONS.get(path.suffix.lower(), "")
         if not fmt:
-            raise DataError(f"{where}: cannot tell the format of {path} from its extension "
-                            f"(supported: {', '.join(EXTENSIONS)}; or set data.format)")
+            raise DataError(
+                f"{where}: cannot tell the format of {path} from its extension "
+                f"(supported: {', '.join(EXTENSIONS)}; or set data.format)"
+            )
     if fmt == "megatron":
         prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
         if not is_prefix(prefix):
@@ -143,8 +145,10 @@ def _parquet(path: Path, text_key: str) -> Iterator[str]:
     except Exception as exc:  # noqa: BLE001 - pyarrow raises its own error types
         raise DataError(f"cannot read parquet file {path}: {exc}") from exc
     if text_key not in table.schema_arrow.names:
-        raise DataError(f"{path}: no column {text_key!r} (columns: {', '.join(table.schema_arrow.names)}; "
-                        "data.text_key / --text-key)")
+        raise DataError(
+            f"{path}: no column {text_key!r} (columns: {', '.join(table.schema_arrow.names)}; "
+            "data.text_key / --text-key)"
+        )
     for batch in table.iter_batches(columns=[text_key], batch_size=1024):
         for text in batch.column(0).to_pylist():
             if text is None:

@@ -33,7 +33,14 @@ _VERSION = 1
 _HEAD = len(INDEX_HEADER) + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count: 34
 
 DTYPES: dict[int, type[np.number]] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 CODES = {np.dtype(dtype): code for code, dtype in DTYPES.items()}
 
@@ -74,7 +81,7 @@ class IndexedReader:
             head = stream.read(_HEAD)
         if len(head) < _HEAD or head[: len(INDEX_HEADER)] != INDEX_HEADER:
             raise DataError(f"{idx}: not a Megatron MMIDIDX index (bad header)")
-        version, code, count, doc_count = struct.unpack("<QBQQ", head[len(INDEX_HEADER):])
+        version, code, count, doc_count = struct.unpack("<QBQQ", head[len(INDEX_HEADER) :])
         if version != _VERSION:
             raise DataError(f"{idx}: index version {version}, only version {_VERSION} is known")
         if code not in DTYPES:
@@ -110,7 +117,7 @@ class IndexedReader:
 
     def __getitem__(self, index: int) -> np.ndarray:
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize
-        return self.tokens[start: start + int(self.sequence_lengths[index])]
+        return self.tokens[start : start + int(self.sequence_lengths[index])]
 
     @property
     def num_documents(self) -> int:
@@ -122,7 +129,7 @@ class IndexedReader:
         if first == last:
             return self.tokens[:0]
         start = int(self.sequence_pointers[first]) // self.dtype.itemsize
-        return self.tokens[start: start + int(self.sequence_lengths[first:last].sum())]
+        return self.tokens[start : start + int(self.sequence_lengths[first:last].sum())]
 
 
 class IndexedWriter:
@@ -164,16 +171,18 @@ class IndexedWriter:
     def __enter__(self) -> IndexedWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.finalize()
         else:
             self._data.close()
 
 
-def write_indexed(prefix: str | Path, documents: Iterable[Iterable[int] | np.ndarray],
-                  dtype: type[np.number] | np.dtype = np.int32) -> tuple[int, int]:
+def write_indexed(
+    prefix: str | Path, documents: Iterable[Iterable[int] | np.ndarray], dtype: type[np.number] | np.dtype = np.int32
+) -> tuple[int, int]:
     """Write ``documents`` (token id sequences) as ``<prefix>.bin/.idx``; returns (documents, tokens)."""
     with IndexedWriter(prefix, dtype) as writer:
         for doc in documents:

@@ -30,6 +30,6 @@ class PackedDataset:
         if not -n <= index < n:
             raise IndexError(f"sample {index} out of range for {n} samples")
         start = (index % n) * self.seq_len
-        inputs = self.tokens[start: start + self.seq_len].astype(np.int64)
-        labels = self.tokens[start + 1: start + self.seq_len + 1].astype(np.int64)
+        inputs = self.tokens[start : start + self.seq_len].astype(np.int64)
+        labels = self.tokens[start + 1 : start + self.seq_len + 1].astype(np.int64)
         return inputs, labels

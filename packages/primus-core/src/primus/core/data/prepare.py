@@ -43,8 +43,15 @@ def _megatron_builder():
     return IndexedDatasetBuilder
 
 
-def prepare(inputs: list[str], tokenizer: str = "bundled", output: str = "data/prepared", text_key: str = "text",
-            append_eos: bool = True, writer: Writer = "auto", progress: bool = True) -> PrepareResult:
+def prepare(
+    inputs: list[str],
+    tokenizer: str = "bundled",
+    output: str = "data/prepared",
+    text_key: str = "text",
+    append_eos: bool = True,
+    writer: Writer = "auto",
+    progress: bool = True,
+) -> PrepareResult:
     """Tokenize every document of ``inputs`` (files, folders, globs) into ``<output>.bin/.idx``."""
     if not inputs:
         raise DataError("prepare: no inputs given")
@@ -103,5 +110,13 @@ def _progress(enabled: bool, total: int):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("files"),
-                    TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled, transient=True)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("files"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=True,
+    )

@@ -64,12 +64,18 @@ def load_token_stream(data_cfg: DataConfig, tokenizer: Tokenizer | None, vocab_s
     if tokenizer is not None and needs_text:
         size = tokenizer.get_vocab_size(with_added_tokens=True)
         if size > vocab_size:
-            raise DataError(f"tokenizer {data_cfg.tokenizer!r} has {size} tokens but model.vocab_size is "
-                            f"{vocab_size}: token ids must be < vocab_size (raise model.vocab_size)")
+            raise DataError(
+                f"tokenizer {data_cfg.tokenizer!r} has {size} tokens but model.vocab_size is "
+                f"{vocab_size}: token ids must be < vocab_size (raise model.vocab_size)"
+            )
 
-    key = {"v": STREAM_VERSION, "bundled": corpus.corpus_id() if data_cfg.source == "bundled" else None,
-           "tokenizer": tokenizer_hash(tokenizer) if needs_text else None, "text_key": data_cfg.text_key,
-           "inputs": [_fingerprint(item) for item in inputs]}
+    key = {
+        "v": STREAM_VERSION,
+        "bundled": corpus.corpus_id() if data_cfg.source == "bundled" else None,
+        "tokenizer": tokenizer_hash(tokenizer) if needs_text else None,
+        "text_key": data_cfg.text_key,
+        "inputs": [_fingerprint(item) for item in inputs],
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = cache_root() / "tokens" / f"{digest}.npy"
 
@@ -82,8 +88,10 @@ def load_token_stream(data_cfg: DataConfig, tokenizer: Tokenizer | None, vocab_s
             assert stream is not None, path
 
     if stream.size and int(stream.max()) >= vocab_size:
-        raise DataError(f"{data_cfg.source}: token id {int(stream.max())} >= model.vocab_size {vocab_size} "
-                        "(the data was tokenized with a larger vocabulary than the model's)")
+        raise DataError(
+            f"{data_cfg.source}: token id {int(stream.max())} >= model.vocab_size {vocab_size} "
+            "(the data was tokenized with a larger vocabulary than the model's)"
+        )
     return stream
 
 

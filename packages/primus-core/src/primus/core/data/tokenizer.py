@@ -82,8 +82,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
         if not path.is_file():
             raise DataError(f"tokenizer folder {path.parent} has no tokenizer.json")
     elif not path.is_file():
-        raise DataError(f"tokenizer {spec!r}: no such file or folder: {path} (expected 'bundled', a folder "
-                        "with tokenizer.json, or a tokenizer.json path)")
+        raise DataError(
+            f"tokenizer {spec!r}: no such file or folder: {path} (expected 'bundled', a folder "
+            "with tokenizer.json, or a tokenizer.json path)"
+        )
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for parse errors

@@ -39,7 +39,9 @@ def detect_device() -> str:
     return "cpu"
 
 
-def select_kernels(kernels: KernelsConfig, registry: Registry, device: str, **constraints: object) -> dict[str, KernelProvider]:
+def select_kernels(
+    kernels: KernelsConfig, registry: Registry, device: str, **constraints: object
+) -> dict[str, KernelProvider]:
     """Pick a provider per op; log each choice once. A provider asked for by name that cannot run
     here raises :class:`KernelUnavailable` with its reason."""
     chosen: dict[str, KernelProvider] = {}
@@ -49,12 +51,15 @@ def select_kernels(kernels: KernelsConfig, registry: Registry, device: str, **co
         if want != "auto":
             prov = next((p for p in providers if p.name == want), None)
             if prov is None:
-                raise KernelUnavailable(f"kernels.{op}: no provider named {want!r} is installed "
-                                        f"(installed: {', '.join(p.name for p in providers) or 'none'})")
+                raise KernelUnavailable(
+                    f"kernels.{op}: no provider named {want!r} is installed "
+                    f"(installed: {', '.join(p.name for p in providers) or 'none'})"
+                )
             ok = prov.check(device, **constraints)
             if not ok:
-                raise KernelUnavailable(f"kernels.{op}: provider {want!r} ({prov.dist}) is not available on "
-                                        f"{device}: {ok.reason}")
+                raise KernelUnavailable(
+                    f"kernels.{op}: provider {want!r} ({prov.dist}) is not available on {device}: {ok.reason}"
+                )
             chosen[op] = prov
             log.info("%s: %s (asked for)", op, prov.name)
             continue
@@ -67,5 +72,7 @@ def select_kernels(kernels: KernelsConfig, registry: Registry, device: str, **co
                 break
             reasons.append(f"{prov.name}: {ok.reason}")
         else:
-            raise KernelUnavailable(f"kernels.{op}: no provider available on {device} ({'; '.join(reasons) or 'none installed'})")
+            raise KernelUnavailable(
+                f"kernels.{op}: no provider available on {device} ({'; '.join(reasons) or 'none installed'})"
+            )
     return chosen

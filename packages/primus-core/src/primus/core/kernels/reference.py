@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from primus.core.protocols import Availability
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              scale: float | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
     # q [b, h, s, d]; k, v [b, h_kv, s, d]: enable_gqa broadcasts kv heads without a copy where the
     # backend supports it (flash / cuDNN on CUDA, math on CPU).
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

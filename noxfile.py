@@ -1,0 +1,128 @@
+"""Primus sessions. `nox` runs the default set: lint, the tests of each package alone, then integration.
+
+    nox                      lint + tests(core), tests(megatron), ... + integration (what CI runs)
+    nox -s demo              train the tiny-demo recipe on CPU (not in the default set: it is the main job,
+                             not a test; the backends' own sessions train tiny models already)
+    nox -s "tests(turbo)"    one package's tests; `nox -l` lists the sessions
+    nox -R -s ...            reuse a session's virtualenv without reinstalling (fast local reruns)
+
+Packages are found by listing packages/*/pyproject.toml (as hydra's noxfile lists its plugins), so a new
+package gets its `tests(<name>)` session by existing. Each package session installs only that package,
+primus-core and what its tests need: its `[dependency-groups] test`, else pytest.
+
+torch is always `torch==2.13.0`, the CPU build on this machine's disk: every install runs under a constraints
+file that pins it, so no dependency can pull another build.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from datetime import datetime
+from pathlib import Path
+
+import nox
+from packaging.requirements import Requirement
+
+nox.needs_version = ">=2025.2.9"  # nox.project.dependency_groups
+nox.options.default_venv_backend = "virtualenv"
+nox.options.sessions = ["lint", "tests", "integration"]
+nox.options.error_on_missing_interpreters = True  # no Python 3.11 must fail the run, not skip every session
+
+ROOT = Path(__file__).parent
+PYTHON = "3.11"  # the torch wheel on disk is built for CPython 3.11
+TORCH = "torch==2.13.0"
+RUFF = "ruff==0.17.6"
+LINT_PATHS = ("packages", "tests", "benchmarks", "noxfile.py")
+# The root tests build and install tests/fixtures/primus-example-plugin without build isolation (works offline).
+INTEGRATION_DEPS = ["pytest>=8", "hatchling>=1.24"]
+
+
+def list_packages() -> dict[str, Path]:
+    """Short name (``core``, ``turbo``, ...) -> package folder, for every packages/<dist>/pyproject.toml."""
+    return {p.parent.name.removeprefix("primus-"): p.parent for p in sorted(ROOT.glob("packages/*/pyproject.toml"))}
+
+
+PACKAGES = list_packages()
+
+
+def pyproject(name: str) -> dict:
+    return tomllib.loads((PACKAGES[name] / "pyproject.toml").read_text())
+
+
+def needs_torch(name: str) -> bool:
+    return any(Requirement(r).name == "torch" for r in pyproject(name)["project"].get("dependencies", []))
+
+
+def requirement(name: str, extras: list[str]) -> str:
+    path = str(PACKAGES[name])
+    return f"{path}[{','.join(sorted(extras))}]" if extras else path
+
+
+def test_deps(name: str) -> list[str]:
+    groups = pyproject(name).get("dependency-groups", {})
+    return nox.project.dependency_groups(pyproject(name), "test") if "test" in groups else ["pytest>=8"]
+
+
+def install(session: nox.Session, *requirements: str) -> None:
+    """pip install under a constraints file that pins torch."""
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    constraints.write_text(TORCH + "\n")
+    session.install("--constraint", str(constraints), *requirements)
+
+
+def install_packages(session: nox.Session, names: list[str], *more: str) -> None:
+    """The named packages with all their extras (what a package ships is tested), plus primus-core: with its
+    ``torch`` extra (data, metrics, reference kernels) when any of them needs torch, else bare."""
+    torch = any(n == "core" or needs_torch(n) for n in names)
+    reqs = []
+    for name in dict.fromkeys(["core", *names]):
+        if name in names:
+            extras = list(pyproject(name)["project"].get("optional-dependencies", {}))
+        else:  # primus-core, as a dependency
+            extras = ["torch"] if torch else []
+        reqs.append(requirement(name, extras))
+    install(session, *([TORCH] if torch else []), *reqs, *more)
+
+
+def pytest(session: nox.Session, *args: str) -> None:
+    # Exit code 5 is "no tests collected": a package whose tests are still to be written is not a failure.
+    session.run("pytest", "-q", *args, *session.posargs, success_codes=[0, 5])
+
+
+@nox.session(python=PYTHON, reuse_venv=True)
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check (settings: ruff.toml)."""
+    session.install(RUFF)
+    paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session(python=PYTHON, reuse_venv=True)
+@nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests, with only that package and primus-core installed."""
+    install_packages(session, [package], *test_deps(package))
+    pytest(session, str(PACKAGES[package] / "tests"))
+
+
+@nox.session(python=PYTHON, reuse_venv=True)
+def integration(session: nox.Session) -> None:
+    """Every package installed together: the cross-package tests (tests/), then core's tests again."""
+    install_packages(
+        session, list(PACKAGES), *dict.fromkeys(INTEGRATION_DEPS + [d for name in PACKAGES for d in test_deps(name)])
+    )
+    pytest(session, "tests")
+    pytest(session, str(PACKAGES["core"] / "tests"))
+
+
+@nox.session(python=PYTHON, reuse_venv=True)
+def demo(session: nox.Session) -> None:
+    """Train the tiny-demo recipe on CPU with every package installed. Extra args are overrides:
+    `nox -s demo -- train.steps=10`."""
+    install_packages(session, list(PACKAGES))
+    session.run("primus", "env")
+    # A new folder per run: a run refuses to start over the checkpoints of an earlier one (unless --resume).
+    out = Path("outputs", "tiny-demo", datetime.now().strftime("%Y%m%d-%H%M%S"))
+    session.run("primus", "train", "tiny-demo", f"logging.output_dir={out}", *session.posargs)
+    session.log(f"metrics: {out}/metrics.jsonl; TensorBoard: tensorboard --logdir {out}/tensorboard")
