@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from primus.core.cli_data import data_app
+from primus.core.cli_plan import plan
 from primus.core.config.errors import ConfigError
 
 app = typer.Typer(
@@ -28,6 +29,7 @@ presets_app = typer.Typer(help="Model and recipe presets.", no_args_is_help=True
 app.add_typer(config_app, name="config")
 app.add_typer(presets_app, name="presets")
 app.add_typer(data_app, name="data")
+app.command("plan")(plan)
 
 # Wide enough for the preset tables when output is piped (rich assumes 80 columns then).
 out = Console(width=None if sys.stdout.isatty() else 200)

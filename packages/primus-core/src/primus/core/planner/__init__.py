@@ -1,0 +1,18 @@
+"""The planner: per-device memory and step-time models, and the search that ranks parallel layouts."""
+
+from primus.core.planner.hardware import DEVICES, Device, device
+from primus.core.planner.memory import Layout, MemoryBreakdown, estimate
+from primus.core.planner.search import Candidate, Cluster, best, candidates
+
+__all__ = [
+    "DEVICES",
+    "Candidate",
+    "Cluster",
+    "Device",
+    "Layout",
+    "MemoryBreakdown",
+    "best",
+    "candidates",
+    "device",
+    "estimate",
+]

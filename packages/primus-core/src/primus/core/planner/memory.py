@@ -1,0 +1,168 @@
+"""Per-device memory of one training layout, by category, for each engine.
+
+Bytes per parameter of the most loaded pipeline stage (P = its parameters after TP/PP division,
+n = the data-parallel degree; bf16 compute with fp32 master weights and Adam):
+
+=========================== ========= ============= ===========================================
+layout                      weights   gradients     optimizer (master + Adam m, v)
+=========================== ========= ============= ===========================================
+Megatron DDP                2 (bf16)  4 (main_grad) 12
+Megatron DDP + dist. optim. 2         4             12 / n
+Megatron FSDP               2 / n     4 / n         12 / n   (+ two gathered bf16 layers)
+TorchTitan DDP              4 (fp32)  4             8        (no distributed optimizer)
+TorchTitan FSDP2            4 / n     4 / n         8 / n    (+ two gathered bf16 layers, one fp32
+                                                               reduce-scatter buffer)
+=========================== ========= ============= ===========================================
+
+Activations of one layer for one micro-batch (s tokens / cp, b samples, a bytes per element; flash
+attention, so no s×s scores): a·s·b·(4d / t_sp + (h·c + 2·kv·c + h·c + 3f) / t) — the layer input,
+the two norm outputs and the residual (sharded by TP only with sequence parallel), then q, k, v, the
+attention output and the SwiGLU gate, up and product (sharded by TP). Recompute keeps less:
+selective drops the norm outputs and the SwiGLU product (recomputed: cheap element-wise ops); full
+keeps only the layer input, plus one layer's working set while it recomputes; partial applies full
+to some layers. Pipelines hold min(pp, micro-batches) micro-batches on the first stage, times
+Megatron's interleaving penalty 1 + (pp − 1)/(pp · vpp). The last stage also holds the logits:
+s·b·V/t elements at a (logits) + 4 (fp32 loss) + 4 (their gradient) bytes.
+Framework overhead: 2.5 GiB (CUDA/HIP context, NCCL/RCCL buffers, GEMM workspaces) plus 5% of the
+rest for allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from primus.core.config.schema import ModelConfig
+from primus.core.modelmath import count_params
+
+GIB = 2**30
+FIXED_OVERHEAD = 2.5 * GIB
+FRAGMENTATION = 0.05
+
+
+@dataclass(frozen=True)
+class Layout:
+    engine: str  # "megatron" | "torchtitan"
+    dp_mode: str  # "ddp" | "ddp_distopt" | "fsdp"
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    recompute: str = "none"  # "none" | "selective" | "full" | "partial"
+    recompute_layers: int = 0  # partial: layers per stage recomputed in full
+    micro_batch: int = 1
+    micro_batches: int = 1  # per step, per pipeline (gradient accumulation)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+    def describe(self) -> str:
+        dp = {"ddp": "DDP", "ddp_distopt": "DDP+distopt", "fsdp": "FSDP"}[self.dp_mode]
+        parts = [f"{dp} {self.dp}"]
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}+SP")
+        if self.pp > 1:
+            parts.append(f"PP {self.pp}" + (f" VPP {self.vpp}" if self.vpp > 1 else ""))
+        if self.cp > 1:
+            parts.append(f"CP {self.cp}")
+        names = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}
+        parts.append(names.get(self.recompute, f"full recompute of {self.recompute_layers} layers/stage"))
+        return ", ".join(parts)
+
+
+@dataclass
+class MemoryBreakdown:
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def gib(self) -> dict[str, float]:
+        return {k: v / GIB for k, v in self.parts.items()}
+
+
+def layers_per_stage(model: ModelConfig, layout: Layout) -> int:
+    return math.ceil(model.num_layers / layout.pp)
+
+
+def stage_params(model: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """Parameters on the most loaded stage after TP division, and one layer's."""
+    pc = count_params(model)
+    layer = pc.per_layer / layout.tp
+    emb = pc.embedding / layout.tp
+    head = (pc.output_head or (pc.embedding if layout.pp > 1 else 0)) / layout.tp  # tied: a copy on the last stage
+    body = layers_per_stage(model, layout) * layer
+    first = body + emb + (head + pc.final_norm if layout.pp == 1 else 0)
+    last = body + head + pc.final_norm
+    return max(first, last), layer
+
+
+def activation_bytes_per_layer(model: ModelConfig, layout: Layout, seq_len: int, dtype_bytes: int) -> dict[str, float]:
+    s, b, t = seq_len / layout.cp, layout.micro_batch, layout.tp
+    d, h, kv, c, f = (
+        model.hidden_size,
+        model.num_attention_heads,
+        model.num_kv_heads,
+        model.kv_channels,
+        model.ffn_hidden_size,
+    )
+    t_sp = t if layout.sequence_parallel else 1
+    replicated = 4 * d / t_sp
+    sharded = (2 * h * c + 2 * kv * c + 3 * f) / t
+    full = dtype_bytes * s * b * (replicated + sharded)
+    selective = full - dtype_bytes * s * b * (2 * d / t_sp + f / t)
+    layer_input = dtype_bytes * s * b * d / t_sp
+    return {"none": full, "selective": selective, "full": layer_input, "working": full}
+
+
+def in_flight_micro_batches(layout: Layout) -> float:
+    if layout.pp == 1:
+        return 1.0
+    inflight = min(layout.pp, layout.micro_batches)
+    if layout.vpp > 1:
+        inflight *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
+    return inflight
+
+
+def estimate(model: ModelConfig, layout: Layout, seq_len: int, precision: str = "bf16") -> MemoryBreakdown:
+    a = 4 if precision == "fp32" else 2
+    params, layer = stage_params(model, layout)
+    n = layout.dp * layout.cp  # Megatron and TorchTitan shard optimizer/FSDP state over dp × cp
+    mixed = precision != "fp32"
+    if layout.engine == "megatron":
+        w, g, o = (2 if mixed else 4), 4, (12 if mixed else 8)
+        shard_w = shard_g = layout.dp_mode == "fsdp"
+        shard_o = layout.dp_mode in ("fsdp", "ddp_distopt")
+    else:  # torchtitan keeps fp32 parameters; FSDP2's mixed precision gathers bf16 copies
+        w, g, o = 4, 4, 8
+        shard_w = shard_g = shard_o = layout.dp_mode == "fsdp"
+    parts = {
+        "weights": params * w / (n if shard_w else 1),
+        "gradients": params * g / (n if shard_g else 1),
+        "optimizer": params * o / (n if shard_o else 1),
+    }
+    buffers = 0.0
+    if layout.dp_mode == "fsdp" and n > 1:
+        buffers = 2 * layer * a + (layer * 4 if layout.engine == "torchtitan" else 0)  # gathered layers, RS buffer
+    per_layer = activation_bytes_per_layer(model, layout, seq_len, a)
+    nl = layers_per_stage(model, layout) / layout.vpp * layout.vpp  # all chunks of the stage
+    if layout.recompute == "partial":
+        kept = layout.recompute_layers * per_layer["full"] + (nl - layout.recompute_layers) * per_layer["none"]
+    else:
+        kept = nl * per_layer[layout.recompute]
+    if layout.recompute in ("full", "partial"):
+        kept += per_layer["working"]
+    parts["activations"] = kept * in_flight_micro_batches(layout)
+    s = seq_len / layout.cp
+    parts["logits"] = s * layout.micro_batch * model.vocab_size / layout.tp * (a + 8)
+    parts["buffers"] = buffers
+    subtotal = sum(parts.values())
+    parts["overhead"] = FIXED_OVERHEAD + FRAGMENTATION * subtotal
+    return MemoryBreakdown(parts)

@@ -1,0 +1,100 @@
+"""Estimated step time of a layout: compute, pipeline bubble, and the communication left exposed.
+
+- compute = micro-batches × FLOPs of the slowest pipeline stage for one micro-batch ÷ (tp · cp) ÷ (peak ×
+  efficiency × 0.9^log2(tp)). A stage's FLOPs: its layers (× the recompute factor: none 1, selective
+  1.03 for the element-wise ops run again, full 4/3 for one more forward, partial 1 + share/3) plus,
+  on the last stage, the output head. Without PP this is the step's FLOPs ÷ devices.
+- pipeline bubble = compute × (pp − 1) / (micro-batches × vpp), plus a fixed 0.2 ms per hop.
+- data-parallel traffic per device, ring collectives ((n − 1)/n of the payload per step of the ring):
+  DDP all-reduce of gradients once per step = 2·G bytes of gradients; DDP + distributed optimizer
+  (reduce-scatter gradients, all-gather parameters) the same volume; FSDP per micro-batch: parameter
+  all-gather in forward and again in backward (reshard after forward) plus a gradient reduce-scatter.
+  Gradients travel in bf16 on Megatron and in fp32 on TorchTitan (FSDP2's reduce dtype).
+  DDP overlaps with the backward of the last micro-batch only (earlier ones accumulate without sync);
+  FSDP with every micro-batch's compute. At best 90% (DDP) / 80% (FSDP, the first gather of each step
+  is exposed) is hidden.
+- TP: 4 collectives per layer per micro-batch (2 forward, 2 backward; 6 with full recompute) of the
+  layer's activations, over intra-node links, not overlapped (no TE comm overlap assumed).
+- PP: activations sent forward and gradients back per micro-batch and virtual stage, half hidden.
+Ranks are placed TP innermost, then CP and DP, then PP (Megatron's order), so a group spans nodes when
+the product of the sizes inside it exceeds the GPUs of a node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from primus.core.config.schema import ModelConfig
+from primus.core.modelmath import count_params
+from primus.core.planner.hardware import Device
+from primus.core.planner.memory import Layout, stage_params
+
+# A TP split makes each GEMM narrower and puts collectives between them that stall the stream:
+# the fraction of the unsplit rate kept per doubling of tp (0.9: TP 8 keeps 73%).
+TP_EFFICIENCY = 0.9
+# Fixed cost of one pipeline hop (send/recv launch, synchronisation) per micro-batch and virtual stage.
+PP_HOP_S = 2e-4
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    bubble: float
+    dp_comm: float
+    tp_comm: float
+    pp_comm: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm
+
+
+def recompute_factor(layout: Layout, layers_per_stage: int) -> float:
+    if layout.recompute == "full":
+        return 4 / 3
+    if layout.recompute == "partial":
+        return 1 + layout.recompute_layers / layers_per_stage / 3
+    return 1.03 if layout.recompute == "selective" else 1.0
+
+
+def step_time(
+    model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dev: Device, gpus_per_node: int
+) -> StepTime:
+    lps = math.ceil(model.num_layers / layout.pp)
+    m = layout.micro_batches
+    # the slowest pipeline stage sets the pace: the last one also runs the output head (and the loss)
+    pc = count_params(model)
+    layer_flops = 6 * pc.per_layer + 12 * model.num_attention_heads * model.kv_channels * seq_len
+    head_flops = 6 * model.vocab_size * model.hidden_size
+    stage_flops = lps * layer_flops * recompute_factor(layout, lps) + head_flops
+    tokens_per_micro_batch = layout.micro_batch * seq_len / (layout.tp * layout.cp)
+    eff = dev.peak_flops * dev.efficiency * TP_EFFICIENCY ** math.log2(layout.tp)
+    compute = m * tokens_per_micro_batch * stage_flops / eff
+    bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
+
+    params, _ = stage_params(model, layout)
+    n = layout.dp * layout.cp
+    grad_bytes = 2 if layout.engine == "megatron" else 4
+    ring = (n - 1) / n if n > 1 else 0.0
+    dp_spans_nodes = layout.tp * layout.cp * layout.dp > gpus_per_node
+    bw = (dev.inter_gbps if dp_spans_nodes else dev.intra_gbps) * 1e9
+    if layout.dp_mode == "fsdp":
+        volume = m * ring * params * (2 + 2 + grad_bytes)
+        window, hidden = compute, 0.8
+    else:
+        volume = ring * params * 2 * grad_bytes
+        window, hidden = compute / m * 2 / 3, 0.9
+    comm = volume / bw
+    dp_exposed = max(comm - hidden * window, (1 - hidden) * comm) if comm else 0.0
+
+    a = 2
+    act = seq_len / layout.cp * layout.micro_batch * model.hidden_size * a
+    tp_ring = 2 * (layout.tp - 1) / layout.tp
+    n_coll = 6 if layout.recompute == "full" else 4
+    tp_comm = n_coll * lps * m * tp_ring * act / (dev.intra_gbps * 1e9) if layout.tp > 1 else 0.0
+
+    pp_spans_nodes = layout.world > gpus_per_node
+    pp_bw = (dev.inter_gbps if pp_spans_nodes else dev.intra_gbps) * 1e9
+    pp_comm = 0.5 * 2 * m * layout.vpp * act / layout.tp / pp_bw if layout.pp > 1 else 0.0
+    return StepTime(compute, bubble, dp_exposed, tp_comm, pp_comm)

@@ -1,0 +1,103 @@
+"""The planner: its memory formulas, and the seed's recommendations coming out of the model."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from primus.core import cli
+from primus.core.config.loader import load_layers
+from primus.core.config.schema import ModelConfig
+from primus.core.modelmath import count_params
+from primus.core.planner import Cluster, Layout, best, candidates, device, estimate
+from primus.core.presets import resolver
+
+
+def _model(registry, name):
+    return ModelConfig.model_validate(load_layers(name, resolve_preset=resolver(registry)).data["model"])
+
+
+def test_state_bytes_per_parameter(registry):
+    m = _model(registry, "qwen2.5-7b")
+    p = count_params(m).total
+    ddp = estimate(m, Layout("megatron", "ddp", dp=8), 4096).parts
+    dist = estimate(m, Layout("megatron", "ddp_distopt", dp=8), 4096).parts
+    fsdp_tt = estimate(m, Layout("torchtitan", "fsdp", dp=8), 4096).parts
+    ddp_tt = estimate(m, Layout("torchtitan", "ddp", dp=8), 4096).parts
+    assert (ddp["weights"], ddp["gradients"], ddp["optimizer"]) == (2 * p, 4 * p, 12 * p)
+    assert dist["optimizer"] == pytest.approx(12 * p / 8) and dist["gradients"] == 4 * p
+    assert (fsdp_tt["weights"], fsdp_tt["optimizer"]) == (pytest.approx(4 * p / 8), pytest.approx(8 * p / 8))
+    assert ddp_tt["optimizer"] == 8 * p  # TorchTitan's DDP has no distributed optimizer
+
+
+def test_activation_memory_orders(registry):
+    m = _model(registry, "llama3.1-8b")
+    act = {
+        rc: estimate(m, Layout("megatron", "ddp", dp=1, recompute=rc), 8192).parts["activations"]
+        for rc in ("none", "selective", "full")
+    }
+    assert act["full"] < act["selective"] < act["none"]
+    # Llama 8B at seq 8192, bf16, one sample: 2·s·(6d + 2·kv·c + 3f) bytes per layer
+    assert act["none"] == pytest.approx(32 * 2 * 8192 * (6 * 4096 + 2 * 8 * 128 + 3 * 14336))
+    tp = estimate(m, Layout("megatron", "ddp", dp=1, tp=4), 8192).parts["activations"]
+    assert tp == pytest.approx(act["none"] / 4)  # sequence parallel shards all of it
+    pp = estimate(m, Layout("megatron", "ddp", dp=1, pp=4, micro_batches=8), 8192).parts["activations"]
+    assert pp == pytest.approx(act["none"] / 4 * 4)  # a quarter of the layers, 4 micro-batches in flight
+    vpp = estimate(m, Layout("megatron", "ddp", dp=1, pp=4, vpp=2, micro_batches=8), 8192).parts["activations"]
+    assert vpp == pytest.approx(pp * (1 + 3 / 8))  # Megatron's interleaving penalty
+
+
+def _plan(registry, name, dev, nodes, seq, engine):
+    return best(candidates(_model(registry, name), Cluster(device(dev), nodes, 8), seq, engine=engine))
+
+
+def test_qwen7b_on_8_gpus_is_data_parallel_with_distributed_optimizer(registry):
+    c = _plan(registry, "qwen2.5-7b", "MI300X", 1, 4096, "megatron")
+    assert (c.layout.dp_mode, c.layout.dp, c.layout.tp, c.layout.pp) == ("ddp_distopt", 8, 1, 1)
+    assert c.layout.recompute == "none"
+
+
+def test_llama70b_one_node_is_fsdp_with_full_recompute(registry):
+    c = _plan(registry, "llama3.1-70b", "MI300X", 1, 8192, "torchtitan")
+    assert (c.layout.dp_mode, c.layout.dp, c.layout.tp, c.layout.recompute) == ("fsdp", 8, 1, "full")
+
+
+def test_llama70b_on_8_nodes_recomputes_less(registry):
+    c = _plan(registry, "llama3.1-70b", "MI300X", 8, 8192, "torchtitan")
+    assert c.layout.dp_mode == "fsdp" and c.layout.recompute in ("none", "selective", "partial")
+
+
+def test_llama405b_is_tp_pp_vpp(registry):
+    c = _plan(registry, "llama3.1-405b", "MI300X", 64, 8192, "megatron")
+    assert c.layout.tp > 1 and c.layout.pp > 1 and c.layout.vpp > 1 and c.layout.dp_mode == "ddp_distopt"
+
+
+def test_torchtitan_8b_is_fsdp(registry):
+    c = _plan(registry, "llama3.1-8b", "H100", 1, 8192, "torchtitan")
+    assert c.layout.dp_mode == "fsdp" and c.layout.dp == 8
+
+
+def test_nothing_fits_is_refused_with_numbers():
+    res = CliRunner().invoke(cli.app, ["plan", "--preset", "llama3.1-405b", "--device", "H100", "train.seq_len=8192"])
+    assert res.exit_code == 3
+    assert "nothing fits" in res.output and "GiB per GPU" in res.output and "72.0 GiB usable" in res.output
+
+
+def test_plan_cli_recommends():
+    res = CliRunner().invoke(
+        cli.app,
+        [
+            "plan",
+            "--preset",
+            "qwen2.5-7b",
+            "--device",
+            "MI300X",
+            "--engine",
+            "megatron",
+            "train.seq_len=4096",
+            "train.micro_batch_size=1",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "recommended: DDP+distopt 8, no recompute" in res.output
+    assert "optimizer" in res.output and "activations" in res.output
