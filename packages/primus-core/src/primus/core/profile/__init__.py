@@ -1,0 +1,1 @@
+"""Profile reports: where step time goes (compute / communication / idle; kernel categories)."""

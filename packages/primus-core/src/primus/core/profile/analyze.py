@@ -1,0 +1,175 @@
+"""Where step time goes, from Chrome trace JSON (torch.profiler's ``export_chrome_trace``), one or many ranks.
+
+Per rank, on the device timeline (events of category ``kernel``, ``gpu_memcpy``, ``gpu_memset``; on a
+CPU-only trace the top-level ``cpu_op`` events stand in), over the window from the first to the last
+device event:
+
+- compute: time covered by at least one non-communication kernel;
+- exposed communication: covered by a communication kernel and by no compute kernel;
+- overlapped communication: covered by both;
+- idle: covered by nothing.
+
+These four add up to the window. Kernels are also put in categories (GEMM, attention, norm,
+elementwise/activation, communication, optimizer, memory, other) by name, with their summed time
+(overlapping kernels each count fully there) and the top kernels by time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+# Order matters: the first pattern that matches names the category.
+CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
+    (
+        "communication",
+        re.compile(
+            r"nccl|rccl|allreduce|all_reduce|allgather|all_gather|reducescatter|reduce_scatter|"
+            r"sendrecv|alltoall|broadcast|c10d::|gloo",
+            re.I,
+        ),
+    ),
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|cudnn.*(mha|sdpa)|_efficient_", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|optimizer|lamb|sgd_", re.I)),
+    (
+        "gemm",
+        re.compile(
+            r"gemm|cutlass|xmma|nvjet|cublas|hipblaslt|Cijk_|matmul|\bmm\b|aten::mm|aten::addmm|"
+            r"aten::bmm|aten::linear|sm90_|sm80_|wgmma|scaled_mm",
+            re.I,
+        ),
+    ),
+    ("norm", re.compile(r"rms_?norm|layer_?norm|layernorm|norm_kernel|batch_norm|mean.*rsqrt|rsqrt.*mean", re.I)),
+    ("memory", re.compile(r"memcpy|memset|copy_|aten::copy|aten::to\b|cat\b|aten::cat", re.I)),
+    (
+        "elementwise",
+        re.compile(
+            r"elementwise|vectorized|silu|swiglu|gelu|relu|sigmoid|softmax|add|mul|div|exp|"
+            r"rope|rotary|where|fill|reduce|sum|mean|pow|rsqrt|neg|triton_",
+            re.I,
+        ),
+    ),
+]
+
+
+def categorize(name: str) -> str:
+    for cat, pat in CATEGORIES:
+        if pat.search(name):
+            return cat
+    return "other"
+
+
+@dataclass
+class RankReport:
+    rank: str
+    window_us: float
+    compute_us: float
+    exposed_comm_us: float
+    overlapped_comm_us: float
+    idle_us: float
+    categories: dict[str, float] = field(default_factory=dict)
+    top: list[tuple[str, float, int]] = field(default_factory=list)
+
+    def shares(self) -> dict[str, float]:
+        w = self.window_us or 1.0
+        return {
+            "compute": self.compute_us / w,
+            "exposed communication": self.exposed_comm_us / w,
+            "overlapped communication": self.overlapped_comm_us / w,
+            "idle": self.idle_us / w,
+        }
+
+
+def load_trace(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as fh:
+        data = json.load(fh)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def _device_events(events: list[dict]) -> list[dict]:
+    dev = [e for e in events if e.get("cat") in DEVICE_CATS]
+    if dev:
+        return dev
+    # CPU-only trace: the outermost operators of each thread stand in for kernels
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (e.get("tid"), e["ts"]))
+    top, end_by_tid = [], {}
+    for e in ops:
+        if e["ts"] >= end_by_tid.get(e.get("tid"), float("-inf")):
+            top.append(e)
+            end_by_tid[e.get("tid")] = e["ts"] + e["dur"]
+    return top
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def analyze_events(events: list[dict], rank: str = "0", top_n: int = 10) -> RankReport:
+    dev = _device_events(events)
+    if not dev:
+        return RankReport(rank, 0, 0, 0, 0, 0)
+    start = min(e["ts"] for e in dev)
+    end = max(e["ts"] + e["dur"] for e in dev)
+    comm, compute = [], []
+    cats: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for e in dev:
+        cat = categorize(e["name"])
+        cats[cat] += e["dur"]
+        per_kernel[e["name"]].append(e["dur"])
+        (comm if cat == "communication" else compute).append((e["ts"], e["ts"] + e["dur"]))
+    cu, mu = _union(compute), _union(comm)
+    both = _intersection(cu, mu)
+    busy = _length(cu) + _length(mu) - both
+    top = sorted(((n, sum(d), len(d)) for n, d in per_kernel.items()), key=lambda t: -t[1])[:top_n]
+    return RankReport(
+        rank,
+        end - start,
+        _length(cu),
+        _length(mu) - both,
+        both,
+        (end - start) - busy,
+        dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        top,
+    )
+
+
+def analyze_files(paths: list[Path], top_n: int = 10) -> list[RankReport]:
+    reports = []
+    for i, path in enumerate(paths):
+        m = re.search(r"rank[_-]?(\d+)", path.name)
+        reports.append(analyze_events(load_trace(path), m.group(1) if m else str(i), top_n))
+    return reports

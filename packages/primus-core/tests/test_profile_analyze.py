@@ -1,0 +1,85 @@
+"""The step-time report: interval arithmetic on a synthetic trace, kernel categories, a real CPU trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from primus.core import cli
+from primus.core.profile.analyze import analyze_events, analyze_files, categorize
+
+
+def _k(name, ts, dur, stream=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream, "pid": 0}
+
+
+GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1"
+ALLREDUCE = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+
+
+def test_shares_of_a_synthetic_step():
+    # window 0..90: gemm 0-40, allreduce 30-60 (10 overlapped, 20 exposed), flash 70-90, idle 60-70
+    events = [
+        _k(GEMM, 0, 40),
+        _k(ALLREDUCE, 30, 30, stream=9),
+        _k("flash_fwd_kernel", 70, 20),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+    ]
+    r = analyze_events(events)
+    assert (r.window_us, r.compute_us, r.exposed_comm_us, r.overlapped_comm_us, r.idle_us) == (90, 60, 20, 10, 10)
+    assert r.categories == {"gemm": 40, "communication": 30, "attention": 20}
+    assert sum(r.shares().values()) == pytest.approx(1.0)
+    assert r.top[0] == (GEMM, 40, 1)
+
+
+@pytest.mark.parametrize(
+    "name,cat",
+    [
+        (GEMM, "gemm"),
+        ("Cijk_Ailk_Bljk_BBS_BH_MT256x256x64_MI32x32x8x1", "gemm"),
+        ("nvjet_tst_192x192_64x4_2x1_v_bz", "gemm"),
+        (ALLREDUCE, "communication"),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
+        ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128", "attention"),
+        ("flash_bwd_dq_dk_dv_loop_kernel", "attention"),
+        ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
+        ("rms_norm_kernel", "norm"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "elementwise"),
+        ("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+        ("Memcpy DtoD (Device -> Device)", "memory"),
+        ("some_unknown_thing", "other"),
+    ],
+)
+def test_categories(name, cat):
+    assert categorize(name) == cat
+
+
+def test_real_cpu_trace_and_cli(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            b = torch.nn.functional.silu(a @ a)
+            a = b / b.norm()
+    trace = tmp_path / "trace_rank0.json"
+    prof.export_chrome_trace(str(trace))
+    (report,) = analyze_files([trace])
+    assert report.rank == "0" and report.window_us > 0
+    assert report.categories.get("gemm", 0) > 0
+    assert sum(report.shares().values()) == pytest.approx(1.0)
+    res = CliRunner().invoke(cli.app, ["analyze", str(trace), "--out", str(tmp_path / "rep")])
+    assert res.exit_code == 0, res.output
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "<svg" in page and "rank 0" in page
+    assert "| 0 |" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_bad_trace_is_refused(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"nothing": 1}))
+    res = CliRunner().invoke(cli.app, ["analyze", str(bad)])
+    assert res.exit_code == 2 and "not a Chrome trace" in res.output
