@@ -28,7 +28,7 @@ def test_shares_of_a_synthetic_step():
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
     ]
     r = analyze_events(events)
-    assert (r.window_us, r.compute_us, r.exposed_comm_us, r.overlapped_comm_us, r.idle_us) == (90, 60, 20, 10, 10)
+    assert (r.window_us, r.compute_us, r.exposed_comm_us, r.overlapped_comm_us, r.idle_us) == (90, 50, 20, 10, 10)
     assert r.categories == {"gemm": 40, "communication": 30, "attention": 20}
     assert sum(r.shares().values()) == pytest.approx(1.0)
     assert r.top[0] == (GEMM, 40, 1)

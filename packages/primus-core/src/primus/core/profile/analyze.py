@@ -4,7 +4,7 @@ Per rank, on the device timeline (events of category ``kernel``, ``gpu_memcpy``,
 CPU-only trace the top-level ``cpu_op`` events stand in), over the window from the first to the last
 device event:
 
-- compute: time covered by at least one non-communication kernel;
+- compute: covered by a compute (non-communication) kernel and by no communication kernel;
 - exposed communication: covered by a communication kernel and by no compute kernel;
 - overlapped communication: covered by both;
 - idle: covered by nothing.
