@@ -158,7 +158,7 @@ def analyze_events(events: list[dict], rank: str = "0", top_n: int = 10) -> Rank
     return RankReport(
         rank,
         end - start,
-        _length(cu),
+        _length(cu) - both,
         _length(mu) - both,
         both,
         (end - start) - busy,
