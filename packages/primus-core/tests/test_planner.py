@@ -101,3 +101,46 @@ def test_plan_cli_recommends():
     assert res.exit_code == 0, res.output
     assert "recommended: DDP+distopt 8, no recompute" in res.output
     assert "optimizer" in res.output and "activations" in res.output
+
+
+def test_strategy_auto_fills_the_parallel_section(registry, monkeypatch):
+    from primus.core.planner import auto
+    from primus.core.train import resolve
+
+    monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
+    res = resolve(
+        "llama3.1-8b",
+        ["backend.name=fake", "parallel.strategy=auto", "train.seq_len=8192", "train.micro_batch_size=1"],
+        world_size=8,
+        registry=registry,
+    )
+    p = res.config.parallel
+    assert p.dp_replicate * p.dp_shard * p.tp * p.pp == 8 and p.strategy == "auto"
+    kept = resolve(
+        "llama3.1-8b",
+        [
+            "backend.name=fake",
+            "parallel.strategy=auto",
+            "parallel.tp=2",
+            "train.seq_len=8192",
+            "train.micro_batch_size=1",
+        ],
+        world_size=8,
+        registry=registry,
+    )
+    assert kept.config.parallel.tp == 2 and kept.config.parallel.sequence_parallel  # the user's tp is kept
+
+
+def test_strategy_auto_refuses_what_cannot_fit(registry, monkeypatch):
+    from primus.core.config.errors import ConfigError
+    from primus.core.planner import auto
+    from primus.core.train import resolve
+
+    monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
+    with pytest.raises(ConfigError, match="parallel.strategy: auto: no layout fits 8 × H100"):
+        resolve(
+            "llama3.1-405b",
+            ["backend.name=fake", "parallel.strategy=auto", "train.seq_len=8192"],
+            world_size=8,
+            registry=registry,
+        )

@@ -71,6 +71,11 @@ def resolve(
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layers = load_layers(config, overrides, resolver(registry), configure=configure_changes(registry))
     cfg = validate_config(layers.data, world_size=world_size, registry=registry if check_plugins else None)
+    if cfg.parallel.strategy == "auto":
+        from primus.core.planner.auto import choose
+
+        explicit = {k.split(".")[1] for k in layers.sources if k.startswith("parallel.")}
+        cfg = validate_config(choose(cfg, explicit, world_size).model_dump(), world_size=world_size)
     return Resolved(resolve_parallel(cfg, world_size), layers, registry, world_size)
 
 
