@@ -18,6 +18,7 @@ from primus.core.cli_analyze import analyze
 from primus.core.cli_data import data_app
 from primus.core.cli_plan import plan
 from primus.core.cli_preflight import preflight
+from primus.core.cli_profile import profile
 from primus.core.config.errors import ConfigError
 
 app = typer.Typer(
@@ -34,6 +35,7 @@ app.add_typer(data_app, name="data")
 app.command("plan")(plan)
 app.command("analyze")(analyze)
 app.command("preflight")(preflight)
+app.command("profile")(profile)
 
 # Wide enough for the preset tables when output is piped (rich assumes 80 columns then).
 out = Console(width=None if sys.stdout.isatty() else 200)

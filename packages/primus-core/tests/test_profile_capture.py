@@ -1,0 +1,57 @@
+"""primus profile: a backend's steps traced through StepProfiler, then the report written from the traces."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from primus.core import cli, hookimpl, plugins
+from primus.core.plugins import Registry, build_plugin_manager
+from primus.core.protocols import BackendSpec
+
+torch = pytest.importorskip("torch")
+
+
+def _matmul_backend(cfg, ctx):
+    from primus.core.profile.capture import StepProfiler
+
+    x = torch.randn(128, 128)
+    with StepProfiler(cfg, ctx.info) as prof:
+        for step in range(1, cfg.train.steps + 1):
+            for _ in range(4):
+                x = torch.nn.functional.silu(x @ x)
+                x = x / x.norm()
+            ctx.step_end(step, {"loss": float(x.sum()), "mfu": 0.25, "tflops_per_device": 1.5})
+            prof.step()
+    return {}
+
+
+class Backend:
+    @staticmethod
+    @hookimpl
+    def primus_backends():
+        return [BackendSpec("matmul", "", run=_matmul_backend)]
+
+
+def test_profile_writes_traces_and_report(tmp_path, monkeypatch):
+    monkeypatch.setenv(plugins.DISABLE_ENV, "1")
+    monkeypatch.setattr(plugins, "_cached", Registry(build_plugin_manager(extra_plugins=[("matmul", Backend)])))
+    res = CliRunner().invoke(
+        cli.app,
+        [
+            "profile",
+            "tiny-llama",
+            "backend.name=matmul",
+            "train.steps=2",
+            f"logging.output_dir={tmp_path}",
+            "logging.tensorboard=false",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "traces" / "rank0.json").is_file()
+    report = (tmp_path / "profile" / "report.md").read_text()
+    assert "| 0 |" in report and "MFU (last logged interval): 25.0%" in report
+    gemm_share = report.split("## Kernel categories")[1].splitlines()[4].split("|")[2].strip()
+    assert float(gemm_share.rstrip("%")) > 0  # the matmuls were traced and counted as GEMM
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 5  # steps raised to wait + warmup + active + 1 so the schedule completes
