@@ -19,6 +19,7 @@ from primus.core.cli_data import data_app
 from primus.core.cli_plan import plan
 from primus.core.cli_preflight import preflight
 from primus.core.cli_profile import profile
+from primus.core.cli_slurm import slurm_app
 from primus.core.config.errors import ConfigError
 
 app = typer.Typer(
@@ -32,6 +33,7 @@ presets_app = typer.Typer(help="Model and recipe presets.", no_args_is_help=True
 app.add_typer(config_app, name="config")
 app.add_typer(presets_app, name="presets")
 app.add_typer(data_app, name="data")
+app.add_typer(slurm_app, name="slurm")
 app.command("plan")(plan)
 app.command("analyze")(analyze)
 app.command("preflight")(preflight)
@@ -86,6 +88,9 @@ def train(
     node_rank: Annotated[int, typer.Option(help="this node's rank")] = 0,
     master_addr: Annotated[str, typer.Option(help="rendezvous host")] = "127.0.0.1",
     master_port: Annotated[int, typer.Option(help="rendezvous port")] = 29500,
+    rdzv: Annotated[
+        str | None, typer.Option(help="HOST:PORT of a c10d rendezvous (elastic; replaces master-*)")
+    ] = None,
 ) -> None:
     """Train: resolve + validate the config, then run it on the backend named by backend.name."""
     from primus.core.train import LAUNCHED_ENV, launch_torchrun, run_rank
@@ -104,6 +109,7 @@ def train(
                 node_rank=node_rank,
                 master_addr=master_addr,
                 master_port=master_port,
+                rdzv=rdzv,
             )
         )
     from primus.core.kernels import KernelUnavailable

@@ -1,0 +1,88 @@
+"""primus slurm: the sbatch script, submission through sbatch, refusal of bad configs before queueing."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from typer.testing import CliRunner
+
+from primus.core import cli
+from primus.core.launch_env import AMD, COMMON, NVIDIA
+from primus.core.train import torchrun_command
+
+runner = CliRunner()
+
+
+def test_script_runs_torchrun_per_node_with_env(tmp_path):
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("extends: [tiny-llama]\n")
+    path = tmp_path / "job.sh"
+    res = runner.invoke(
+        cli.app,
+        [
+            "slurm",
+            "script",
+            str(exp),
+            "train.steps=7",
+            "--nodes",
+            "4",
+            "--gpus-per-node",
+            "8",
+            "--family",
+            "amd",
+            "--env",
+            "NCCL_SOCKET_IFNAME=ens1",
+            "--partition",
+            "gpu",
+            "--out",
+            str(path),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    text = path.read_text()
+    assert os.stat(path).st_mode & stat.S_IXUSR
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --partition=gpu",
+        "export NCCL_SOCKET_IFNAME=ens1  # --env",
+    ):
+        assert line in text
+    for key in {**COMMON, **AMD}:
+        assert f"export {key}=${{{key}:-" in text
+    assert not any(f"export {k}=" in text for k in NVIDIA)
+    srun = next(ln for ln in text.splitlines() if ln.startswith("srun"))
+    assert "--nnodes=$SLURM_NNODES --nproc-per-node=8" in srun and "--rdzv-endpoint=$head:29500" in srun
+    assert srun.endswith(f"train {exp.resolve()} train.steps=7")  # absolute path: compute nodes share the FS
+
+
+def test_submit_uses_sbatch(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "Submitted batch job 4242 for $1"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    res = runner.invoke(cli.app, ["slurm", "submit", "tiny-llama", "--nodes", "2", "--out", str(tmp_path / "j.sh")])
+    assert res.exit_code == 0, res.output
+    assert f"Submitted batch job 4242 for {tmp_path / 'j.sh'}" in res.output
+
+
+def test_submit_without_sbatch_and_bad_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    res = runner.invoke(cli.app, ["slurm", "submit", "tiny-llama"])
+    assert res.exit_code == 2 and "sbatch not found" in res.output
+    res = runner.invoke(cli.app, ["slurm", "script", "tiny-llama", "parallel.tp=3", "--out", str(tmp_path / "x.sh")])
+    assert res.exit_code == 2 and "parallel.tp" in res.output and not (tmp_path / "x.sh").exists()
+
+
+def test_torchrun_command_forms():
+    static = torchrun_command(["train", "c.yaml"], nproc_per_node=2, nnodes=2, node_rank=1, master_addr="h0")
+    assert (
+        "--node-rank=1" in static
+        and "--master-addr=h0" in static
+        and static[-3:] == ["primus.core.cli", "train", "c.yaml"]
+    )
+    elastic = torchrun_command(["train", "c.yaml"], nproc_per_node=8, nnodes=4, rdzv="h0:29400")
+    assert "--rdzv-endpoint=h0:29400" in elastic and not any(a.startswith("--master-addr") for a in elastic)
