@@ -68,6 +68,18 @@ class ScheduleConfig(Section):
     decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
 
 
+class HealthConfig(Section):
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="NaN/Inf loss or grad norm: stop the run, or skip that step's update"
+    )
+    max_skipped_steps: int = Field(10, ge=0, description="with skip: stop after this many skipped steps")
+    spike_factor: float = Field(3.0, gt=1, description="warn when the loss exceeds this × its recent mean")
+    spike_window: int = Field(20, gt=1, description="steps in the recent-mean window")
+    collective_timeout_s: int = Field(
+        600, gt=0, description="a collective that takes longer aborts with an error instead of hanging"
+    )
+
+
 class TrainConfig(Section):
     seq_len: int = Field(128, gt=0, description="tokens per sample")
     micro_batch_size: int = Field(2, gt=0, description="samples per device per forward/backward")
@@ -82,6 +94,7 @@ class TrainConfig(Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     compile: bool = Field(False, description="torch.compile the blocks")
     init_from_hf: str | None = Field(None, description="start from a Hugging Face checkpoint folder")
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
 
 class ParallelConfig(Section):
