@@ -142,3 +142,31 @@ def test_missing_backend_message_names_failed_distribution(fake_entry_points):
     fake_entry_points.append(_ep("megatron", "primus-megatron", exc=ImportError("No module named 'megatron'")))
     msg = Registry(build_plugin_manager()).missing_backend_message("megatron")
     assert "primus-megatron" in msg and "did not load" in msg and "No module named 'megatron'" in msg
+
+
+def test_plugin_command_group_is_mounted(fake_entry_points, monkeypatch):
+    import typer
+    from typer.testing import CliRunner
+
+    from primus.core import cli
+
+    group = typer.Typer()
+
+    @group.command()
+    def hello(name: str = "x"):
+        print(f"hello {name}")
+
+    class Cmds:
+        @staticmethod
+        @hookimpl
+        def primus_commands():
+            return [("greet", group), ("config", typer.Typer())]  # "config" is core's: refused
+
+    fake_entry_points.append(_ep("cmds", "primus-cmds", Cmds))
+    monkeypatch.setattr(plugins, "_cached", None)
+    monkeypatch.setattr(cli, "app", typer.Typer())
+    cli.app.add_typer(typer.Typer(), name="config")
+    cli.add_plugin_commands()
+    res = CliRunner().invoke(cli.app, ["greet", "hello", "--name", "primus"])
+    assert res.exit_code == 0 and "hello primus" in res.output
+    assert [g.name for g in cli.app.registered_groups].count("config") == 1

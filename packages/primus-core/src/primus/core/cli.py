@@ -317,8 +317,22 @@ def env() -> None:
     out.print(table)
 
 
+def add_plugin_commands() -> None:
+    """Mount the command groups plugins offer (primus_commands); a clash with a built-in name is refused."""
+    from primus.core.plugins import get_registry
+
+    taken = {g.name for g in app.registered_groups} | {c.name or c.callback.__name__ for c in app.registered_commands}
+    for name, group in get_registry().commands:
+        if name in taken:
+            logging.getLogger("primus.plugins").error("command group %r is already taken; not added", name)
+            continue
+        app.add_typer(group, name=name)
+        taken.add(name)
+
+
 def main() -> None:
     try:
+        add_plugin_commands()
         app()
     except ConfigError as exc:
         err.print(f"error: {exc}", style="red", highlight=False, markup=False)

@@ -87,6 +87,18 @@ def primus_presets() -> list[Path]:
     """
 
 
+@hookspec
+def primus_commands() -> list[tuple[str, Any]]:
+    """Command groups this plugin adds to the ``primus`` CLI.
+
+    :returns: a list of ``(name, typer.Typer)``; ``primus NAME ...`` runs the group. A name that core
+        or an earlier plugin already uses is refused and logged.
+
+    Use in plugins: called when the CLI starts. Import nothing heavy (torch, an engine) at module
+    level of the command module: ``primus --help`` must stay fast.
+    """
+
+
 # -------------------------------------------------------------------------------------------------
 # Configuration hooks
 # -------------------------------------------------------------------------------------------------

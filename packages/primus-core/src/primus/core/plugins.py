@@ -155,6 +155,8 @@ def _collect(pm: PrimusPluginManager, hook_name: str, kind: type) -> list[tuple[
 
 
 def _label(item: Any) -> str:
+    if isinstance(item, tuple) and item:
+        return str(item[0])
     if isinstance(item, KernelProvider):
         return f"{item.op}:{item.name}"
     if isinstance(item, Path):
@@ -202,6 +204,16 @@ class Registry:
             if k.op not in KERNEL_OPS:
                 log.error("%s: kernel provider %s has unknown op %r (allowed: %s)", dist, k.name, k.op, KERNEL_OPS)
         return self._pick([(d, k) for d, k in items if k.op in KERNEL_OPS], lambda k: (k.op, k.name))
+
+    @cached_property
+    def commands(self) -> list[tuple[str, Any]]:
+        out = []
+        for dist, item in _collect(self.pm, "primus_commands", tuple):
+            if len(item) == 2 and isinstance(item[0], str):
+                out.append(item)
+            else:
+                log.error("%s: primus_commands must return (name, typer.Typer) pairs, got %r", dist, item)
+        return out
 
     def kernel_names(self, op: str) -> set[str]:
         return {name for (o, name) in self.kernels if o == op}
