@@ -49,58 +49,47 @@ def _job(config, overrides, nodes, gpus_per_node, family, env, partition, accoun
     return job, out
 
 
-@slurm_app.command("script")
-def script_cmd(
-    config: Config,
-    overrides: Overrides = None,
-    nodes: Nodes = 1,
-    gpus_per_node: Gpus = 8,
-    family: Family = "nvidia",
-    env: Env = None,
-    partition: Partition = None,
-    account: Account = None,
-    time: Time = "24:00:00",
-    out: Out = None,
-) -> None:
-    """Write the sbatch script (and print it)."""
-    from primus.core.cli import out as console
-    from primus.core.slurm import script, write
+def _command(submit: bool):
+    """One callback for both commands (same options); ``submit`` also hands the script to sbatch."""
 
-    job, run_dir = _job(config, overrides, nodes, gpus_per_node, family, env, partition, account, time)
-    path = write(job, out or run_dir / "sbatch.sh")
-    console.print(script(job), highlight=False, markup=False)
-    console.print(f"# written to {path}", highlight=False, markup=False)
+    def command(
+        config: Config,
+        overrides: Overrides = None,
+        nodes: Nodes = 1,
+        gpus_per_node: Gpus = 8,
+        family: Family = "nvidia",
+        env: Env = None,
+        partition: Partition = None,
+        account: Account = None,
+        time: Time = "24:00:00",
+        out: Out = None,
+    ) -> None:
+        from primus.core.cli import err
+        from primus.core.cli import out as console
+        from primus.core.slurm import script, write
+
+        if submit and shutil.which("sbatch") is None:
+            err.print(
+                "error: sbatch not found on PATH: run on a Slurm login node, or use `primus slurm script`",
+                style="red",
+                markup=False,
+            )
+            raise typer.Exit(2)
+        job, run_dir = _job(config, overrides, nodes, gpus_per_node, family, env, partition, account, time)
+        path = write(job, out or run_dir / "sbatch.sh")
+        if not submit:
+            console.print(script(job), highlight=False, markup=False)
+            console.print(f"# written to {path}", highlight=False, markup=False)
+            return
+        result = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
+        if result.returncode:
+            err.print(f"error: sbatch failed: {result.stderr.strip()}", style="red", markup=False)
+            raise typer.Exit(result.returncode)
+        console.print(f"{result.stdout.strip()} ({path})", highlight=False, markup=False)
+
+    command.__doc__ = "Write the sbatch script and submit it with sbatch." if submit else "Write the sbatch script."
+    return command
 
 
-@slurm_app.command("submit")
-def submit_cmd(
-    config: Config,
-    overrides: Overrides = None,
-    nodes: Nodes = 1,
-    gpus_per_node: Gpus = 8,
-    family: Family = "nvidia",
-    env: Env = None,
-    partition: Partition = None,
-    account: Account = None,
-    time: Time = "24:00:00",
-    out: Out = None,
-) -> None:
-    """Write the sbatch script and submit it with sbatch."""
-    from primus.core.cli import err
-    from primus.core.cli import out as console
-    from primus.core.slurm import write
-
-    if shutil.which("sbatch") is None:
-        err.print(
-            "error: sbatch not found on PATH: run on a Slurm login node, or use `primus slurm script`",
-            style="red",
-            markup=False,
-        )
-        raise typer.Exit(2)
-    job, run_dir = _job(config, overrides, nodes, gpus_per_node, family, env, partition, account, time)
-    path = write(job, out or run_dir / "sbatch.sh")
-    result = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
-    if result.returncode:
-        err.print(f"error: sbatch failed: {result.stderr.strip()}", style="red", markup=False)
-        raise typer.Exit(result.returncode)
-    console.print(f"{result.stdout.strip()} ({path})", highlight=False, markup=False)
+slurm_app.command("script")(_command(submit=False))
+slurm_app.command("submit")(_command(submit=True))
