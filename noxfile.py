@@ -35,6 +35,8 @@ RUFF = "ruff==0.17.6"
 LINT_PATHS = ("packages", "tests", "benchmarks", "noxfile.py")
 # The root tests build and install tests/fixtures/primus-example-plugin without build isolation (works offline).
 INTEGRATION_DEPS = ["pytest>=8", "hatchling>=1.24"]
+# Extras that only do something on a GPU (e.g. primus-tune[cuda] = nvmath-python): not installed on CPU CI.
+GPU_ONLY_EXTRAS = {"cuda"}
 
 
 def list_packages() -> dict[str, Path]:
@@ -77,7 +79,9 @@ def install_packages(session: nox.Session, names: list[str], *more: str) -> None
     reqs = []
     for name in dict.fromkeys(["core", *names]):
         if name in names:
-            extras = list(pyproject(name)["project"].get("optional-dependencies", {}))
+            extras = [
+                e for e in pyproject(name)["project"].get("optional-dependencies", {}) if e not in GPU_ONLY_EXTRAS
+            ]
         else:  # primus-core, as a dependency
             extras = ["torch"] if torch else []
         reqs.append(requirement(name, extras))

@@ -32,3 +32,42 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
 def cache_home(tmp_path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+class FakeTunable:
+    """Records the calls TunableOpSearcher makes; a tuning pass 'finds' the next queued result row."""
+
+    def __init__(self, rows, with_write_file):
+        self.calls: list[tuple] = []
+        self.rows = list(rows)
+        self.found: list[tuple] = []
+        self.tuning = False
+        if with_write_file:
+            self.write_file = lambda: self.calls.append(("write_file",))
+
+    def enable(self, on=True):
+        self.calls.append(("enable", on))
+
+    def tuning_enable(self, on=True):
+        if on and not self.tuning and self.rows:
+            self.found.append(self.rows.pop(0))
+        self.tuning = on
+        self.calls.append(("tuning_enable", on))
+
+    def set_max_tuning_iterations(self, n):
+        self.calls.append(("set_max_tuning_iterations", n))
+
+    def set_filename(self, name, insert_device_ordinal=False):
+        self.calls.append(("set_filename", name))
+
+    def get_results(self):
+        return tuple(self.found)
+
+    def get_validators(self):
+        return (("PT_VERSION", "2.11.0"), ("HIPBLASLT_VERSION", "1.0.0"))
+
+
+@pytest.fixture
+def fake_tunable() -> type:
+    """A stand-in for ``torch.cuda.tunable`` (no ROCm here)."""
+    return FakeTunable

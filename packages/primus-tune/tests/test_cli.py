@@ -24,7 +24,7 @@ def test_config_show_attributes_the_results_file_to_primus_tune(registry, cache_
     assert "plugin primus-tune" in _rows(res.output)["kernels.gemm_tuning_file"]
     assert "exp.yaml" in _rows(res.output)["kernels.gemm_tuning"]
     resolved = yaml.safe_load(runner.invoke(cli.app, ["config", "show", str(exp), "--yaml"]).output)
-    assert resolved["kernels"]["gemm_tuning_file"] == str(cache_home / "primus" / "gemm" / "tiny-llama-fp32.csv")
+    assert resolved["kernels"]["gemm_tuning_file"] == str(cache_home / "primus" / "gemm" / "tiny-llama-fp32.json")
 
 
 def test_a_file_named_in_the_config_wins(registry, cache_home, tmp_path):
@@ -58,4 +58,4 @@ def test_offline_asked_for_on_the_command_line_gets_the_file_too(registry, cache
     res = runner.invoke(cli.app, ["config", "show", "tiny-demo", "kernels.gemm_tuning=offline", "--yaml"])
 
     assert res.exit_code == 0, res.output
-    assert yaml.safe_load(res.output)["kernels"]["gemm_tuning_file"].endswith("/primus/gemm/tiny-llama-fp32.csv")
+    assert yaml.safe_load(res.output)["kernels"]["gemm_tuning_file"].endswith("/primus/gemm/tiny-llama-fp32.json")

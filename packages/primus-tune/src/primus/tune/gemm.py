@@ -1,9 +1,8 @@
 """Where offline GEMM tuning results are kept when a config does not say.
 
-One file per model and precision: ``$XDG_CACHE_HOME/primus/gemm/<model.name>-<precision>.csv``
-(``~/.cache`` when ``XDG_CACHE_HOME`` is unset). CSV because the file is meant for PyTorch TunableOp
-(``PYTORCH_TUNABLEOP_FILENAME``), whose results file is CSV; one file holds every GEMM shape of the
-model, so runs with other batch sizes or parallel layouts add their shapes to it.
+One file per model and precision: ``$XDG_CACHE_HOME/primus/gemm/<model.name>-<precision>.json``
+(``~/.cache`` when ``XDG_CACHE_HOME`` is unset), in the format of :mod:`primus.tune.results`. Beside it:
+``<stem>.shapes.json`` (``primus tune gemm record``) and, on ROCm, ``<stem>.tunableop.csv`` (TunableOp's own file).
 """
 
 from __future__ import annotations
@@ -23,4 +22,4 @@ def default_results_file(config: dict[str, Any]) -> Path:
     model = (config.get("model") or {}).get("name") or "tiny-llama"
     precision = (config.get("train") or {}).get("precision") or "bf16"
     stem = re.sub(r"[^\w.-]", "_", f"{model}-{precision}")
-    return cache_dir() / f"{stem}.csv"
+    return cache_dir() / f"{stem}.json"

@@ -1,0 +1,184 @@
+"""Linears that run each of their three GEMMs through the tuned algorithm where it won, else through torch.
+
+``tuned_linear(x, weight, bias, plans)`` computes ``x @ weight.T + bias`` like ``F.linear``; forward (``NT``),
+input gradient (``g @ W``, ``NN``) and weight gradient (``g.T @ x``, ``TN``) each look up their own
+:class:`GemmShape` in ``plans`` (a :class:`PlanProvider`): a hit runs the tuned GEMM, a miss ``torch.mm``. The
+bias is added by torch (its gradient is a sum), so a tuned GEMM never needs a bias epilogue.
+
+:class:`NvmathPlans` is the CUDA provider: one planned nvmath ``Matmul`` per tuned shape, built on first use from
+the algorithm in the results file. :func:`patch_linears` routes a model's ``nn.Linear`` modules here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from primus.tune.record import dtype_name, layout_of
+from primus.tune.shapes import GemmShape
+
+log = logging.getLogger("primus.tune")
+
+Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PlanProvider(Protocol):
+    def lookup(self, shape: GemmShape) -> Gemm | None:
+        """The tuned GEMM for ``shape`` (called with ``a``, ``b`` laid out as the shape says), or None."""
+
+
+def shape_of(a: torch.Tensor, b: torch.Tensor) -> GemmShape:
+    return GemmShape(
+        "mm",
+        m=a.shape[0],
+        n=b.shape[1],
+        k=a.shape[1],
+        layout=layout_of(a) + layout_of(b),
+        dtype=dtype_name(a.dtype),
+        out_dtype=dtype_name(a.dtype),
+    )
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Row-major or transposed-row-major with no padding: the strides a tuned plan was made for."""
+    r, c = t.shape
+    return t.stride() in ((c, 1), (1, r)) and t.data_ptr() % 16 == 0
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, plans: PlanProvider | None) -> torch.Tensor:
+    """``a @ b`` through the tuned plan for this shape and layout when there is one."""
+    if plans is not None and a.dtype == b.dtype and _dense(a) and _dense(b):
+        fn = plans.lookup(shape_of(a, b))
+        if fn is not None:
+            return fn(a, b)
+    return torch.mm(a, b)
+
+
+class _TunedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plans):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = gemm(x2, weight.t(), plans)
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(x2, weight)
+        ctx.plans, ctx.has_bias, ctx.x_shape = plans, bias is not None, x.shape
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, weight.shape[0])
+        if not g2.is_contiguous():
+            g2 = g2.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = gemm(g2, weight, ctx.plans).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dw = gemm(g2.t(), x2, ctx.plans)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g2.sum(0)
+        return dx, dw, db, None
+
+
+def tuned_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, plans: PlanProvider | None = None
+) -> torch.Tensor:
+    """``F.linear`` whose three GEMMs use tuned plans where they won. Under autocast the operands are cast first
+    (as autocast does for ``F.linear``). Anything unusual (no plans, a DTensor or sparse weight, mismatched dtypes)
+    goes to ``F.linear`` unchanged."""
+    if plans is None or type(weight) not in (torch.Tensor, nn.Parameter) or x.dim() < 2:
+        return F.linear(x, weight, bias)
+    if torch.is_autocast_enabled(x.device.type):  # cast as autocast would for F.linear, so the GEMMs match
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    if x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return _TunedLinear.apply(x, weight, bias, plans)
+
+
+def patch_linears(model: nn.Module, plans: PlanProvider) -> int:
+    """Route every ``nn.Linear`` of ``model`` through :func:`tuned_linear`; returns how many were patched."""
+    count = 0
+    for mod in model.modules():
+        if type(mod) is nn.Linear:
+
+            def forward(x, mod=mod):
+                return tuned_linear(x, mod.weight, mod.bias, plans)
+
+            mod.forward = forward
+            count += 1
+    return count
+
+
+class StaticPlans:
+    """A provider from a dict ``{GemmShape.key: gemm}`` (tests, and what the providers below cache)."""
+
+    def __init__(self, table: dict[str, Gemm] | None = None) -> None:
+        self.table = dict(table or {})
+        self.hits: dict[str, int] = {}
+        self.misses: dict[str, GemmShape] = {}
+
+    def lookup(self, shape: GemmShape) -> Gemm | None:
+        fn = self.table.get(shape.key)
+        if fn is None:
+            self.misses.setdefault(shape.key, shape)
+            return None
+        self.hits[shape.key] = self.hits.get(shape.key, 0) + 1
+        return fn
+
+
+class NvmathPlans(StaticPlans):
+    """CUDA: the tuned cuBLASLt algorithms of a results file, each planned once (nvmath ``Matmul``) on its first
+    use and reused with new operands. Shapes whose default won are not in the table: torch runs them."""
+
+    def __init__(self, entries: dict[str, Any]) -> None:
+        super().__init__()
+        self.entries = dict(entries)  # key -> TuningEntry whose winner is "tuned"
+        self._matmuls: dict[str, Any] = {}
+
+    def add(self, entry: Any) -> None:
+        self.entries[entry.shape.key] = entry
+        self.table.pop(entry.shape.key, None)
+
+    def lookup(self, shape: GemmShape) -> Gemm | None:
+        key = shape.key
+        if key not in self.table and key in self.entries:
+            self.table[key] = self._gemm(key)
+        return super().lookup(shape)
+
+    def _gemm(self, key: str) -> Gemm:
+        from primus.tune.searchers import decode_algorithm, lt_operands
+
+        algorithm = decode_algorithm(self.entries[key].solution["algorithm"])
+
+        def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            from nvmath.linalg.advanced import Matmul
+
+            x, y, flip = lt_operands(a, b)  # a row-major result, as torch.mm gives
+            stream = torch.cuda.current_stream()
+            mm = self._matmuls.get(key)
+            if mm is None:
+                mm = Matmul(x, y, stream=stream)
+                mm.plan(algorithms=[algorithm], stream=stream)
+                self._matmuls[key] = mm
+            else:
+                mm.reset_operands(a=x, b=y, stream=stream)
+            out = mm.execute(stream=stream)
+            mm.release_operands()  # do not keep activations alive between steps
+            return out.t() if flip else out
+
+        return run
+
+    def free(self) -> None:
+        for mm in self._matmuls.values():
+            mm.free()
+        self._matmuls.clear()
