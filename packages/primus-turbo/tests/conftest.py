@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -7,6 +8,38 @@ import pytest
 import torch
 
 from primus.core.plugins import Registry, build_plugin_manager
+
+# Without a GPU the Triton kernels run in Triton's interpreter (numpy, on CPU tensors). The flag is read
+# when a kernel is defined, so it is set here, before any test imports primus.turbo.triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Error bounds of the Triton kernels against core's references computed in fp32 (kernels do fp32 math;
+# the low-precision bounds cover one rounding of inputs and outputs to the dtype, 2**-8 for bf16).
+TOLERANCES = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+    torch.float16: {"rtol": 5e-3, "atol": 5e-3},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
+}
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where the Triton kernel tests run: the GPU when there is one, else CPU under the interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def assert_matches():
+    """``assert_matches(actual, expected, dtype)``: finite (NaN/inf never pass) and within the dtype's bounds
+    of the fp32 reference."""
+
+    def check(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        assert torch.isfinite(actual).all(), "non-finite values in the kernel's output"
+        assert torch.isfinite(expected).all(), "non-finite values in the reference"
+        torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCES[dtype])
+
+    return check
 
 
 @pytest.fixture

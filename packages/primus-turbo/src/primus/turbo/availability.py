@@ -81,3 +81,14 @@ def aiter(device: str, *, dtype: Any = None, head_dim: int | None = None, **_: A
     except ImportError as exc:
         return Availability(False, f"aiter is not installed ({exc})")
     return _verdict(shape_reason(dtype, head_dim))
+
+
+def triton_kernels(device: str, **_: Any) -> Availability:
+    """The Triton kernels (primus.turbo.triton): any dtype and head size, on a CUDA or ROCm GPU."""
+    if device not in ("cuda", "rocm"):
+        return Availability(False, "Triton kernels need a CUDA or ROCm device")
+    try:
+        import triton  # noqa: F401 - the import is the check
+    except ImportError as exc:
+        return Availability(False, f"triton is not installed ({exc})")
+    return Availability(True)

@@ -1,7 +1,8 @@
 """The ``turbo`` entry point: the kernel providers primus-turbo registers.
 
 Priorities order ``auto`` selection (highest available wins): AITER (ROCm) 30, cuDNN (CUDA) 20,
-flash 10, core's plain SDPA 0.
+flash 10, core's plain SDPA 0. The Triton kernels (rms_norm, swiglu, rope, cross_entropy) are 20, above
+core's plain-PyTorch ones (0), on any CUDA or ROCm device with ``triton`` installed.
 """
 
 from __future__ import annotations
@@ -10,6 +11,14 @@ from primus.core import hookimpl
 from primus.core.protocols import KernelProvider
 
 _CHECK = "primus.turbo.availability"
+
+# op -> (module:function under primus.turbo.triton, description)
+TRITON_OPS = {
+    "rms_norm": ("rms_norm:rms_norm", "Triton RMSNorm, one pass forward, persistent backward"),
+    "swiglu": ("swiglu:swiglu", "Triton elementwise silu(gate) * up, fwd + bwd"),
+    "rope": ("rope:rope", "Triton rotate-half RoPE, cos/sin row shared by the heads of a position"),
+    "cross_entropy": ("cross_entropy:cross_entropy", "Triton cross-entropy, online logsumexp over vocab blocks"),
+}
 
 
 @hookimpl
@@ -38,5 +47,16 @@ def primus_kernels() -> list[KernelProvider]:
             available=f"{_CHECK}:flash",
             priority=10,
             description="torch SDPA forced to the flash backend (CUDA, ROCm)",
+        ),
+        *(
+            KernelProvider(
+                op=op,
+                name="triton",
+                impl=f"primus.turbo.triton.{impl}",
+                available=f"{_CHECK}:triton_kernels",
+                priority=20,
+                description=description,
+            )
+            for op, (impl, description) in TRITON_OPS.items()
         ),
     ]
