@@ -1,0 +1,111 @@
+"""A torchtitan data loader over Primus's data layer (``primus.core.data``).
+
+Every layout sees the same global batches, split the same way: the global sample order is fixed by the
+seed (a permutation per epoch), global batch ``s`` is positions ``[s*G, (s+1)*G)`` of that order, and
+data-parallel rank ``r`` of ``dp`` takes the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of it, in
+batches of torchtitan's ``local_batch_size``. So the loss of a step is the mean over the same tokens
+whatever the layout, and a resumed run continues with exactly the samples a straight run would see.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from primus.core.config.schema import PrimusConfig
+from primus.torchtitan import compat
+
+compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
+from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
+
+
+class GlobalBatchOrder:
+    """Sample index at each global position: epoch ``e`` is ``permutation(n)`` seeded with ``seed + e``."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples <= 0:
+            raise ValueError("the dataset holds no complete sample; use more data or a shorter train.seq_len")
+        self.n, self.seed = num_samples, seed
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
+
+    def __getitem__(self, position: int) -> int:
+        epoch, offset = divmod(position, self.n)
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, np.random.default_rng(self.seed + epoch).permutation(self.n)
+        return int(self._perm[offset])
+
+
+class PrimusDataLoader(BaseDataLoader):
+    """Yields ``({"input": tokens}, labels)`` batches of int64 ``[batch, seq_len]`` forever.
+
+    State (saved by torchtitan's checkpointer) is the number of samples this rank has consumed, keyed
+    by data-parallel rank like torchtitan's own loader.
+    """
+
+    def __init__(
+        self, dataset: Any, *, dp_rank: int, dp_world_size: int, batch_size: int, global_batch_size: int, seed: int
+    ) -> None:
+        if global_batch_size % dp_world_size or (global_batch_size // dp_world_size) % batch_size:
+            raise ValueError(
+                f"global batch {global_batch_size} does not split into {dp_world_size} ranks × batches of {batch_size}"
+            )
+        self.dataset, self.dp_rank, self.dp_world_size = dataset, dp_rank, dp_world_size
+        self.batch_size, self.global_batch_size = batch_size, global_batch_size
+        self.local_batch = global_batch_size // dp_world_size
+        self.order = GlobalBatchOrder(len(dataset), seed)
+        self.consumed = 0  # samples of this rank already yielded
+        self._key = f"dp_rank_{dp_rank}"
+
+    def position(self, local_index: int) -> int:
+        step, j = divmod(local_index, self.local_batch)
+        return step * self.global_batch_size + self.dp_rank * self.local_batch + j
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while True:
+            rows = [self.dataset[self.order[self.position(self.consumed + i)]] for i in range(self.batch_size)]
+            self.consumed += self.batch_size
+            inputs = torch.from_numpy(np.stack([r[0] for r in rows]))
+            labels = torch.from_numpy(np.stack([r[1] for r in rows]))
+            yield {"input": inputs}, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self._key: pickle.dumps({"consumed": self.consumed}), "world_size": self.dp_world_size}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict or self._key not in state_dict:
+            return
+        if state_dict["world_size"] != self.dp_world_size:
+            raise ValueError(
+                f"the checkpoint was written with data-parallel size {state_dict['world_size']}, "
+                f"this run has {self.dp_world_size}: resharding the data order is not supported"
+            )
+        self.consumed = pickle.loads(state_dict[self._key])["consumed"]
+
+
+def load_dataset(cfg: PrimusConfig) -> Any:
+    """The packed dataset of the run's token stream (tokenized once, cached on disk by primus.core.data)."""
+    from primus.core.data import PackedDataset, load_token_stream
+
+    # the tokenizer (data.tokenizer) is loaded by the data layer only if the source is text
+    tokens = load_token_stream(cfg.data, None, cfg.model.vocab_size, cfg.train.seed)
+    return PackedDataset(tokens, cfg.train.seq_len)
+
+
+def dataloader_builder(cfg: PrimusConfig):
+    """A TrainSpec ``build_dataloader_fn`` for this config (torchtitan passes the dp rank and size)."""
+
+    def build(dp_world_size: int, dp_rank: int, tokenizer: Any, job_config: Any, **_: Any) -> PrimusDataLoader:
+        return PrimusDataLoader(
+            load_dataset(cfg),
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            batch_size=job_config.training.local_batch_size,
+            global_batch_size=int(cfg.train.global_batch_size or 0),
+            seed=cfg.train.seed,
+        )
+
+    return build

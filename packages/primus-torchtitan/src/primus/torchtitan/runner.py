@@ -1,0 +1,158 @@
+"""Run a validated Primus config on TorchTitan's own Trainer (once per rank).
+
+The run builds torchtitan's JobConfig from the Primus config, registers a TrainSpec holding the
+model args (flavor ``primus``), Primus's data loader and metrics processor, and hands both to
+:class:`PrimusTrainer`: torchtitan's ``Trainer`` with two gradient-scale corrections (see
+:mod:`primus.torchtitan.compat`). Model code, parallelize functions, pipeline schedules, optimizer,
+LR schedule and checkpointer are torchtitan's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from primus.core.config.schema import PrimusConfig
+from primus.core.protocols import RunContext
+
+log = logging.getLogger("primus.torchtitan")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_env() -> None:
+    """torchtitan initialises torch.distributed from the torchrun environment; provide it for one process."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def complete_checkpoints(folder: Path) -> list[int]:
+    """Steps of the checkpoints in ``folder`` whose save finished (DCP writes ``.metadata`` last)."""
+    if not folder.is_dir():
+        return []
+    steps = []
+    for child in folder.iterdir():
+        if child.name.startswith("step-") and (child / ".metadata").is_file():
+            steps.append(int(child.name.removeprefix("step-")))
+    return sorted(steps)
+
+
+def checkpoint_dir(cfg: PrimusConfig) -> Path:
+    from primus.core.train import output_dir
+
+    return Path(cfg.checkpoint.dir or output_dir(cfg) / "checkpoints").absolute()
+
+
+def _exit_quietly_after_success() -> None:
+    """gloo runs with a DeviceMesh abort at interpreter teardown about one time in ten, after the work
+    is done and the process group destroyed ("terminate called without an active exception"). Once the
+    run has succeeded, flush and leave without that teardown."""
+
+    def leave() -> None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    failed = []
+    prev_hook = sys.excepthook
+
+    def hook(*args: Any) -> None:
+        failed.append(True)
+        prev_hook(*args)
+
+    sys.excepthook = hook
+    atexit.register(lambda: None if failed else leave())
+
+
+def build_trainer(cfg: PrimusConfig, ctx: RunContext) -> Any:
+    from primus.torchtitan import compat
+
+    device = ctx.info.device
+    compat.import_torchtitan(device)
+
+    from primus.torchtitan.data import dataloader_builder
+    from primus.torchtitan.metrics import metrics_builder
+    from primus.torchtitan.models import FLAVOR, engine_model, train_spec
+    from primus.torchtitan.trainer import PrimusTrainer
+
+    name = f"primus_{engine_model(cfg.model)}"
+    spec = train_spec(
+        cfg.model,
+        cfg.train.seq_len,
+        build_dataloader_fn=dataloader_builder(cfg),
+        build_metrics_processor_fn=metrics_builder(ctx),
+        cpu=device == "cpu",
+    )
+    compat.register_train_spec(name, spec)
+    job_config = compat.build_job_config(
+        cfg,
+        model_name=name,
+        flavor=FLAVOR,
+        output_dir=ctx.info.output_dir,
+        checkpoint_dir=str(checkpoint_dir(cfg)),
+        gpu=device != "cpu",
+    )
+    return PrimusTrainer(job_config)
+
+
+def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
+    import torch
+
+    from primus.torchtitan import compat
+
+    if ctx.info.device == "cpu" and (why := compat.cpu_refusal(cfg)):
+        raise RuntimeError(f"the torchtitan backend cannot run this on a CPU: {why}")
+    ckpt_dir = checkpoint_dir(cfg)
+    seed_only = bool(compat.extra_value(cfg.backend.extra, "checkpoint.create_seed_checkpoint", False))
+    if seed_only and ctx.info.world_size > 1:
+        raise RuntimeError("a seed checkpoint is written by one process (unsharded): run it without --nproc-per-node")
+    found = complete_checkpoints(ckpt_dir) if cfg.checkpoint.enabled else []
+    if found and not ctx.resume and not seed_only:
+        raise RuntimeError(
+            f"{ckpt_dir} holds checkpoints of an earlier run (steps {found}); pass --resume to "
+            "continue from the newest, or use another logging.output_dir / checkpoint.dir"
+        )
+    if ctx.resume and not found:
+        log.warning("--resume: no complete checkpoint in %s; starting from step 0", ckpt_dir)
+    if ctx.info.world_size == 1:
+        _single_process_env()
+    if ctx.info.rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)  # torchtitan logs to the root logger on every rank
+
+    if ctx.info.rank == 0:
+        log.info(
+            "torchtitan computes attention, norms, SwiGLU and the loss with its own modules (torch SDPA, "
+            "nn.RMSNorm, ...); the kernel selection is not applied to them"
+        )
+    trainer = build_trainer(cfg, ctx)
+    summary: dict[str, Any] = {"backend": "torchtitan"}
+    try:
+        if seed_only:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            summary["seed_checkpoint"] = str(ckpt_dir / "step-0")
+        else:
+            trainer.train()
+            compat.purge_after_last_save(trainer.checkpointer)
+            summary["final_step"] = trainer.step
+            summary["last_metrics"] = trainer.metrics_processor.last
+            steps = complete_checkpoints(ckpt_dir) if cfg.checkpoint.enabled else []
+            if steps:
+                summary["checkpoint"] = str(ckpt_dir / f"step-{steps[-1]}")
+    finally:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        if ctx.info.world_size > 1:
+            _exit_quietly_after_success()
+    return summary

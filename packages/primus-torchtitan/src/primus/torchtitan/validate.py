@@ -1,0 +1,279 @@
+"""What the torchtitan backend refuses, before any work, each with the reason and what would work.
+
+This module imports neither torch nor torchtitan (``primus config validate`` stays fast).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from primus.core.config.schema import PrimusConfig
+from primus.core.protocols import ConfigIssue
+
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+# JobConfig sections torchtitan 0.2.2 has: backend.extra may only name these (fields are checked at run)
+JOB_CONFIG_SECTIONS = frozenset(
+    {
+        "job",
+        "profiling",
+        "metrics",
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "training",
+        "parallelism",
+        "checkpoint",
+        "activation_checkpoint",
+        "compile",
+        "quantize",
+        "comm",
+        "memory_estimation",
+        "fault_tolerance",
+        "experimental",
+        "validation",
+        "debug",
+    }
+)
+
+
+def _model_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    m, out = cfg.model, []
+    if m.family in ("llama", "mistral", "qwen2"):  # torchtitan's llama3 model, or Primus's dense one
+        if m.head_dim is not None and m.head_dim * m.num_attention_heads != m.hidden_size:
+            out.append(
+                ConfigIssue(
+                    "model.head_dim",
+                    f"torchtitan's llama3 attention uses hidden_size / heads = "
+                    f"{m.hidden_size // m.num_attention_heads}",
+                    value=m.head_dim,
+                    allowed=f"null or {m.hidden_size // m.num_attention_heads}",
+                )
+            )
+        if m.qk_norm:
+            out.append(
+                ConfigIssue(
+                    "model.qk_norm",
+                    f"torchtitan's llama3 model has no qk_norm ({m.family})",
+                    value=True,
+                    allowed="false, or model.family: qwen3",
+                )
+            )
+        if m.rope_scaling is not None and m.rope_scaling.type != "llama3":
+            out.append(
+                ConfigIssue(
+                    "model.rope_scaling.type",
+                    "torchtitan's llama3 model implements only llama3 RoPE scaling",
+                    value=m.rope_scaling.type,
+                    allowed="llama3",
+                )
+            )
+    if m.family == "qwen3":
+        if m.qkv_bias:
+            out.append(
+                ConfigIssue("model.qkv_bias", "torchtitan's qwen3 model has no qkv bias", value=True, allowed="false")
+            )
+        if m.rope_scaling is not None:
+            out.append(
+                ConfigIssue("model.rope_scaling", "torchtitan's qwen3 model has no RoPE scaling", allowed="null")
+            )
+    return out
+
+
+def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
+    p, t, m, out = cfg.parallel, cfg.train, cfg.model, []
+    dp_shard = (
+        p.dp_shard if isinstance(p.dp_shard, int) else max(world_size // (p.dp_replicate * p.tp * p.pp * p.cp), 1)
+    )
+    if p.pp > 1:
+        if m.tie_word_embeddings:
+            out.append(
+                ConfigIssue(
+                    "parallel.pp",
+                    "a tied embedding and output head would sit on the first and last pipeline stages",
+                    value=p.pp,
+                    allowed="1, or model.tie_word_embeddings: false",
+                )
+            )
+        if p.pp_schedule == "zero_bubble" and p.vpp < 2:
+            out.append(
+                ConfigIssue(
+                    "parallel.pp_schedule",
+                    "torchtitan's zero-bubble schedule (InterleavedZeroBubble) needs several stages per rank",
+                    value=p.pp_schedule,
+                    allowed="1f1b, gpipe, or parallel.vpp > 1",
+                )
+            )
+        if p.vpp > 1 and p.pp_schedule in ("1f1b", "gpipe"):
+            out.append(
+                ConfigIssue(
+                    "parallel.pp_schedule",
+                    f"{p.pp_schedule} runs one stage per rank, but parallel.vpp is {p.vpp}",
+                    value=p.pp_schedule,
+                    allowed="interleaved_1f1b or zero_bubble",
+                )
+            )
+    if p.dp_replicate > 1 and dp_shard == 1 and (p.tp > 1 or p.pp > 1 or p.cp > 1):
+        out.append(
+            ConfigIssue(
+                "parallel.dp_replicate",
+                "torchtitan's DDP (replicate without sharding) cannot be combined with tp, pp or cp",
+                value=p.dp_replicate,
+                allowed="dp_shard > 1 (HSDP), or tp = pp = cp = 1",
+            )
+        )
+    if t.precision == "bf16" and dp_shard == 1 and p.dp_replicate == 1 and (p.tp > 1 or p.pp > 1):
+        out.append(
+            ConfigIssue(
+                "train.precision",
+                "torchtitan 0.2.2 applies bf16 mixed precision through FSDP, or "
+                "autocast without tp/pp; with tp or pp and no FSDP it would silently train in fp32",
+                value=t.precision,
+                allowed="fp32, or parallel.dp_shard > 1",
+            )
+        )
+    if p.recompute == "full" and p.recompute_layers is not None:
+        out.append(
+            ConfigIssue(
+                "parallel.recompute_layers",
+                "torchtitan's full activation checkpointing wraps every "
+                "layer; to checkpoint every N-th layer use parallel.recompute: selective with "
+                "backend.extra.activation_checkpoint.selective_ac_option: N",
+                value=p.recompute_layers,
+                allowed="null",
+            )
+        )
+    if m.family == "qwen3" and m.tie_word_embeddings and dp_shard > 1:
+        out.append(
+            ConfigIssue(
+                "model.tie_word_embeddings",
+                "torchtitan 0.2.2's qwen3 FSDP puts the tied embedding "
+                "and output head in two FSDP groups, which torch refuses",
+                value=True,
+                allowed="false, or parallel.dp_shard: 1",
+            )
+        )
+    if p.cp > 1 and p.pp > 1:
+        out.append(
+            ConfigIssue(
+                "parallel.cp",
+                "context parallelism with pipelining is not exercised in torchtitan 0.2.2's dense models",
+                value=p.cp,
+                allowed="1, or parallel.pp: 1",
+            )
+        )
+    return out
+
+
+def _train_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    t, out = cfg.train, []
+    if t.precision == "fp16":
+        out.append(
+            ConfigIssue(
+                "train.precision", "torchtitan 0.2.2 has no fp16 loss scaling", value="fp16", allowed="bf16, fp32"
+            )
+        )
+    if t.optimizer.name == "sgd":
+        out.append(
+            ConfigIssue(
+                "train.optimizer.name",
+                "torchtitan 0.2.2 builds Adam and AdamW only",
+                value="sgd",
+                allowed="adamw, adam",
+            )
+        )
+    if t.init_from_hf:
+        out.append(
+            ConfigIssue(
+                "train.init_from_hf",
+                "loading Hugging Face weights is not wired into the torchtitan backend yet",
+                value=t.init_from_hf,
+                allowed="null",
+            )
+        )
+    if cfg.checkpoint.keep_last == 1:
+        out.append(
+            ConfigIssue(
+                "checkpoint.keep_last",
+                "torchtitan keeps at least 2 checkpoints (the newest may still be being written)",
+                value=1,
+                allowed="2 or more",
+            )
+        )
+    if cfg.profile.enabled:
+        out.append(
+            ConfigIssue(
+                "profile.enabled",
+                "profiling is not wired into the torchtitan backend yet; use "
+                "backend.extra.profiling (torchtitan's own)",
+                value=True,
+                allowed="false",
+            )
+        )
+    return out
+
+
+# the plain-PyTorch providers are what torchtitan's own modules compute (SDPA, nn.RMSNorm, SwiGLU, cross-entropy)
+ENGINE_KERNELS = {
+    "attention": "sdpa",
+    "rms_norm": "torch",
+    "swiglu": "torch",
+    "cross_entropy": "torch",
+    "rope": "torch",
+}
+
+
+def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    out = []
+    for op, name in ENGINE_KERNELS.items():
+        choice = getattr(cfg.kernels, op)
+        if choice not in ("auto", name):
+            out.append(
+                ConfigIssue(
+                    f"kernels.{op}",
+                    "the torchtitan backend runs torchtitan's own modules; kernel "
+                    "providers are not swapped into them yet",
+                    value=choice,
+                    allowed=f"auto, {name}",
+                )
+            )
+    if cfg.kernels.gemm_tuning != "off":
+        out.append(
+            ConfigIssue(
+                "kernels.gemm_tuning",
+                "GEMM tuning is not wired into the torchtitan backend yet",
+                value=cfg.kernels.gemm_tuning,
+                allowed="off",
+            )
+        )
+    return out
+
+
+def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
+    out = []
+    for key, value in extra.items():
+        section = key.split(".")[0]
+        if section not in JOB_CONFIG_SECTIONS:
+            out.append(
+                ConfigIssue(
+                    f"backend.extra.{key}",
+                    "not a section of torchtitan's JobConfig",
+                    allowed=", ".join(sorted(JOB_CONFIG_SECTIONS)),
+                )
+            )
+        elif "." not in key and not isinstance(value, dict):
+            out.append(
+                ConfigIssue(f"backend.extra.{key}", "must be a mapping of torchtitan config fields", value=value)
+            )
+    return out
+
+
+def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
+    """Everything torchtitan 0.2.2 cannot run for this config (empty if it can)."""
+    return [
+        *_model_issues(cfg),
+        *_parallel_issues(cfg, world_size),
+        *_train_issues(cfg),
+        *_kernel_issues(cfg),
+        *_extra_issues(cfg.backend.extra),
+    ]

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from primus.torchtitan import compat
+
+compat.import_torchtitan()  # before any test module imports torchtitan (CPU adaptations)
+
+CONFIGS = Path(__file__).parent / "configs"
+TINY = str(CONFIGS / "tiny.yaml")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def primus_train(
+    config: str, out: Path, *overrides: str, nproc: int = 1, resume: bool = False, timeout: int = 240
+) -> subprocess.CompletedProcess:
+    """``primus train`` in a fresh process (torchrun for several), output in ``out``; fails the test on error."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "primus.core.cli",
+        "train",
+        config,
+        f"logging.output_dir={out}",
+        *overrides,
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+    ]
+    if resume:
+        cmd.append("--resume")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PRIMUS_LAUNCHED")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        (out / "failed-run.log").write_text(proc.stdout + proc.stderr)
+        errors = [line for line in proc.stderr.splitlines() if "rror" in line and "lspci" not in line]
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode} (full log: {out}/failed-run.log):\n"
+            + "\n".join(errors[-30:])
+            + f"\n...\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out: Path) -> list[float]:
+    return [row["loss"] for row in metrics(out)]
+
+
+@pytest.fixture(scope="session")
+def seed_checkpoint(tmp_path_factory) -> callable:
+    """One seed checkpoint per model config (made once, world size 1), loaded by every layout so they all
+    start from the same weights."""
+    made: dict[tuple[str, ...], str] = {}
+
+    def get(*overrides: str) -> str:
+        if overrides not in made:
+            out = tmp_path_factory.mktemp("seed")
+            primus_train(TINY, out, *overrides, "backend.extra.checkpoint.create_seed_checkpoint=true")
+            made[overrides] = str(out / "checkpoints" / "step-0")
+        return made[overrides]
+
+    return get

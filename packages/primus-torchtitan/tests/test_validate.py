@@ -1,0 +1,81 @@
+"""What the torchtitan backend refuses before any work, and that the presets it can run pass."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY
+
+from primus.core.config.errors import ConfigError
+from primus.core.train import resolve
+
+
+def issues(config: str, *overrides: str, world_size: int = 1) -> str:
+    with pytest.raises(ConfigError) as err:
+        resolve(config, list(overrides), world_size)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "key", "why"),
+    [
+        (["model.tie_word_embeddings=true", "parallel.pp=2"], 2, "parallel.pp", "first and last pipeline stages"),
+        (
+            ["model.family=qwen3", "model.tie_word_embeddings=true", "parallel.dp_shard=2"],
+            2,
+            "model.tie_word_embeddings",
+            "two FSDP groups",
+        ),
+        (["model.family=qwen3", "model.qkv_bias=true"], 1, "model.qkv_bias", "qwen3 model has no qkv bias"),
+        (["model.head_dim=64"], 1, "model.head_dim", "hidden_size / heads"),
+        (["model.qk_norm=true"], 1, "model.qk_norm", "llama3 model has no qk_norm"),
+        (["train.precision=fp16"], 1, "train.precision", "no fp16 loss scaling"),
+        (["train.optimizer.name=sgd"], 1, "train.optimizer.name", "Adam and AdamW only"),
+        (["train.precision=bf16", "parallel.tp=2"], 2, "train.precision", "silently train in fp32"),
+        (
+            ["parallel.dp_replicate=2", "parallel.tp=2", "parallel.dp_shard=1"],
+            4,
+            "parallel.dp_replicate",
+            "cannot be combined with tp",
+        ),
+        (
+            [
+                "model.num_layers=4",
+                "parallel.pp=2",
+                "parallel.vpp=2",
+                "parallel.pp_schedule=1f1b",
+                "train.global_batch_size=8",
+            ],
+            2,
+            "parallel.pp_schedule",
+            "one stage per rank",
+        ),
+        (["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], 2, "parallel.pp_schedule", "several stages per rank"),
+        (["parallel.recompute=full", "parallel.recompute_layers=2"], 1, "parallel.recompute_layers", "every layer"),
+        (["checkpoint.keep_last=1"], 1, "checkpoint.keep_last", "at least 2"),
+        (["kernels.attention=cudnn"], 1, "kernels.attention", "not swapped into them"),
+        (["backend.extra.trainer.steps=3"], 1, "backend.extra.trainer", "not a section of torchtitan's JobConfig"),
+    ],
+)
+def test_refused_with_reason(overrides, world_size, key, why):
+    text = issues(TINY, *overrides, world_size=world_size)
+    assert key in text and why in text, text
+
+
+@pytest.mark.parametrize(
+    ("config", "world_size"),
+    [
+        ("tiny-demo", 1),
+        (TINY, 2),
+        ("tiny-qwen3", 1),
+        ("tiny-mistral", 1),
+        ("llama3.1-8b-fsdp", 8),
+        ("llama3.1-70b-fsdp-recompute", 8),
+        ("tiny-qwen2", 2),
+        ("llama3.2-1b-h200", 8),
+        ("qwen2.5-7b-ddp", 8),
+    ],
+)
+def test_runnable_presets_pass(config, world_size):
+    overrides = ["backend.name=torchtitan"]
+    res = resolve(config, overrides, world_size)
+    assert res.config.backend.name == "torchtitan"
