@@ -1,0 +1,243 @@
+"""Everything that is specific to megatron-core 0.16.1: import paths and call signatures that move
+between releases. The rest of the backend imports megatron only through this module (and cpu.py,
+the CPU-only patches), so a pin change is a change here; ``tests/test_compat.py`` names what moved.
+"""
+
+from __future__ import annotations
+
+import warnings
+from importlib.metadata import version
+from typing import Any
+
+import torch
+
+PINNED = "0.16.1"
+INSTALLED = version("megatron-core")
+
+if INSTALLED != PINNED:  # pragma: no cover - the pin in pyproject keeps these equal
+    warnings.warn(f"primus-megatron is written for megatron-core {PINNED}, found {INSTALLED}", stacklevel=1)
+
+# megatron warns once per process about every optional fused kernel it cannot find (TE, apex):
+# expected on a local-spec build; keep them out of the run log.
+for _pattern in ("Transformer Engine", "TransformerEngine", "Apex", "apex"):
+    warnings.filterwarnings("ignore", message=f".*{_pattern}.*")
+
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
+from megatron.core.transformer.mlp import MLP, MLPSubmodules  # noqa: E402
+from megatron.core.transformer.module import Float16Module, MegatronModule  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_block import (  # noqa: E402
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules  # noqa: E402
+
+__all__ = [
+    "AttnMaskType",
+    "BlendedMegatronDatasetBuilder",
+    "ColumnParallelLinear",
+    "DistributedDataParallel",
+    "DistributedDataParallelConfig",
+    "Float16Module",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "GPTModel",
+    "IdentityOp",
+    "MLP",
+    "MLPSubmodules",
+    "MegatronModule",
+    "ModuleSpec",
+    "OptimizerConfig",
+    "OptimizerParamScheduler",
+    "RowParallelLinear",
+    "SelfAttention",
+    "SelfAttentionSubmodules",
+    "TransformerBlockSubmodules",
+    "TransformerConfig",
+    "TransformerLayer",
+    "TransformerLayerSubmodules",
+    "dist_checkpointing",
+    "finalize_model_grads",
+    "get_bias_dropout_add",
+    "get_forward_backward_func",
+    "get_megatron_optimizer",
+    "get_num_layers_to_build",
+    "parallel_state",
+    "tensor_parallel",
+]
+
+# TransformerConfig fields that switch off megatron's fused paths (they need TE / apex / CUDA JIT),
+# so every module goes through the layer spec we build.
+UNFUSED = dict(
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+)
+
+# The MLP calls ``submodules.activation_func`` (a module built with ``config=``) on the whole fc1
+# output only when this flag is set; the name says TE but the slot takes any module (0.16).
+PLUGGABLE_ACTIVATION_FLAG = "use_te_activation_func"
+
+
+def init_parallel(tp: int, pp: int, vpp: int, cp: int, optimizer_instances: int = 1) -> None:
+    """``optimizer_instances`` > 1: the distributed optimizer shards within groups of DP / instances
+    ranks and is replicated across the instances (HSDP-like: dp_replicate × dp_shard)."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=cp,
+        num_distributed_optimizer_instances=optimizer_instances,
+    )
+
+
+def destroy_parallel() -> None:
+    parallel_state.destroy_model_parallel()
+
+
+def seed(seed_: int) -> None:
+    tensor_parallel.model_parallel_cuda_manual_seed(seed_)
+
+
+def stage(vp_stage: int | None) -> tuple[bool, bool]:
+    """(is first pipeline stage, is last pipeline stage) for a model chunk."""
+    return (
+        parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+    )
+
+
+def ranks() -> dict[str, int]:
+    ps = parallel_state
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "dp_size": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_rank(),
+    }
+
+
+def gpt_model(
+    config: TransformerConfig,
+    block_spec: Any,
+    *,
+    vocab_size: int,
+    max_seq: int,
+    tied: bool,
+    rope_theta: float,
+    rope_scaling: Any,
+    vp_stage: int | None,
+) -> GPTModel:
+    """GPTModel with RoPE; Llama-3 scaling through megatron's own ``rope_scaling`` arguments (0.16
+    exposes only the factor; the other three llama3 constants are re-applied when they differ)."""
+    first, last = stage(vp_stage)
+    llama3 = rope_scaling is not None and rope_scaling.type == "llama3"
+    linear = rope_scaling is not None and rope_scaling.type == "linear"
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq,
+        pre_process=first,
+        post_process=last,
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        rotary_base=int(rope_theta) if float(rope_theta).is_integer() else rope_theta,
+        rope_scaling=llama3,
+        rope_scaling_factor=rope_scaling.factor if llama3 else 8.0,
+        seq_len_interpolation_factor=rope_scaling.factor if linear else None,
+        vp_stage=vp_stage,
+    )
+    if llama3 and (
+        rope_scaling.low_freq_factor,
+        rope_scaling.high_freq_factor,
+        rope_scaling.original_max_position_embeddings,
+    ) != (1.0, 4.0, 8192):
+        rot = model.rotary_pos_emb
+        dim = config.kv_channels
+        base = 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rot.inv_freq.device) / dim))
+        rot.inv_freq = rot._apply_scaling(
+            base,
+            factor=rope_scaling.factor,
+            low_freq_factor=rope_scaling.low_freq_factor,
+            high_freq_factor=rope_scaling.high_freq_factor,
+            original_max_position_embeddings=rope_scaling.original_max_position_embeddings,
+        )
+    return model
+
+
+def optimizer_step(optimizer: Any) -> tuple[bool, float | None]:
+    """(update applied, grad norm before clipping). 0.16 returns (success, grad_norm, num_zeros)."""
+    ok, grad_norm, _ = optimizer.step()
+    return bool(ok), grad_norm
+
+
+def model_sharded_state_dict(chunk: Any) -> dict:
+    return chunk.sharded_state_dict()
+
+
+def optimizer_sharded_state_dict(optimizer: Any, model_sd: dict, is_loading: bool) -> dict:
+    # dp_reshardable: the distributed optimizer's state can be loaded at another DP size.
+    return optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+    )
+
+
+def prepare_optimizer_for_load(optimizer: Any) -> None:
+    """Give a fresh distributed optimizer the state layout it will load into.
+
+    0.16's ``DistributedOptimizer.state_dict()`` (called to build the sharded state dict for
+    loading) asserts a single Adam ``step`` across parameters; torch's AdamW (used when neither TE
+    nor apex is installed) has no state before its first step, so the assert fails. megatron's
+    own dummy-state initialiser (a zero-grad step) fills it; the load then overwrites it.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def restore_adam_step(optimizer: Any, loaded: dict) -> None:
+    """Put back torch AdamW's per-parameter ``step`` after a distributed-optimizer load.
+
+    0.16's ``dp_reshardable`` format saves params, exp_avg and exp_avg_sq per bucket but not the
+    per-parameter ``step`` tensors torch's AdamW keeps, then copies the (dummy) ``step`` of the
+    request over the one it had restored from the saved param groups: Adam's bias correction
+    would restart at 1 and a resumed run would drift from the straight one. The saved param
+    groups hold the right value.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for i, opt in enumerate(opts):
+        sd = loaded if len(opts) == 1 else loaded[i]
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(opt.optimizer, torch.optim.Optimizer):
+            continue
+        steps = {g.get("step") for g in sd["optimizer"]["param_groups"]} - {None}
+        if len(steps) == 1:
+            step = float(steps.pop())
+            for state in opt.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = torch.tensor(step, dtype=torch.float32)

@@ -1,0 +1,134 @@
+"""Training samples and the global batch order.
+
+Two sources: Primus's own (``primus.core.data``: bundled corpus, mock tokens, .jsonl/.txt/.parquet
+files, packed to ``seq_len``), and Megatron indexed datasets (``data.format: megatron``, .bin/.idx
+prefixes) through megatron-core's ``BlendedMegatronDatasetBuilder`` and ``GPTDataset``.
+
+Batches are laid out so every parallel layout sees the same tokens: the global sample order is
+fixed by the seed, global batch ``k`` is samples ``[k·G, (k+1)·G)`` of that order, and data-parallel
+rank ``r`` of ``D`` takes the ``r``-th contiguous ``G/D`` of it, cut into micro-batches. So a step's
+loss averaged over the global batch is the same computation at any DP size. The position in the
+data is the step number; nothing else needs saving to resume.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from primus.core.config.schema import PrimusConfig
+
+
+class GlobalOrder:
+    """Sample index at global position k: a seeded permutation of the dataset per epoch."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        if n <= 0:
+            raise ValueError("the dataset has no complete sample of train.seq_len + 1 tokens")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._epoch, self._perm = -1, np.arange(n)
+
+    def __getitem__(self, k: int) -> int:
+        epoch, i = divmod(k, self.n)
+        if self.shuffle and epoch != self._epoch:
+            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return int(self._perm[i])
+
+
+class Batches:
+    """This rank's micro-batches of each step: ``micro_batches(step)`` -> [(tokens, labels)], each
+    LongTensor [micro_batch_size, seq_len] on ``device``."""
+
+    def __init__(self, dataset: Any, cfg: PrimusConfig, dp_rank: int, dp_size: int, device: Any, shuffle: bool = True):
+        t = cfg.train
+        self.ds, self.device = dataset, device
+        self.gbs, self.mbs = int(t.global_batch_size), t.micro_batch_size
+        self.per_rank = self.gbs // dp_size
+        self.num_micro = self.per_rank // self.mbs
+        self.offset = dp_rank * self.per_rank
+        self.order = GlobalOrder(len(dataset), t.seed, shuffle)
+
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        start = step * self.gbs + self.offset
+        out = []
+        for m in range(self.num_micro):
+            items = [self.ds[self.order[start + m * self.mbs + j]] for j in range(self.mbs)]
+            tokens = torch.from_numpy(np.stack([np.asarray(x) for x, _ in items]).astype(np.int64))
+            labels = torch.from_numpy(np.stack([np.asarray(y) for _, y in items]).astype(np.int64))
+            out.append((tokens.to(self.device), labels.to(self.device)))
+        return out
+
+
+class _MegatronSamples:
+    """GPTDataset items as (inputs, labels) pairs."""
+
+    def __init__(self, ds: Any):
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        item = self.ds[i]
+        return item["tokens"].numpy(), item["labels"].numpy()
+
+
+def _megatron_prefixes(cfg: PrimusConfig) -> list[str]:
+    prefixes = []
+    for p in [cfg.data.source, *cfg.data.paths]:
+        path = Path(p)
+        if path.is_dir():
+            prefixes += sorted(str(x.with_suffix("")) for x in path.glob("*.idx"))
+        else:
+            prefixes.append(str(path.with_suffix("")) if path.suffix in (".bin", ".idx") else str(path))
+    return prefixes
+
+
+def megatron_dataset(cfg: PrimusConfig, cache_dir: Path) -> _MegatronSamples:
+    """megatron-core's GPTDataset over .bin/.idx prefixes, sized for the whole run."""
+    from primus.core.data import eos_id, load_tokenizer
+    from primus.megatron import compat as mc
+
+    tok = load_tokenizer(cfg.data.tokenizer)
+    # GPTDataset reads only these of a tokenizer (eod for document ends; the identifiers name the
+    # index cache), so a namespace stands in for a megatron tokenizer class.
+    shim = SimpleNamespace(
+        vocab_size=cfg.model.vocab_size,
+        eod=eos_id(tok),
+        pad=-1,
+        unique_identifiers={"class": "primus", "tokenizer": cfg.data.tokenizer},
+    )
+    num_samples = int(cfg.train.global_batch_size) * cfg.train.steps
+    config = mc.GPTDatasetConfig(
+        random_seed=cfg.train.seed,
+        sequence_length=cfg.train.seq_len,
+        blend=(_megatron_prefixes(cfg), None),
+        split="100,0,0",
+        path_to_cache=str(cache_dir),
+        tokenizer=shim,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    train, _, _ = mc.BlendedMegatronDatasetBuilder(mc.GPTDataset, [num_samples, 0, 0], lambda: True, config).build()
+    return _MegatronSamples(train)
+
+
+def primus_dataset(cfg: PrimusConfig) -> Any:
+    from primus.core.data import PackedDataset, load_token_stream, load_tokenizer
+
+    tok = load_tokenizer(cfg.data.tokenizer)
+    tokens = load_token_stream(cfg.data, tok, cfg.model.vocab_size, cfg.train.seed)
+    return PackedDataset(tokens, cfg.train.seq_len)
+
+
+def build_batches(cfg: PrimusConfig, dp_rank: int, dp_size: int, device: Any, cache_dir: Path) -> Batches:
+    if cfg.data.format == "megatron":
+        # GPTDataset already shuffles with the seed; its order is the global order.
+        return Batches(megatron_dataset(cfg, cache_dir), cfg, dp_rank, dp_size, device, shuffle=False)
+    return Batches(primus_dataset(cfg), cfg, dp_rank, dp_size, device)

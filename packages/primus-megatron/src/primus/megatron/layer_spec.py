@@ -1,0 +1,151 @@
+"""The transformer layer spec: megatron-core's local building blocks (tensor-parallel linears,
+SelfAttention, MLP, bias-dropout-add), with the modules Primus selects kernels for swapped in.
+
+- core attention calls the ``attention`` provider (megatron's local ``DotProductAttention`` is
+  unfused: it materialises [b, h, s, s] scores and runs out of memory at long sequences);
+- every RMSNorm (input, pre-MLP, q/k-norm, final) calls the ``rms_norm`` provider;
+- the SwiGLU activation calls the ``swiglu`` provider through the MLP's activation slot.
+
+RoPE and the (vocab-parallel) cross-entropy stay megatron's: they are not slots of the spec.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from primus.core.protocols import KernelProvider, load_ref
+from primus.megatron import compat as mc
+
+
+class KernelCoreAttention(mc.MegatronModule):
+    """Core attention through a Primus attention provider.
+
+    megatron hands over q [s, b, h/tp, d] and k, v [s, b, h_kv/tp, d] and wants [s, b, h/tp · d];
+    the provider contract is q [b, h, s, d], k/v [b, h_kv, s, d] (causal, GQA without repeating K/V).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        *,
+        kernel: Any = "",
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("KernelCoreAttention does not implement context parallelism")
+        if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
+            raise ValueError("attention dropout is not supported by the kernel attention providers")
+        if attn_mask_type != mc.AttnMaskType.causal:
+            raise ValueError(f"only causal attention is supported, got {attn_mask_type}")
+        self.attn = load_ref(kernel)
+        self.softmax_scale = softmax_scale
+
+    def forward(
+        self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("packed sequences and attention bias are not supported by KernelCoreAttention")
+        s, b = query.shape[0], query.shape[1]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+        out = self.attn(q, k, v, causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class KernelRMSNorm(torch.nn.Module):
+    """RMSNorm through a Primus ``rms_norm`` provider, built the way megatron builds its norms.
+
+    Its weight is marked ``sequence_parallel`` (when SP is on) so megatron all-reduces its gradient
+    over the TP group, as it does for its own fused norms.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        *,
+        kernel: Any = "",
+        for_qk: bool = False,
+        **_ignored: Any,
+    ):
+        super().__init__()
+        self.fn = load_ref(kernel)
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel and not for_qk)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, self.weight, self.eps)
+
+
+class KernelSwiGLU(mc.MegatronModule):
+    """silu(gate) · up on megatron's fc1 output ([..., 2·ffn/tp]: gate half first, then up).
+    A MegatronModule because the MLP asks each of its children for a sharded state dict."""
+
+    def __init__(self, config: Any, *, kernel: Any = ""):
+        super().__init__(config=config)
+        self.fn = load_ref(kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.chunk(x, 2, dim=-1)
+        return self.fn(gate, up)
+
+
+def _impl(kernels: dict[str, KernelProvider], op: str) -> Any:
+    """The provider's impl as given ("module:attr" or a callable); the modules load it when built."""
+    return kernels[op].impl
+
+
+def layer_spec(kernels: dict[str, KernelProvider], *, qk_norm: bool) -> mc.ModuleSpec:
+    norm = mc.ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
+    qk = mc.ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
+    return mc.ModuleSpec(
+        module=mc.TransformerLayer,
+        submodules=mc.TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=mc.ModuleSpec(
+                module=mc.SelfAttention,
+                params={"attn_mask_type": mc.AttnMaskType.causal},
+                submodules=mc.SelfAttentionSubmodules(
+                    linear_qkv=mc.ColumnParallelLinear,
+                    core_attention=functools.partial(KernelCoreAttention, kernel=_impl(kernels, "attention")),
+                    linear_proj=mc.RowParallelLinear,
+                    q_layernorm=qk if qk_norm else mc.IdentityOp,
+                    k_layernorm=qk if qk_norm else mc.IdentityOp,
+                ),
+            ),
+            self_attn_bda=mc.get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=mc.ModuleSpec(
+                module=mc.MLP,
+                submodules=mc.MLPSubmodules(
+                    linear_fc1=mc.ColumnParallelLinear,
+                    linear_fc2=mc.RowParallelLinear,
+                    activation_func=mc.ModuleSpec(module=KernelSwiGLU, params={"kernel": _impl(kernels, "swiglu")}),
+                ),
+            ),
+            mlp_bda=mc.get_bias_dropout_add,
+        ),
+    )
+
+
+def block_spec(
+    config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bool, vp_stage: int | None
+) -> mc.TransformerBlockSubmodules:
+    """The layers of one model chunk plus the final norm (which must also be the kernel norm:
+    megatron's default final norm is TE, apex or torch's, the last refusing sequence parallel)."""
+    n = mc.get_num_layers_to_build(config, vp_stage=vp_stage)
+    return mc.TransformerBlockSubmodules(
+        layer_specs=[layer_spec(kernels, qk_norm=qk_norm)] * n,
+        layer_norm=mc.ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")}),
+    )

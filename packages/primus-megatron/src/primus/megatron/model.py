@@ -1,0 +1,91 @@
+"""Primus config -> megatron-core TransformerConfig and GPTModel chunks (one per virtual stage)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from primus.core.config.schema import PrimusConfig
+from primus.core.protocols import KernelProvider
+from primus.megatron import compat as mc
+from primus.megatron.layer_spec import block_spec
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def transformer_config(cfg: PrimusConfig) -> mc.TransformerConfig:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    dtype = DTYPES[t.precision]
+    recompute: dict[str, Any] = {}
+    if p.recompute == "selective":
+        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif p.recompute == "full":
+        layers_per_stage = m.num_layers // (p.pp * p.vpp)
+        recompute = dict(
+            recompute_granularity="full",
+            recompute_method=p.recompute_method,
+            recompute_num_layers=p.recompute_layers or (1 if p.recompute_method == "uniform" else layers_per_stage),
+        )
+    extra = dict(cfg.backend.extra.get("transformer_config", {}))
+    if not torch.cuda.is_available():
+        from primus.megatron.cpu import GLOO_CONFIG
+
+        extra = {**GLOO_CONFIG, **extra}
+    return mc.TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_kv_heads,
+        kv_channels=m.kv_channels,
+        ffn_hidden_size=m.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=m.qkv_bias,
+        qk_layernorm=m.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_std,
+        tensor_model_parallel_size=p.tp,
+        sequence_parallel=p.sequence_parallel,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
+        context_parallel_size=p.cp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        calculate_per_token_loss=False,
+        **{mc.PLUGGABLE_ACTIVATION_FLAG: True},
+        **mc.UNFUSED,
+        **recompute,
+        **extra,
+    )
+
+
+def build_chunks(
+    cfg: PrimusConfig, config: mc.TransformerConfig, kernels: dict[str, KernelProvider]
+) -> list[torch.nn.Module]:
+    """This rank's model chunks (vpp of them), unwrapped, on the current device."""
+    m = cfg.model
+    chunks = []
+    for vp in range(cfg.parallel.vpp):
+        vp_stage = vp if cfg.parallel.vpp > 1 else None
+        model = mc.gpt_model(
+            config,
+            block_spec(config, kernels, qk_norm=m.qk_norm, vp_stage=vp_stage),
+            vocab_size=m.vocab_size,
+            max_seq=max(cfg.train.seq_len, 1),
+            tied=m.tie_word_embeddings,
+            rope_theta=m.rope_theta,
+            rope_scaling=m.rope_scaling,
+            vp_stage=vp_stage,
+        )
+        for param in model.parameters():
+            mc.tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        chunks.append(model.to(torch.cuda.current_device()))
+    return chunks

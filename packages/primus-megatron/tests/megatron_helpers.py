@@ -1,0 +1,73 @@
+"""Helpers for the megatron backend tests: run ``primus train`` in a subprocess, read its losses.
+
+Training always runs in a child process: megatron's CPU redirection patches torch globally, and
+multi-rank runs go through core's launcher (torch.distributed.run) anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFIGS = Path(__file__).parent / "configs"
+TINY = str(CONFIGS / "tiny.yaml")
+
+# fp32 on CPU: layouts differ only in reduction order (all-reduce of partial sums, sharded matmuls).
+# Measured differences are below 1e-6; this bound leaves room for other BLAS builds.
+LOSS_TOL = 1e-4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(
+    config: str, out: Path, nproc: int = 1, *overrides: str, resume: bool = False, timeout: int = 240
+) -> list[dict]:
+    """Run ``primus train`` and return the metrics rows of ``out/metrics.jsonl``."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "primus.core.cli",
+        "train",
+        config,
+        f"logging.output_dir={out}",
+        *overrides,
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+    ]
+    if resume:
+        cmd.append("--resume")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PRIMUS_LAUNCHED")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows
+
+
+def losses(rows: list[dict]) -> list[float]:
+    return [r["loss"] for r in rows]
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """World size 1 on the tiny config; writes the seed checkpoint every other layout loads and a
+    full checkpoint at step 3 (for the resume tests)."""
+    root = tmp_path_factory.mktemp("megatron_ref")
+    seed = root / "seed"
+    out = root / "ws1"
+    rows = train(
+        TINY, out, 1, f"backend.extra.seed_checkpoint={seed}", "checkpoint.enabled=true", "checkpoint.interval=3"
+    )
+    return {"seed": seed, "out": out, "rows": rows, "losses": losses(rows)}

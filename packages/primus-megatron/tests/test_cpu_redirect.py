@@ -1,0 +1,103 @@
+"""The CPU redirection (primus.megatron.cpu): each patch does its job, and the megatron code it
+exists for still makes the assumption it covers, so an engine upgrade that changes them fails here."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _source(obj) -> str:
+    return inspect.getsource(obj)
+
+
+# --- what megatron-core 0.16.1 assumes (one check per patch) ---------------------------------------
+
+
+def test_megatron_uses_current_device_as_a_device():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    assert "torch.cuda.current_device()" in _source(RotaryEmbedding.__init__)
+
+
+def test_megatron_rng_tracker_uses_cuda_rng():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    assert list(inspect.signature(mrandom._get_cuda_rng_state).parameters) == ["device", "clone", "graph_safe"]
+    assert list(inspect.signature(mrandom._set_cuda_rng_state).parameters) == ["new_state", "device", "graph_safe"]
+    add = _source(mrandom.CudaRNGStatesTracker.add)
+    assert "torch.cuda.manual_seed(seed)" in add and "torch.cuda.get_rng_state()" in add
+    assert "_get_cuda_rng_state(" in _source(mrandom.CudaRNGStatesTracker.fork)
+
+
+def test_megatron_uses_streams_and_synchronize():
+    from megatron.core.distributed import distributed_data_parallel, param_and_grad_buffer
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    assert "torch.cuda.Stream(" in _source(distributed_data_parallel.DistributedDataParallel.__init__)
+    assert "torch.cuda.stream(self.communication_stream)" in _source(param_and_grad_buffer)
+    assert "torch.cuda.synchronize()" in _source(p2p_communication)
+
+
+def test_megatron_asserts_cuda_tensor_types():
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+
+    assert "'torch.cuda.FloatTensor'" in _source(clip_grads.clip_grad_by_total_norm_fp32)
+    assert "torch.cuda.FloatTensor" in _source(distrib_optimizer.DistributedOptimizer)
+    assert "device='cuda'" in _source(clip_grads)
+
+
+def test_batched_p2p_posts_sends_before_receives():
+    """GLOO_CONFIG turns off batched p2p: it posts send_prev before send_next, which with pp = 2 (one
+    peer for both) gloo matches against the peer's receives in the wrong order."""
+    from megatron.core.pipeline_parallel import p2p_communication
+    from megatron.core.transformer import TransformerConfig
+
+    from primus.megatron.cpu import GLOO_CONFIG
+
+    src = _source(p2p_communication._batched_p2p_ops)
+    assert src.index("send_prev_op") < src.index("recv_prev_op") < src.index("send_next_op")
+    assert "batch_isend_irecv" in src
+    assert set(GLOO_CONFIG) <= set(TransformerConfig.__dataclass_fields__)
+
+
+# --- what the patches do (in a child process: they are global) -------------------------------------
+
+CHECK = textwrap.dedent("""
+    import torch
+    from primus.megatron.cpu import redirect_to_cpu
+    assert redirect_to_cpu() == ["current_device", "rng", "streams", "device_literals"]
+    assert torch.cuda.current_device() == "cpu"
+    x = torch.zeros(3, device="cuda")
+    assert x.device.type == "cpu" and x.cuda() is x and x.to("cuda").device.type == "cpu"
+    assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
+    torch.cuda.synchronize()
+
+    # megatron's RNG tracker, forked around TP-sharded init, runs on the CPU generator
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    torch.manual_seed(0)
+    tracker = get_cuda_rng_tracker()
+    tracker.add("model-parallel-rng", 42)
+    before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.randn(4)
+    assert torch.equal(torch.get_rng_state(), before)  # the default stream is untouched
+    tracker.reset(); tracker.add("model-parallel-rng", 42)
+    with tracker.fork():
+        b = torch.randn(4)
+    assert torch.equal(a, b)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the redirection applies only without a GPU")
+def test_patches_redirect_cuda_to_cpu():
+    proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -1,0 +1,52 @@
+"""The backend is registered, and refuses what megatron-core cannot combine, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+from megatron_helpers import TINY
+
+from primus.core.config.errors import ConfigError
+from primus.core.plugins import get_registry
+from primus.core.train import resolve
+from primus.megatron.validate import validate
+
+
+def test_backend_registered():
+    spec = get_registry(refresh=True).backends["megatron"]
+    assert spec.dist == "primus-megatron"
+    assert spec.model_families == {"llama", "qwen2", "qwen3", "mistral"}
+    assert spec.load_run().__module__ == "primus.megatron.runner"
+
+
+def test_tiny_config_is_accepted():
+    res = resolve(TINY, [], world_size=4)
+    assert res.config.backend.name == "megatron"
+    assert validate(res.config, world_size=4) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "path", "needle"),
+    [
+        (["parallel.cp=2"], 2, "parallel.cp", "TEDotProductAttention"),
+        (["parallel.pp=2", "parallel.pp_schedule=gpipe"], 2, "parallel.pp_schedule", "no gpipe schedule"),
+        (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=1f1b"], 2, "parallel.pp_schedule", "interleaved"),
+        (["parallel.pp=3"], 3, "model.num_layers", "do not split evenly"),
+        (["backend.extra.fsdp=true"], 2, "backend.extra.fsdp", "gradient norm"),
+        (["parallel.overlap_param_gather=true"], 1, "parallel.overlap_param_gather", "distributed_optimizer"),
+        (
+            ["parallel.recompute=full", "parallel.recompute_method=block", "parallel.recompute_layers=5"],
+            1,
+            "parallel.recompute_layers",
+            "exceeds",
+        ),
+        (["train.precision=fp16"], 1, "train.precision", "loss scaling"),
+        (["train.compile=true"], 1, "train.compile", "torch.compile"),
+        (["backend.extra.bogus=1"], 1, "backend.extra", "bogus"),
+        (["data.format=megatron"], 1, "data.source", ".bin/.idx"),
+    ],
+)
+def test_refusals(overrides, world, path, needle):
+    with pytest.raises(ConfigError) as info:
+        resolve(TINY, overrides, world_size=world)
+    text = str(info.value)
+    assert path in text and needle in text, text
