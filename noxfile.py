@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 
 nox.needs_version = ">=2025.2.9"  # nox.project.dependency_groups
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "tests", "integration"]
+nox.options.sessions = ["lint", "core_alone", "tests", "integration"]
 nox.options.error_on_missing_interpreters = True  # no Python 3.11 must fail the run, not skip every session
 
 ROOT = Path(__file__).parent
@@ -100,6 +100,24 @@ def lint(session: nox.Session) -> None:
     paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
+
+
+@nox.session(python=PYTHON, reuse_venv=True)
+def core_alone(session: nox.Session) -> None:
+    """primus-core with no extras and nothing else (no torch): the CLI's config side must work."""
+    install(session, str(PACKAGES["core"]))
+    session.run("python", "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)")
+    session.run("primus", "--help", silent=True)
+    session.run("primus", "presets", "list", silent=True)
+    session.run("primus", "presets", "show", "llama3.1-8b", silent=True)
+    session.run("primus", "config", "show", "tiny-demo", "train.steps=5", silent=True)
+    session.run("primus", "plan", "--preset", "llama3.1-8b", "--device", "H100", "--engine", "torchtitan", silent=True)
+    # a bad config is refused (exit 2) naming the key, without torch
+    out = session.run(
+        "primus", "config", "validate", "tiny-llama", "model.num_kv_heads=3", success_codes=[2], silent=True
+    )
+    if "model.num_kv_heads" not in (out or ""):
+        session.error("config validate did not name the bad key")
 
 
 @nox.session(python=PYTHON, reuse_venv=True)
