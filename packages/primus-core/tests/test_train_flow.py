@@ -90,3 +90,27 @@ def test_failure_is_recorded_and_reraised(tmp_path):
     assert summary == {"status": "failed", "error": "RuntimeError: engine blew up"}
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1  # the step before the failure is kept
     assert seen.events[-1] == ("end", "failed")
+
+
+def test_user_errors_from_a_backend_are_one_line_exit_2(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from primus.core import cli, plugins
+    from primus.core.data import DataError
+
+    def missing_tokenizer(cfg, ctx):
+        raise DataError("data.tokenizer: /nope/tokenizer.json does not exist")
+
+    class B:
+        @staticmethod
+        @hookimpl
+        def primus_backends():
+            return [BackendSpec("datafail", "", run=missing_tokenizer)]
+
+    monkeypatch.setattr(plugins, "_cached", Registry(build_plugin_manager(extra_plugins=[("b", B)])))
+    res = CliRunner().invoke(
+        cli.app,
+        ["train", "tiny-llama", "backend.name=datafail", f"logging.output_dir={tmp_path}", "logging.tensorboard=false"],
+    )
+    assert res.exit_code == 2 and "error: data.tokenizer: /nope/tokenizer.json does not exist" in res.output
+    assert "Traceback" not in res.output

@@ -21,6 +21,7 @@ from primus.core.cli_preflight import preflight
 from primus.core.cli_profile import profile
 from primus.core.cli_slurm import slurm_app
 from primus.core.config.errors import ConfigError
+from primus.core.errors import UserError
 
 app = typer.Typer(
     help="Primus: one config and one CLI over Megatron-Core and TorchTitan.",
@@ -112,11 +113,11 @@ def train(
                 rdzv=rdzv,
             )
         )
-    from primus.core.kernels import KernelUnavailable
+    from primus.core.errors import UserError
 
     try:
         summary = run_rank(res, resume=resume)
-    except KernelUnavailable as exc:
+    except UserError as exc:
         raise _fail(exc) from None
     if int(os.environ.get("RANK", "0")) == 0:
         err.print(f"done: {json.dumps(summary, default=str)}", highlight=False)
@@ -334,7 +335,7 @@ def main() -> None:
     try:
         add_plugin_commands()
         app()
-    except ConfigError as exc:
+    except UserError as exc:
         err.print(f"error: {exc}", style="red", highlight=False, markup=False)
         sys.exit(2)
 

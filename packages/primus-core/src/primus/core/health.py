@@ -10,11 +10,12 @@ from collections import deque
 from datetime import timedelta
 
 from primus.core.config.schema import HealthConfig
+from primus.core.errors import UserError
 
 log = logging.getLogger("primus.health")
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """Raised on a NaN/Inf loss or grad norm when the run must stop."""
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from primus.core.errors import UserError
 from primus.core.protocols import ConfigIssue
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     def __init__(self, issues: Sequence[ConfigIssue]):
         self.issues = list(issues)
         super().__init__(self.render())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from primus.core.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A data source, tokenizer or indexed dataset that cannot be used as given."""

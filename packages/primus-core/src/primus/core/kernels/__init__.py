@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from primus.core.errors import UserError
 from primus.core.protocols import KERNEL_OPS, KernelProvider
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ log = logging.getLogger("primus.kernels")
 SELECTABLE_OPS = tuple(op for op in KERNEL_OPS if op != "gemm")
 
 
-class KernelUnavailable(RuntimeError):
+class KernelUnavailable(UserError, RuntimeError):
     pass
 
 
