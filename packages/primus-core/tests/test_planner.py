@@ -144,3 +144,21 @@ def test_strategy_auto_refuses_what_cannot_fit(registry, monkeypatch):
             world_size=8,
             registry=registry,
         )
+
+
+def test_named_strategy_fills_and_keeps_explicit_sizes(registry):
+    from primus.core.train import resolve
+
+    ddp = resolve("tiny-llama", ["backend.name=fake", "parallel.strategy=ddp"], world_size=4, registry=registry)
+    p = ddp.config.parallel
+    assert (p.dp_replicate, p.dp_shard, p.distributed_optimizer) == (4, 1, True)
+    mine = resolve(
+        "tiny-llama",
+        ["backend.name=fake", "parallel.strategy=ddp", "parallel.tp=2", "parallel.distributed_optimizer=false"],
+        world_size=4,
+        registry=registry,
+    )
+    p = mine.config.parallel
+    assert (p.dp_replicate, p.dp_shard, p.tp, p.distributed_optimizer) == (2, 1, 2, False)
+    fsdp = resolve("tiny-llama", ["backend.name=fake", "parallel.strategy=fsdp2"], world_size=4, registry=registry)
+    assert (fsdp.config.parallel.dp_shard, fsdp.config.parallel.dp_replicate) == (4, 1)

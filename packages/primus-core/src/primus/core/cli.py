@@ -100,6 +100,14 @@ def train(
     world = nproc_per_node * nnodes
     inside = os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ
     res = _resolve(config, overrides, None if inside else world)  # refuse bad configs before launching
+    if not inside:
+        from primus.core.errors import UserError
+        from primus.core.train import check_output_dir
+
+        try:
+            check_output_dir(res.config, resume)
+        except UserError as exc:
+            raise _fail(exc) from None
     if world > 1 and not inside:
         argv = ["train", config, *(overrides or [])] + (["--resume"] if resume else [])
         raise typer.Exit(

@@ -29,7 +29,7 @@ def _rest(parallel: dict[str, Any], world_size: int, *used: str) -> int:
 def fill_ddp(parallel: dict[str, Any], world_size: int, cfg: PrimusConfig | None = None) -> dict[str, Any]:
     out = dict(parallel, dp_shard=1)
     out["dp_replicate"] = _rest(out, world_size, "tp", "pp", "cp")
-    out.setdefault("distributed_optimizer", True)
+    out["distributed_optimizer"] = True  # explicit settings are kept by the caller
     return out
 
 
@@ -46,7 +46,7 @@ def fill_tp_pp_vpp(parallel: dict[str, Any], world_size: int, cfg: PrimusConfig 
     out["sequence_parallel"] = out["tp"] > 1
     out["dp_shard"] = 1
     out["dp_replicate"] = _rest(out, world_size, "tp", "pp", "cp")
-    out.setdefault("distributed_optimizer", True)
+    out["distributed_optimizer"] = True  # explicit settings are kept by the caller
     return out
 
 

@@ -71,6 +71,19 @@ def resolve(
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layers = load_layers(config, overrides, resolver(registry), configure=configure_changes(registry))
     cfg = validate_config(layers.data, world_size=world_size, registry=registry if check_plugins else None)
+    strategy = cfg.parallel.strategy
+    if strategy not in ("auto", "manual"):
+        from primus.core.protocols import load_ref
+
+        # a named strategy fills the parallel section; sizes the user set explicitly stay as given
+        explicit = {
+            k.split(".")[1] for k in layers.sources if k.startswith("parallel.") and layers.sources[k] != "default"
+        }
+        filled = load_ref(registry.strategies[strategy].fill)(cfg.parallel.model_dump(), world_size, cfg)
+        kept = {k: v for k, v in filled.items() if k not in explicit or k == "strategy"}
+        data = cfg.model_dump()
+        data["parallel"] = {**data["parallel"], **kept}
+        cfg = validate_config(data, world_size=world_size, registry=registry if check_plugins else None)
     if cfg.parallel.strategy == "auto":
         from primus.core.planner.auto import choose
 
@@ -81,6 +94,27 @@ def resolve(
 
 def output_dir(cfg: PrimusConfig) -> Path:
     return Path(cfg.logging.output_dir or f"outputs/{cfg.model.name}")
+
+
+EARLIER_RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
+
+
+def check_output_dir(cfg: PrimusConfig, resume: bool) -> None:
+    """Refuse to start a fresh run in a folder that holds an earlier run's results (nothing is overwritten);
+    ``--resume`` continues it instead."""
+    from primus.core.errors import UserError
+
+    out = output_dir(cfg)
+    found = [name for name in EARLIER_RUN_FILES if (out / name).exists() and not _empty_dir(out / name)]
+    if found and not (resume or cfg.checkpoint.resume):
+        raise UserError(
+            f"logging.output_dir {out} holds an earlier run ({', '.join(found)}); pass --resume to "
+            "continue it, or choose another logging.output_dir"
+        )
+
+
+def _empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
 
 
 def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
