@@ -35,3 +35,12 @@ def registry(monkeypatch) -> Registry:
     """Core + the fake backend only, whatever else is installed in the environment."""
     monkeypatch.setenv(DISABLE_ENV, "1")
     return Registry(build_plugin_manager(extra_plugins=[("fake-backend", FakeBackends)]))
+
+
+@pytest.fixture
+def cli_registry(registry, monkeypatch) -> Registry:
+    """Make the CLI's registry core + the fake backend (no engine needs to be installed)."""
+    from primus.core import plugins
+
+    monkeypatch.setattr(plugins, "_cached", registry)
+    return registry

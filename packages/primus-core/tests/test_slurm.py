@@ -14,9 +14,9 @@ from primus.core.train import torchrun_command
 runner = CliRunner()
 
 
-def test_script_runs_torchrun_per_node_with_env(tmp_path):
+def test_script_runs_torchrun_per_node_with_env(tmp_path, cli_registry):
     exp = tmp_path / "exp.yaml"
-    exp.write_text("extends: [tiny-llama]\n")
+    exp.write_text("extends: [tiny-llama]\nbackend: {name: fake}\n")
     path = tmp_path / "job.sh"
     res = runner.invoke(
         cli.app,
@@ -58,18 +58,20 @@ def test_script_runs_torchrun_per_node_with_env(tmp_path):
     assert srun.endswith(f"train {exp.resolve()} train.steps=7")  # absolute path: compute nodes share the FS
 
 
-def test_submit_uses_sbatch(tmp_path, monkeypatch):
+def test_submit_uses_sbatch(tmp_path, monkeypatch, cli_registry):
     fake = tmp_path / "bin" / "sbatch"
     fake.parent.mkdir()
     fake.write_text('#!/bin/sh\necho "Submitted batch job 4242 for $1"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    res = runner.invoke(cli.app, ["slurm", "submit", "tiny-llama", "--nodes", "2", "--out", str(tmp_path / "j.sh")])
+    res = runner.invoke(
+        cli.app, ["slurm", "submit", "tiny-llama", "backend.name=fake", "--nodes", "2", "--out", str(tmp_path / "j.sh")]
+    )
     assert res.exit_code == 0, res.output
     assert f"Submitted batch job 4242 for {tmp_path / 'j.sh'}" in res.output
 
 
-def test_submit_without_sbatch_and_bad_config(tmp_path, monkeypatch):
+def test_submit_without_sbatch_and_bad_config(tmp_path, monkeypatch, cli_registry):
     monkeypatch.setenv("PATH", str(tmp_path))
     res = runner.invoke(cli.app, ["slurm", "submit", "tiny-llama"])
     assert res.exit_code == 2 and "sbatch not found" in res.output
