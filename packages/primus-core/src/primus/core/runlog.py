@@ -19,7 +19,7 @@ class _RunLog:
         self.cfg = config
         self.out = Path(info.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.jsonl = (self.out / "metrics.jsonl").open("a") if config.logging.jsonl else None
+        self.jsonl = None  # opened at the first step: a run refused at start leaves no empty metrics file
         self.tb = None
         if config.logging.tensorboard:
             try:
@@ -44,6 +44,8 @@ class _RunLog:
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": time.time(), **metrics}
+        if self.jsonl is None and self.cfg.logging.jsonl:
+            self.jsonl = (self.out / "metrics.jsonl").open("a")
         if self.jsonl:
             self.jsonl.write(json.dumps(row) + "\n")
             self.jsonl.flush()
