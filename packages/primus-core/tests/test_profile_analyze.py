@@ -49,6 +49,7 @@ def test_shares_of_a_synthetic_step():
         ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "elementwise"),
         ("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
         ("Memcpy DtoD (Device -> Device)", "memory"),
+        ("LinearWithGradAccumulationAndAsyncCommunication", "gemm"),  # megatron's linear, outermost on a CPU trace
         ("some_unknown_thing", "other"),
     ],
 )

@@ -29,31 +29,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(
-    config: str, out: Path, nproc: int = 1, *overrides: str, resume: bool = False, timeout: int = 240
-) -> list[dict]:
-    """Run ``primus train`` and return the metrics rows of ``out/metrics.jsonl``."""
+def primus(
+    command: str, config: str, out: Path, nproc: int = 1, *overrides: str, resume: bool = False, timeout: int = 240
+) -> subprocess.CompletedProcess:
+    """Run ``primus COMMAND CONFIG logging.output_dir=OUT ...`` (through core's launcher for nproc > 1)."""
     cmd = [
         sys.executable,
         "-m",
         "primus.core.cli",
-        "train",
+        command,
         config,
         f"logging.output_dir={out}",
         *overrides,
         "--nproc-per-node",
         str(nproc),
-        "--master-port",
-        str(free_port()),
     ]
+    if command == "train":
+        cmd += ["--master-port", str(free_port())]
     if resume:
         cmd.append("--resume")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PRIMUS_LAUNCHED")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(
+    config: str, out: Path, nproc: int = 1, *overrides: str, resume: bool = False, timeout: int = 240
+) -> list[dict]:
+    """Run ``primus train`` and return the metrics rows of ``out/metrics.jsonl``."""
+    proc = primus("train", config, out, nproc, *overrides, resume=resume, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return rows
+        raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return read_metrics(out)
 
 
 def losses(rows: list[dict]) -> list[float]:
@@ -71,3 +81,22 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
         TINY, out, 1, f"backend.extra.seed_checkpoint={seed}", "checkpoint.enabled=true", "checkpoint.interval=3"
     )
     return {"seed": seed, "out": out, "rows": rows, "losses": losses(rows)}
+
+
+# 2 ranks, default split (dp_shard = 2: the distributed optimizer), parameter all-gathers overlapping
+# the forward (a save must wait for the gathered weights), checkpoints at steps 2, 4, 6.
+DP2_CKPT = [
+    "parallel.overlap_grad_reduce=true",
+    "parallel.overlap_param_gather=true",
+    "checkpoint.enabled=true",
+    "checkpoint.interval=2",
+]
+
+
+@pytest.fixture(scope="session")
+def dp2_straight(reference: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted 6-step run on 2 ranks from the reference's seed weights (keep_last 2)."""
+    out = tmp_path_factory.mktemp("megatron_dp2") / "straight"
+    overrides = [f"backend.extra.seed_checkpoint={reference['seed']}", *DP2_CKPT]
+    rows = train(TINY, out, 2, *overrides)
+    return {"out": out, "rows": rows, "losses": losses(rows), "overrides": overrides}

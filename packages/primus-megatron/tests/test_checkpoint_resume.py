@@ -1,19 +1,19 @@
 """Resume from a dist_checkpointing checkpoint equals training straight through.
 
 The world-size-1 reference run saved at step 3 and 6; a run given only the step-3 checkpoint and
-``--resume`` must reproduce steps 4-6. With the distributed optimizer (DP 2) the same holds, and a
-checkpoint written at one layout resumes at another (dist_checkpointing reshards).
+``--resume`` must reproduce steps 4-6, also at another layout (dist_checkpointing reshards). With the
+distributed optimizer (DP 2) the optimizer state is saved sharded; its resume (after a rank was
+killed mid-save) is in ``test_crash_safety.py``. Every checkpoint carries a manifest; only folders
+named ``step_<N>`` with the manifest of step N count, and resume refuses another model shape.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
-from megatron_helpers import LOSS_TOL, TINY, losses, train
-
-# The default split of 2 ranks: dp_shard = 2, which shards the optimizer state (the distributed optimizer).
-DP2: list[str] = []
+from megatron_helpers import LOSS_TOL, TINY, losses, primus, train
 
 
 def _only_step3(src, dst):
@@ -40,25 +40,53 @@ def test_resume_at_another_layout(reference, tmp_path):
     assert losses(rows) == pytest.approx(reference["losses"][3:], abs=LOSS_TOL)
 
 
-def test_resume_with_distributed_optimizer(reference, tmp_path):
-    seed = f"backend.extra.seed_checkpoint={reference['seed']}"
-    # saved while parameter all-gathers overlap the forward: the save must wait for the gathered weights
-    straight = train(
-        TINY,
-        tmp_path / "straight",
-        2,
-        seed,
-        *DP2,
-        "parallel.overlap_grad_reduce=true",
-        "parallel.overlap_param_gather=true",
-        "checkpoint.enabled=true",
-        "checkpoint.interval=3",
-    )
-    assert losses(straight) == pytest.approx(reference["losses"], abs=LOSS_TOL)
-    ckpt = _only_step3(tmp_path / "straight" / "checkpoints", tmp_path / "ckpt")
+def test_distributed_optimizer_matches_and_saves_sharded_state(reference, dp2_straight):
+    assert losses(dp2_straight["rows"]) == pytest.approx(reference["losses"], abs=LOSS_TOL)
+    ckpts = dp2_straight["out"] / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004", "step_00000006"]  # keep_last 2
     from torch.distributed.checkpoint import FileSystemReader
 
-    keys = FileSystemReader(str(ckpt / "step_00000003")).read_metadata().state_dict_metadata
+    keys = FileSystemReader(str(ckpts / "step_00000004")).read_metadata().state_dict_metadata
     assert any(k.startswith("optimizer.distributed.") for k in keys)  # sharded Adam state, per DP rank
-    rows = train(TINY, tmp_path / "resumed", 2, *DP2, f"checkpoint.dir={ckpt}", "checkpoint.enabled=true", resume=True)
-    assert losses(rows) == pytest.approx(losses(straight)[3:], abs=1e-6)
+
+
+def test_manifest(reference):
+    from importlib.metadata import version
+
+    man = json.loads((reference["out"] / "checkpoints" / "step_00000006" / "manifest.json").read_text())
+    assert man["step"] == 6 and len(man["config_hash"]) == 64
+    assert man["model_shape"]["num_layers"] == 4 and man["layout"]["world"] == 1
+    assert man["versions"]["megatron-core"] == "0.16.1" and man["versions"]["torch"] == version("torch")
+    assert json.loads((reference["seed"] / "manifest.json").read_text())["seed"] is True
+
+
+def test_partial_folders_never_shadow_a_complete_checkpoint(reference, tmp_path):
+    from primus.megatron.checkpoint import complete_checkpoints, latest
+
+    root = tmp_path / "ckpt"
+    complete = _only_step3(reference["out"] / "checkpoints", root) / "step_00000003"
+    (root / "step_00000009.tmp").mkdir()  # a save cut short before its commit
+    (root / "step_00000009.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    shutil.copytree(complete, root / "step_00000012")  # a step name without the manifest of that step
+    (root / "step_00000012" / "manifest.json").unlink()
+    shutil.copytree(complete, root / "step_00000015")  # a manifest of another step
+    assert complete_checkpoints(root) == [(3, complete)]
+    assert latest(root) == (3, complete)
+
+
+def test_resume_refuses_another_model_shape(reference, tmp_path):
+    ckpt = _only_step3(reference["out"] / "checkpoints", tmp_path / "ckpt")
+    proc = primus(
+        "train",
+        TINY,
+        tmp_path / "run",
+        1,
+        "model.num_layers=2",
+        f"checkpoint.dir={ckpt}",
+        "checkpoint.enabled=true",
+        resume=True,
+    )
+    assert proc.returncode != 0
+    text = " ".join(proc.stderr.split())  # the console wraps long lines
+    assert "holds a model of another shape (num_layers 4 vs 2)" in text, proc.stderr[-3000:]
+    assert "'num_layers': 4" in text and "'num_layers': 2" in text  # both shapes, in full

@@ -73,6 +73,26 @@ def test_distributed_optimizer_step_workarounds_still_needed():
     assert 'dst_tensors = {"param": main_param, **optim_state}' in setter
 
 
+def test_optimizer_step_runs_norm_then_update():
+    """compat.optimizer_step gates the update between the grad norm and the step (the health check)."""
+    from megatron.core import optimizer
+
+    assert "return ChainedOptimizer(optimizers)" in inspect.getsource(optimizer.get_megatron_optimizer)
+    step = inspect.getsource(optimizer.ChainedOptimizer.step)
+    assert step.index("self.prepare_grads()") < step.index("grad_norm = self.get_grad_norm()")
+    assert step.index("grad_norm = self.get_grad_norm()") < step.index("self.step_with_ready_grads()")
+    assert "return update_successful, grad_norm, num_zeros_in_grad" in step
+
+
+def test_checkpoint_writer_results_queue_is_a_module_global():
+    """compat.checkpoint_writer_dies_with_rank pre-fills the global megatron's save reuses."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    src = inspect.getsource(filesystem_async._get_write_results_queue)
+    assert "global _results_queue" in src and "if _results_queue is None" in src and ".Manager()" in src
+    assert "_get_write_results_queue()" in inspect.getsource(filesystem_async.FileSystemWriterAsync)
+
+
 NUMERICS = textwrap.dedent("""
     import math, os, torch, torch.distributed as dist
     import torch.nn.functional as F

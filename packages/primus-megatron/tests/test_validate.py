@@ -24,6 +24,17 @@ def test_tiny_config_is_accepted():
     assert validate(res.config, world_size=4) == []
 
 
+def test_profiling_health_and_fault_injection_are_accepted():
+    overrides = [
+        "profile.enabled=true",
+        "profile.ranks=[0,1]",
+        "train.health.on_nonfinite=skip",
+        "backend.extra.fault_injection.nan_at_step=3",
+        "backend.extra.fault_injection.kill_during_save_at_step=4",
+    ]
+    assert validate(resolve(TINY, overrides, world_size=2).config, world_size=2) == []
+
+
 @pytest.mark.parametrize(
     ("overrides", "world", "path", "needle"),
     [
@@ -43,6 +54,8 @@ def test_tiny_config_is_accepted():
         (["train.compile=true"], 1, "train.compile", "torch.compile"),
         (["backend.extra.bogus=1"], 1, "backend.extra", "bogus"),
         (["data.format=megatron"], 1, "data.source", ".bin/.idx"),
+        (["backend.extra.fault_injection.nan_at=3"], 1, "backend.extra.fault_injection", "unknown key nan_at"),
+        (["backend.extra.fault_injection.nan_at_step=x"], 1, "backend.extra.fault_injection", "must be an integer"),
     ],
 )
 def test_refusals(overrides, world, path, needle):

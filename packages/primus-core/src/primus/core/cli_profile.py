@@ -13,6 +13,7 @@ def profile(
     config: Annotated[str, typer.Argument(help="a YAML file or a preset name")],
     overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides")] = None,
     nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="processes (devices) per node")] = 1,
+    master_port: Annotated[int, typer.Option(help="rendezvous port")] = 29500,
 ) -> None:
     """Runs ``primus train`` with profiling on (checkpoints off), then analyzes the traces it wrote."""
     from primus.core.cli import _resolve, err, out
@@ -30,7 +31,7 @@ def profile(
     from primus.core.cli import train
 
     try:
-        train(config, [*(overrides or []), *extra], nproc_per_node=nproc_per_node)
+        train(config, [*(overrides or []), *extra], nproc_per_node=nproc_per_node, master_port=master_port)
     except typer.Exit as exc:
         if exc.exit_code:
             raise

@@ -1,11 +1,17 @@
 """Checkpoints with megatron-core's ``dist_checkpointing``: each rank writes its shards, any layout
 can load them (resharding TP / PP / VPP / DP).
 
-Layout: ``<dir>/step_00000012/`` per checkpoint. A save goes to ``step_00000012.tmp`` and is
-renamed by rank 0 after every rank has finished, so a directory without ``.tmp`` is complete and
-resume takes the newest of those. Contents: the model (all chunks), the optimizer (fp32 main params
-and Adam state, resharded across DP with the distributed optimizer), the LR scheduler and the step
-(which is also the data position, see :mod:`primus.megatron.data`).
+Layout: ``<dir>/step_00000012/`` per checkpoint. A save is atomic: every rank writes into
+``step_00000012.tmp``; after all ranks are done (a barrier), rank 0 writes the manifest
+(``manifest.json``: step, config hash, model shape, versions) last, then renames the folder. So a
+checkpoint is complete exactly when its folder is named ``step_<N>`` and holds a manifest of step N;
+resume takes the newest complete one, and a partial folder (a rank killed mid-save leaves a ``.tmp``
+without manifest) never shadows it. The next save removes such leftovers; ``keep_last`` counts
+complete checkpoints only. Resume refuses a checkpoint of another model shape, naming both.
+
+Contents: the model (all chunks), the optimizer (fp32 main params and Adam state, resharded across
+DP with the distributed optimizer), the LR scheduler and the step (which is also the data position,
+see :mod:`primus.megatron.data`).
 
 A *seed checkpoint* holds only the model at step 0; loading it makes every layout start from the
 same weights (megatron's TP/PP-dependent init otherwise differs between layouts).
@@ -13,21 +19,61 @@ same weights (megatron's TP/PP-dependent init otherwise differs between layouts)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
 import shutil
+from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from primus.core.config.schema import PrimusConfig
 from primus.megatron import compat as mc
 
 log = logging.getLogger("primus.megatron.checkpoint")
 
 _STEP = re.compile(r"^step_(\d{8})$")
+_TMP = re.compile(r"^step_(\d{8})\.tmp$")
+MANIFEST = "manifest.json"
+# What makes two models' checkpoints interchangeable (every layout of the same shape can load it).
+SHAPE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "kv_channels",
+    "ffn_hidden_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "qk_norm",
+)
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that this run's model cannot load."""
+
+
+def model_shape(cfg: PrimusConfig) -> dict[str, Any]:
+    return {k: getattr(cfg.model, k) for k in SHAPE_KEYS}
+
+
+def manifest(cfg: PrimusConfig, step: int, layout: dict[str, int]) -> dict[str, Any]:
+    """What a checkpoint says about itself; written last, so its presence marks a complete save."""
+    text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
+    return {
+        "step": step,
+        "config_hash": hashlib.sha256(text.encode()).hexdigest(),
+        "model_name": cfg.model.name,
+        "model_shape": model_shape(cfg),
+        "layout": layout,
+        "versions": {d: version(d) for d in ("primus-megatron", "primus-core", "megatron-core", "torch")},
+    }
 
 
 def _model_sd(chunks: list[Any]) -> dict[str, Any]:
@@ -39,10 +85,26 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name))]
+    found = []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if m and p.is_dir():
+            man = read_manifest(p)
+            if man is not None and man.get("step") == int(m.group(1)):
+                found.append((int(m.group(1)), p))
+            else:
+                log.warning("ignoring %s: no manifest of its step (an incomplete save)", p)
     return sorted(found)
 
 
@@ -51,16 +113,25 @@ def latest(root: Path) -> tuple[int, Path] | None:
     return found[-1] if found else None
 
 
-def _save(sd: dict[str, Any], final: Path, meta: dict[str, Any], rank: int) -> None:
+def _save(
+    sd: dict[str, Any],
+    final: Path,
+    man: dict[str, Any],
+    rank: int,
+    before_commit: Callable[[], None] | None = None,
+) -> None:
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
+    mc.checkpoint_writer_dies_with_rank()
     mc.dist_checkpointing.save(sd, str(tmp))
-    _barrier()
+    if before_commit is not None:
+        before_commit()
+    _barrier()  # every rank's shards are on disk
     if rank == 0:
-        (tmp / "primus.json").write_text(json.dumps(meta, indent=1))
+        (tmp / MANIFEST).write_text(json.dumps(man, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     _barrier()
@@ -74,8 +145,11 @@ def save(
     scheduler: Any,
     rank: int,
     keep_last: int,
-    meta: dict[str, Any],
+    man: dict[str, Any],
+    before_commit: Callable[[], None] | None = None,
 ) -> Path:
+    """Write the step-``step`` checkpoint atomically; ``before_commit`` runs on each rank after its
+    shards are written and before the checkpoint is committed (the fault injector's kill point)."""
     model_sd = _model_sd(chunks)
     sd = {
         "model": model_sd,
@@ -84,15 +158,39 @@ def save(
         "step": step,
     }
     final = root / f"step_{step:08d}"
-    _save(sd, final, {**meta, "step": step}, rank)
+    _save(sd, final, man, rank, before_commit)
     if rank == 0:
         for _, old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        for p in root.iterdir():  # partial saves of a run that died (a later complete one exists now)
+            m = _TMP.match(p.name)
+            if m and int(m.group(1)) <= step:
+                shutil.rmtree(p, ignore_errors=True)
     log.info("saved checkpoint %s", final)
     return final
 
 
-def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) -> int:
+def check_compatible(path: Path, cfg: PrimusConfig) -> dict[str, Any]:
+    """The manifest of ``path``; refuses a checkpoint of another model shape, naming both."""
+    man = read_manifest(path)
+    if man is None:
+        raise CheckpointMismatch(f"{path} has no {MANIFEST}: not a complete primus-megatron checkpoint")
+    ours = model_shape(cfg)
+    theirs = man.get("model_shape", {})
+    if theirs != ours:
+        diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in SHAPE_KEYS if theirs.get(k) != ours[k])
+        raise CheckpointMismatch(
+            f"checkpoint {path} holds a model of another shape ({diff}): checkpoint "
+            f"{man.get('model_name')} {theirs}, this run {cfg.model.name} {ours}"
+        )
+    mine = {d: version(d) for d in man.get("versions", {})}
+    if mine != man.get("versions", mine):
+        log.warning("checkpoint %s was written with %s; this run has %s", path, man["versions"], mine)
+    return man
+
+
+def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, cfg: PrimusConfig) -> int:
+    check_compatible(path, cfg)
     mc.prepare_optimizer_for_load(optimizer)
     model_sd = _model_sd(chunks)
     sd = {
@@ -112,12 +210,13 @@ def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any) -> int:
     return int(state["step"])
 
 
-def save_seed(path: Path, chunks: list[Any], rank: int, meta: dict[str, Any]) -> None:
-    _save({"model": _model_sd(chunks)}, path, {**meta, "seed": True}, rank)
+def save_seed(path: Path, chunks: list[Any], rank: int, man: dict[str, Any]) -> None:
+    _save({"model": _model_sd(chunks)}, path, {**man, "seed": True}, rank)
     log.info("saved seed checkpoint %s", path)
 
 
-def load_seed(path: Path, chunks: list[Any]) -> None:
+def load_seed(path: Path, chunks: list[Any], cfg: PrimusConfig) -> None:
+    check_compatible(path, cfg)
     state = mc.dist_checkpointing.load({"model": _model_sd(chunks)}, str(path))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state["model"][f"chunk{i}"])

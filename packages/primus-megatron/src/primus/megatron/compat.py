@@ -6,6 +6,7 @@ the CPU-only patches), so a pin change is a change here; ``tests/test_compat.py`
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 
@@ -99,15 +100,19 @@ UNFUSED = dict(
 PLUGGABLE_ACTIVATION_FLAG = "use_te_activation_func"
 
 
-def init_parallel(tp: int, pp: int, vpp: int, cp: int, optimizer_instances: int = 1) -> None:
+def init_parallel(
+    tp: int, pp: int, vpp: int, cp: int, optimizer_instances: int = 1, timeout_s: float | None = None
+) -> None:
     """``optimizer_instances`` > 1: the distributed optimizer shards within groups of DP / instances
-    ranks and is replicated across the instances (HSDP-like: dp_replicate × dp_shard)."""
+    ranks and is replicated across the instances (HSDP-like: dp_replicate × dp_shard). ``timeout_s``:
+    the collective timeout of the groups megatron creates (it takes minutes)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         context_parallel_size=cp,
         num_distributed_optimizer_instances=optimizer_instances,
+        **({"distributed_timeout_minutes": timeout_s / 60} if timeout_s else {}),
     )
 
 
@@ -187,9 +192,36 @@ def gpt_model(
     return model
 
 
-def optimizer_step(optimizer: Any) -> tuple[bool, float | None]:
-    """(update applied, grad norm before clipping). 0.16 returns (success, grad_norm, num_zeros)."""
-    ok, grad_norm, _ = optimizer.step()
+def optimizer_step(optimizer: Any, gate: Callable[[float | None], bool] | None = None) -> tuple[bool, float | None]:
+    """(update applied, grad norm before clipping).
+
+    0.16's ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` whose ``step()`` runs
+    ``prepare_grads`` (model grads -> main grads) -> ``get_grad_norm`` (the global norm, reduced over
+    every rank that holds gradients, so all ranks see the same value) -> clip -> ``step_with_ready_grads``
+    (the inner optimizer step, main -> model params, the distributed optimizer's param all-gather)
+    and returns (success, grad_norm, num_zeros). ``gate(grad_norm)`` is asked between the norm and the
+    update, on every rank alike; it may raise to stop the run. When it says False the update is not
+    applied: parameters, main params and optimizer state (Adam moments and step count) stay as they
+    were; only the step's gradients were touched (clipped), and the next step zeroes them.
+    """
+    if gate is None:
+        ok, grad_norm, _ = optimizer.step()
+        return bool(ok), grad_norm
+    seen: dict[str, float | None] = {}
+    get_grad_norm, step_with_ready_grads = optimizer.get_grad_norm, optimizer.step_with_ready_grads
+
+    def recorded_grad_norm() -> float | None:
+        seen["norm"] = get_grad_norm()
+        return seen["norm"]
+
+    def gated_update() -> bool:
+        return step_with_ready_grads() if gate(seen.get("norm")) else False
+
+    optimizer.get_grad_norm, optimizer.step_with_ready_grads = recorded_grad_norm, gated_update
+    try:
+        ok, grad_norm, _ = optimizer.step()
+    finally:  # back to the class's methods
+        del optimizer.get_grad_norm, optimizer.step_with_ready_grads
     return bool(ok), grad_norm
 
 
@@ -241,3 +273,33 @@ def restore_adam_step(optimizer: Any, loaded: dict) -> None:
             for state in opt.optimizer.state.values():
                 if "step" in state:
                     state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+_writer_manager: Any = None  # keeps megatron's write-results server alive for the life of the rank
+
+
+def checkpoint_writer_dies_with_rank() -> None:
+    """Start megatron's checkpoint write-results server so that it ends with its rank (Linux).
+
+    0.16's ``FileSystemWriterAsync`` (the ``torch_dist`` save) hands write results through
+    ``filesystem_async._get_write_results_queue()``: a ``multiprocessing`` Manager server spawned on
+    the first save and kept in the module global ``_results_queue``. When the rank dies by SIGKILL
+    the server is orphaned and lives on, holding the rank's stdout/stderr, so a launcher that pipes
+    them (``primus train ... | tee``, a test) never sees them close. Started here first, with the
+    parent-death signal set, it goes down with the rank; megatron then reuses it.
+    """
+    global _writer_manager
+    import sys
+    from multiprocessing import get_context
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from primus.megatron.procs import die_with_parent
+
+    if _writer_manager is not None or filesystem_async._results_queue is not None or sys.platform != "linux":
+        return
+    manager = SyncManager(ctx=get_context("spawn"))
+    manager.start(initializer=die_with_parent)
+    filesystem_async._results_queue = manager.Queue()
+    _writer_manager = manager

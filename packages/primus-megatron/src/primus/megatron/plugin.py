@@ -18,6 +18,8 @@ FEATURES = frozenset(
         "recompute",
         "checkpoint",
         "megatron_data",
+        "profile",
+        "health",
     }
 )
 
@@ -28,7 +30,7 @@ def primus_backends() -> list[BackendSpec]:
         BackendSpec(
             name="megatron",
             description="Megatron-Core 0.16.1: GPTModel with a kernel layer spec, DDP + distributed optimizer, TP/SP, "
-            "PP 1F1B / interleaved, recompute, dist_checkpointing",
+            "PP 1F1B / interleaved, recompute, dist_checkpointing, profiling, health checks",
             run="primus.megatron.runner:run",
             validate="primus.megatron.validate:validate",
             model_families=frozenset({"llama", "qwen2", "qwen3", "mistral"}),

@@ -2,7 +2,21 @@
 
 Process groups -> model chunks (kernel layer spec) -> [seed weights] -> Float16Module -> megatron
 DDP -> megatron optimizer (+ distributed optimizer) -> LR scheduler -> [resume] -> steps of
-``get_forward_backward_func`` over the micro-batches of one global batch -> metrics and checkpoints.
+``get_forward_backward_func`` over the micro-batches of one global batch -> health check inside the
+optimizer step -> metrics and checkpoints.
+
+Health (``train.health``, core's :class:`~primus.core.health.HealthMonitor`): each step's global loss
+(all-reduced, NaN on every rank if any rank's is) and grad norm (megatron's, computed inside
+``optimizer.step()``; :func:`primus.megatron.compat.optimizer_step` asks the monitor between the
+norm and the update) are checked before the update. ``on_nonfinite: stop`` raises
+:class:`~primus.core.health.NonFiniteError` naming the step (nothing of it applied or saved; the run
+ends failed and earlier checkpoints stay). ``skip``: that step's update is not applied (parameters
+and optimizer state unchanged, gradients dropped), the LR schedule does not advance (it counts
+applied updates), the step counter and the data move on. ``skipped_steps`` / ``loss_spikes`` join
+the metrics. ``collective_timeout_s`` is the timeout of every process group.
+
+Profiling (``profile``): core's :class:`~primus.core.profile.capture.StepProfiler` wraps the loop and
+steps after each optimizer step; traces land in ``<output_dir>/traces/rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -10,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +33,9 @@ import torch.distributed as dist
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import grad_accumulation_steps
+from primus.core.health import HealthMonitor, collective_timeout
 from primus.core.metrics import Throughput
+from primus.core.profile.capture import StepProfiler
 from primus.core.protocols import RunContext
 
 log = logging.getLogger("primus.megatron")
@@ -30,9 +47,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_distributed() -> tuple[int, int, str]:
+def _init_distributed(timeout: timedelta) -> tuple[int, int, str]:
     """Start the process group (megatron needs one even for a single process); returns
-    (rank, world size, device type)."""
+    (rank, world size, device type). A collective that hangs longer than ``timeout`` errors out."""
     gpu = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if gpu:
@@ -43,10 +60,14 @@ def _init_distributed() -> tuple[int, int, str]:
         redirect_to_cpu()
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
-            dist.init_process_group("nccl" if gpu else "gloo")
+            dist.init_process_group("nccl" if gpu else "gloo", timeout=timeout)
         else:
             dist.init_process_group(
-                "nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+                "nccl" if gpu else "gloo",
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0,
+                world_size=1,
+                timeout=timeout,
             )
     return dist.get_rank(), dist.get_world_size(), "cuda" if gpu else "cpu"
 
@@ -127,17 +148,19 @@ def _memory_gib(device: str) -> float:
 
 
 def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
-    rank, world, device = _init_distributed()
+    timeout = collective_timeout(cfg.train.health)
+    rank, world, device = _init_distributed(timeout)
     from primus.megatron import checkpoint as ckpt
     from primus.megatron import compat as mc
     from primus.megatron.data import build_batches
+    from primus.megatron.faults import FaultInjection
     from primus.megatron.model import build_chunks, transformer_config
 
     p, t = cfg.parallel, cfg.train
     if cfg.logging.level != "debug":  # megatron logs every config object at INFO
         logging.getLogger("megatron.core").setLevel(logging.WARNING)
     try:
-        mc.init_parallel(p.tp, p.pp, p.vpp, p.cp, _optimizer_instances(cfg))
+        mc.init_parallel(p.tp, p.pp, p.vpp, p.cp, _optimizer_instances(cfg), timeout.total_seconds())
         mc.seed(t.seed)
         if rank == 0:
             log.info(
@@ -148,15 +171,16 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         config = transformer_config(cfg)
         chunks = build_chunks(cfg, config, ctx.kernels)
         out = Path(ctx.info.output_dir)
-        meta = {"model": cfg.model.name, "layout": {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "world": world}}
+        layout = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "world": world}
+        faults = FaultInjection.from_extra(cfg.backend.extra)
 
         seed_dir = cfg.backend.extra.get("seed_checkpoint")
         if seed_dir:
             seed_path = Path(seed_dir)
             if seed_path.is_dir():
-                ckpt.load_seed(seed_path, chunks)
+                ckpt.load_seed(seed_path, chunks, cfg)
             else:
-                ckpt.save_seed(seed_path, chunks, rank, meta)
+                ckpt.save_seed(seed_path, chunks, rank, ckpt.manifest(cfg, 0, layout))
 
         if t.precision in ("bf16", "fp16"):
             chunks_fp = [mc.Float16Module(config, c) for c in chunks]
@@ -186,7 +210,7 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         if ctx.resume:
             found = ckpt.latest(ckpt_root)
             if found is not None:
-                start = ckpt.load(found[1], chunks, optimizer, scheduler)
+                start = ckpt.load(found[1], chunks, optimizer, scheduler, cfg)
             elif rank == 0:
                 log.warning("resume asked for, but %s holds no complete checkpoint: starting at step 0", ckpt_root)
 
@@ -198,6 +222,8 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         reports_loss = any(last) and r["tp"] == 0 and r["cp"] == 0
         fb = mc.get_forward_backward_func()
 
+        step_no = 0  # the 1-based step being run (read by the loss function: fault injection)
+
         def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
             tokens, labels = next(data_iterator)
             losses = model_chunk(tokens, None, None, labels=labels)
@@ -206,66 +232,95 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
                 # Every micro-batch holds the same number of tokens (packed, unmasked), so megatron's
                 # mean over micro-batches and DP ranks of per-micro-batch means is the per-token mean
                 # of the global batch, without the extra gradient-scaling pass of per-token mode.
-                total = output.float().sum()
+                total = faults.poison_loss(step_no, output.float().sum())
                 n = float(output.numel())
                 # full_like, not new_tensor: a host scalar copied to the GPU would sync mid-step
                 return total / n, {"lm loss": torch.stack([total.detach(), torch.full_like(total.detach(), n)])}
 
             return losses, loss_func
 
+        def global_loss(reduced: list[dict[str, torch.Tensor]]) -> float:
+            """The step's per-token loss over the global batch, the same on every rank (NaN if any is)."""
+            stats = torch.zeros(2, dtype=torch.float64, device=torch.cuda.current_device())
+            if reports_loss and reduced:
+                stats += torch.stack([x["lm loss"] for x in reduced]).sum(0).double()
+            dist.all_reduce(stats)
+            return (stats[0] / stats[1]).item()
+
         tokens_per_step = int(t.global_batch_size) * t.seq_len
         meter = Throughput(ctx.info.flops_per_token, world, ctx.info.peak_flops)
+        health = HealthMonitor(t.health)
         last_metrics: dict[str, float] = {}
         saved = None
-        for step in range(start, t.steps):
-            for m in model:
-                m.zero_grad_buffer()
-            optimizer.zero_grad()
-            scheduler.step(increment=1)  # lr of step `step + 1` (1-based): warmup starts above zero
-            micro = batches.micro_batches(step)
-            iters: Any = [iter(micro) for _ in model]
-            reduced = fb(
-                forward_step_func=forward_step,
-                data_iterator=one_or_list(iters),
-                model=one_or_list(model),
-                num_microbatches=num_micro,
-                seq_length=t.seq_len,
-                micro_batch_size=t.micro_batch_size,
-                forward_only=False,
-            )
-            _ok, grad_norm = mc.optimizer_step(optimizer)
-            meter.add(tokens_per_step)
-            done = step + 1
-            if done % cfg.logging.interval == 0 or done == t.steps:
-                stats = torch.zeros(2, dtype=torch.float64, device=torch.cuda.current_device())
-                if reports_loss and reduced:
-                    stats += torch.stack([x["lm loss"] for x in reduced]).sum(0).double()
-                dist.all_reduce(stats)
-                last_metrics = {
-                    "loss": (stats[0] / stats[1]).item(),
-                    "grad_norm": float(grad_norm or 0.0),
-                    "lr": optimizer.param_groups[0]["lr"],
-                    **meter.interval(),
-                    "memory_gib": _memory_gib(device),
-                }
-                ctx.step_end(done, last_metrics)
-            if cfg.checkpoint.enabled and (
-                (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or done == t.steps
-            ):
-                if p.overlap_param_gather:  # the model weights lag the optimizer until the gather runs
-                    for m in model:
-                        m.disable_forward_pre_hook(param_sync=True)
-                saved = ckpt.save(ckpt_root, done, chunks, optimizer, scheduler, rank, cfg.checkpoint.keep_last, meta)
-                if p.overlap_param_gather:
-                    for m in model:
-                        m.enable_forward_pre_hook()
-                meter.reset()
+        with StepProfiler(cfg, ctx.info) as profiler:
+            for step in range(start, t.steps):
+                step_no = done = step + 1
+                for m in model:
+                    m.zero_grad_buffer()
+                optimizer.zero_grad()
+                scheduler.step(increment=1)  # lr of step `done`: warmup starts above zero
+                lr = optimizer.param_groups[0]["lr"]
+                micro = batches.micro_batches(step)
+                iters: Any = [iter(micro) for _ in model]
+                reduced = fb(
+                    forward_step_func=forward_step,
+                    data_iterator=one_or_list(iters),
+                    model=one_or_list(model),
+                    num_microbatches=num_micro,
+                    seq_length=t.seq_len,
+                    micro_batch_size=t.micro_batch_size,
+                    forward_only=False,
+                )
+                loss = global_loss(reduced)
+                # Health: with the step's loss and (inside the optimizer step) its grad norm known,
+                # before the update: non-finite -> NonFiniteError (stop) or no update (skip).
+                applied, grad_norm = mc.optimizer_step(
+                    optimizer, lambda norm, loss=loss, done=done: health.check(done, loss, norm) == "ok"
+                )
+                if not applied:
+                    # Skipped: the schedule counts applied updates (as megatron's training loop does),
+                    # so the next step runs at this step's lr; the data still moves on (batch = step).
+                    scheduler.step(increment=-1)
+                profiler.step()
+                meter.add(tokens_per_step)
+                if done % cfg.logging.interval == 0 or done == t.steps:
+                    last_metrics = {
+                        "loss": loss,
+                        "grad_norm": float(grad_norm if grad_norm is not None else 0.0),
+                        "lr": lr,
+                        **meter.interval(),
+                        "memory_gib": _memory_gib(device),
+                        **health.metrics(),
+                    }
+                    ctx.step_end(done, last_metrics)
+                if cfg.checkpoint.enabled and (
+                    (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or done == t.steps
+                ):
+                    if p.overlap_param_gather:  # the model weights lag the optimizer until the gather runs
+                        for m in model:
+                            m.disable_forward_pre_hook(param_sync=True)
+                    saved = ckpt.save(
+                        ckpt_root,
+                        done,
+                        chunks,
+                        optimizer,
+                        scheduler,
+                        rank,
+                        cfg.checkpoint.keep_last,
+                        ckpt.manifest(cfg, done, layout),
+                        before_commit=lambda done=done: faults.during_save(done, rank),
+                    )
+                    if p.overlap_param_gather:
+                        for m in model:
+                            m.enable_forward_pre_hook()
+                    meter.reset()
         return {
             "final_step": t.steps,
             "start_step": start,
             "metrics": last_metrics,
             "kernels": ctx.info.kernels,
             "checkpoint": str(saved) if saved else None,
+            **health.metrics(),
         }
     finally:
         mc.destroy_parallel()

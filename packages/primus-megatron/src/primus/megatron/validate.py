@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.protocols import ConfigIssue
+from primus.megatron import faults
 
-# backend.extra keys: a seed checkpoint (same initial weights in every layout), and raw
-# TransformerConfig / DistributedDataParallelConfig fields passed through unchanged.
-EXTRA_KEYS = frozenset({"seed_checkpoint", "transformer_config", "ddp"})
+# backend.extra keys: a seed checkpoint (same initial weights in every layout), raw
+# TransformerConfig / DistributedDataParallelConfig fields passed through unchanged, and the
+# test-only fault injectors (primus.megatron.faults).
+EXTRA_KEYS = frozenset({"seed_checkpoint", "transformer_config", "ddp", "fault_injection"})
 
 
 def _dp_shard(cfg: PrimusConfig, world_size: int) -> int:
@@ -112,10 +114,10 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
             "yarn",
             "llama3, linear",
         )
-    if cfg.profile.enabled:
-        refuse("profile.enabled", "profiling is not implemented in primus-megatron", True, "false")
     if cfg.data.format == "megatron" and cfg.data.source in ("bundled", "mock"):
         refuse("data.source", "data.format: megatron reads .bin/.idx prefixes; give a path", cfg.data.source)
+    for problem in faults.issues(cfg.backend.extra):
+        refuse("backend.extra.fault_injection", problem, allowed=", ".join(faults.KEYS))
     unknown = set(cfg.backend.extra) - EXTRA_KEYS - {"fsdp"}  # fsdp: refused above with its reason
     if unknown:
         refuse(

@@ -41,7 +41,7 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     (
         "gemm",
         re.compile(
-            r"gemm|cutlass|xmma|nvjet|cublas|hipblaslt|Cijk_|matmul|\bmm\b|aten::mm|aten::addmm|"
+            r"gemm|cutlass|xmma|nvjet|cublas|hipblaslt|Cijk_|matmul|\bmm\b|aten::mm|aten::addmm|linearwith|"
             r"aten::bmm|aten::linear|sm90_|sm80_|wgmma|scaled_mm",
             re.I,
         ),
