@@ -55,6 +55,43 @@ def primus_train(
     return proc
 
 
+DRIVE = str(Path(__file__).parent / "drive.py")
+
+
+def drive(
+    config: str,
+    out: Path,
+    *overrides: str,
+    env: dict[str, str],
+    nproc: int = 1,
+    command: str = "train",
+    check: bool = True,
+    timeout: int = 240,
+) -> subprocess.CompletedProcess:
+    """``primus COMMAND`` through ``drive.py`` (test-only changes in the training process, chosen by
+    ``env``; see drive.py), under torchrun for several processes. Fails the test on error if ``check``."""
+    args = [DRIVE, command, config, f"logging.output_dir={out}", *overrides]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}", *args]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PRIMUS_LAUNCHED")}
+    if nproc > 1:
+        base["PRIMUS_LAUNCHED"] = "1"
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env={**base, **env})
+    if check and proc.returncode != 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "failed-run.log").write_text(proc.stdout + proc.stderr)
+        pytest.fail(
+            f"{' '.join(args)} exited {proc.returncode} (full log: {out}/failed-run.log):\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def summary(proc: subprocess.CompletedProcess) -> dict:
+    """The run summary ``primus train`` prints last (``done: {...}``)."""
+    line = next(line for line in reversed(proc.stderr.splitlines()) if line.startswith("done: "))
+    return json.loads(line.removeprefix("done: "))
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -75,5 +112,20 @@ def seed_checkpoint(tmp_path_factory) -> callable:
             primus_train(TINY, out, *overrides, "backend.extra.checkpoint.create_seed_checkpoint=true")
             made[overrides] = str(out / "checkpoints" / "step-0")
         return made[overrides]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, seed_checkpoint):
+    """World size 1 from the seed checkpoint, per model (8 steps)."""
+    runs = {}
+
+    def get(model: tuple[str, ...]):
+        if model not in runs:
+            out = tmp_path_factory.mktemp("ws1")
+            primus_train(TINY, out, *model, f"backend.extra.checkpoint.initial_load_path={seed_checkpoint(*model)}")
+            runs[model] = out
+        return runs[model]
 
     return get

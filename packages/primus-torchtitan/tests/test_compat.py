@@ -159,3 +159,40 @@ def test_last_save_still_skips_the_purge():
     last = src.index("if last_step:")
     assert "return" in src[last : last + 120] and "_purge_stale_checkpoints()" in src[last:]
     assert hasattr(CheckpointManager, "_purge_stale_checkpoints")
+
+
+def test_train_step_still_clips_then_steps_the_optimizer_and_schedule():
+    """grad_norm_recorder (health checks before the update) relies on this order in one method."""
+    from torchtitan.train import Trainer
+
+    src = inspect.getsource(Trainer.train_step)
+    clip, opt, lr = (
+        src.index(s) for s in ("dist_utils.clip_grad_norm_(", "self.optimizers.step()", "self.lr_schedulers.step()")
+    )
+    assert clip < opt < lr
+    assert "from torchtitan.distributed import ParallelDims, utils as dist_utils" in inspect.getsource(
+        sys.modules["torchtitan.train"]
+    )
+    seen = []
+    with compat.grad_norm_recorder(seen.append):
+        import torchtitan.distributed.utils as dist_utils
+
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.full((4,), 2.0)
+        norm = dist_utils.clip_grad_norm_([p], float("inf"))
+    assert seen == [norm] and norm.item() == pytest.approx(4.0)
+    assert dist_utils.clip_grad_norm_.__module__ == "torchtitan.distributed.utils"  # restored
+
+
+def test_ops_the_kernel_swap_retypes_are_still_torchtitans():
+    from torchtitan.models.attention import ScaledDotProductAttentionWrapper
+    from torchtitan.models.llama3.model import model as llama3
+    from torchtitan.models.qwen3.model import model as qwen3
+
+    for mod in (llama3, qwen3):
+        assert "F.silu(self.w1(x)) * self.w3(x)" in inspect.getsource(mod.FeedForward.forward)
+        assert "nn.RMSNorm(" in inspect.getsource(mod.TransformerBlock.__init__)
+        assert "ScaledDotProductAttentionWrapper()" in inspect.getsource(mod.Attention.__init__)
+    params = inspect.signature(ScaledDotProductAttentionWrapper.forward).parameters
+    assert list(params) == ["self", "q", "k", "v", "scale", "enable_gqa", "is_causal"]
+    assert "view_as_complex" in inspect.getsource(llama3.apply_rotary_emb)  # interleaved RoPE: not swapped

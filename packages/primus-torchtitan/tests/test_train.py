@@ -50,21 +50,6 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory, seed_checkpoint):
-    """World size 1 from the seed checkpoint, per model (8 steps)."""
-    runs = {}
-
-    def get(model: tuple[str, ...]):
-        if model not in runs:
-            out = tmp_path_factory.mktemp("ws1")
-            primus_train(TINY, out, *model, f"backend.extra.checkpoint.initial_load_path={seed_checkpoint(*model)}")
-            runs[model] = out
-        return runs[model]
-
-    return get
-
-
 def test_world_size_1_trains_reports_and_checkpoints(reference):
     out = reference(())
     rows = metrics(out)

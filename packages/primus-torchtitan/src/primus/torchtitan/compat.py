@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from primus.core.health import collective_timeout
+
 log = logging.getLogger("primus.torchtitan")
 
 TORCHTITAN_VERSION = "0.2.2"
@@ -302,6 +304,10 @@ def build_job_config(cfg: Any, *, model_name: str, flavor: str, output_dir: str,
     ck.last_save_model_only = False  # the final checkpoint must be resumable too
     ck.async_mode = "disabled"
 
+    # a hung collective errors out after train.health.collective_timeout_s, at init and while training
+    timeout = int(collective_timeout(t.health).total_seconds())
+    jc.comm.init_timeout_seconds = jc.comm.train_timeout_seconds = timeout
+
     jc.metrics.log_freq = cfg.logging.interval
     jc.metrics.enable_tensorboard = False  # core's run log writes TensorBoard
     jc.metrics.disable_color_printing = True
@@ -384,3 +390,24 @@ def ddp_grad_scale(dp_replicate: int) -> float:
     """torchtitan 0.2.2's DDP (``replicate``) averages gradients over replicas on top of a loss already
     divided by the global token count (torchtitan#2318): gradients come out ``dp_replicate`` times too small."""
     return float(dp_replicate)
+
+
+@contextmanager
+def grad_norm_recorder(record: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """torchtitan 0.2.2's ``Trainer.train_step`` computes the grad norm (``dist_utils.clip_grad_norm_``)
+    and steps the optimizer in one method, with no hook between. While one step runs, the clip function
+    hands its norm to ``record`` (which may raise, or decide to skip the update) before returning."""
+    import torchtitan.distributed.utils as dist_utils
+
+    original = dist_utils.clip_grad_norm_
+
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> torch.Tensor:
+        norm = original(*args, **kwargs)
+        record(norm)
+        return norm
+
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
+    try:
+        yield
+    finally:
+        dist_utils.clip_grad_norm_ = original

@@ -27,6 +27,7 @@ class PrimusMetricsProcessor(MetricsProcessor):
         self.dp_degree = parallel_dims.dp_replicate * parallel_dims.dp_shard
         self.throughput = Throughput(ctx.info.flops_per_token, parallel_dims.world_size, ctx.info.peak_flops)
         self.last: dict[str, float] = {}
+        self.health: Any = None  # the trainer's HealthMonitor: skipped_steps and loss_spikes join the metrics
 
     def reset_clock(self) -> None:
         """Start the first interval at the first step (not at model build)."""
@@ -61,6 +62,8 @@ class PrimusMetricsProcessor(MetricsProcessor):
         }
         metrics.update(self.throughput.interval())
         metrics["memory_gib"] = self.device_memory_monitor.get_peak_stats().max_reserved_gib
+        if self.health is not None:
+            metrics.update(self.health.metrics())
         self.ntokens_since_last_log = 0
         self.data_loading_times.clear()
         self.device_memory_monitor.reset_peak_stats()

@@ -114,14 +114,25 @@ def base_train_spec(m: ModelConfig) -> Any:
 
 
 def train_spec(
-    m: ModelConfig, seq_len: int, *, build_dataloader_fn: Any, build_metrics_processor_fn: Any, cpu: bool
+    m: ModelConfig,
+    seq_len: int,
+    *,
+    build_dataloader_fn: Any,
+    build_metrics_processor_fn: Any,
+    cpu: bool,
+    kernels: dict[str, Any] | None = None,
 ) -> Any:
     """torchtitan's TrainSpec for the model with this run's args as flavor :data:`FLAVOR`, Primus's data
-    loader and metrics, no tokenizer/validator (data arrives tokenized), and on CPU the gloo adaptation."""
+    loader and metrics, no tokenizer/validator (data arrives tokenized), the kernel providers of
+    ``kernels`` (op -> :class:`primus.torchtitan.kernels.Choice`) swapped in, and on CPU the gloo adaptation."""
     from primus.torchtitan import compat
+    from primus.torchtitan.kernels import loss_builder, swapping_parallelize
 
     spec = base_train_spec(m)
     parallelize = compat.gloo_parallelize(spec.parallelize_fn) if cpu else spec.parallelize_fn
+    kernels = kernels or {}
+    if any(c.fn is not None for c in kernels.values()):
+        parallelize = swapping_parallelize(parallelize, kernels)
     pipelining = spec.pipelining_fn
     if pipelining is None and engine_model(m) == "qwen3":
         # 0.2.2 registers no pipeline split for qwen3; its decoder has llama3's module layout
@@ -135,5 +146,6 @@ def train_spec(
         build_tokenizer_fn=None,
         build_validator_fn=None,
         build_metrics_processor_fn=build_metrics_processor_fn,
+        build_loss_fn=loss_builder(spec.build_loss_fn, kernels.get("cross_entropy")),
         state_dict_adapter=None,
     )

@@ -32,6 +32,9 @@ def primus_backends() -> list[BackendSpec]:
                     "bf16",
                     "checkpoint",
                     "resume",
+                    "kernels",
+                    "profile",
+                    "health",
                 }
             ),
         )

@@ -75,7 +75,19 @@ def _exit_quietly_after_success() -> None:
     atexit.register(lambda: None if failed else leave())
 
 
-def build_trainer(cfg: PrimusConfig, ctx: RunContext) -> Any:
+def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
+    """op -> :class:`primus.torchtitan.kernels.Choice`: what this run swaps into torchtitan's model."""
+    from primus.torchtitan import compat
+    from primus.torchtitan.kernels import plan
+
+    loss_parallel = not compat.extra_value(cfg.backend.extra, "parallelism.disable_loss_parallel", False)
+    p = cfg.parallel
+    return plan(ctx.kernels, family=cfg.model.family, tp=p.tp, cp=p.cp, loss_parallel=loss_parallel)
+
+
+def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | None = None) -> Any:
+    from primus.core.health import HealthMonitor
+    from primus.core.profile.capture import StepProfiler
     from primus.torchtitan import compat
 
     device = ctx.info.device
@@ -93,6 +105,7 @@ def build_trainer(cfg: PrimusConfig, ctx: RunContext) -> Any:
         build_dataloader_fn=dataloader_builder(cfg),
         build_metrics_processor_fn=metrics_builder(ctx),
         cpu=device == "cpu",
+        kernels=kernels,
     )
     compat.register_train_spec(name, spec)
     job_config = compat.build_job_config(
@@ -103,7 +116,7 @@ def build_trainer(cfg: PrimusConfig, ctx: RunContext) -> Any:
         checkpoint_dir=str(checkpoint_dir(cfg)),
         gpu=device != "cpu",
     )
-    return PrimusTrainer(job_config)
+    return PrimusTrainer(job_config, health=HealthMonitor(cfg.train.health), profiler=StepProfiler(cfg, ctx.info))
 
 
 def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
@@ -130,12 +143,11 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
     if ctx.info.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)  # torchtitan logs to the root logger on every rank
 
+    kernels = kernel_plan(cfg, ctx)
     if ctx.info.rank == 0:
-        log.info(
-            "torchtitan computes attention, norms, SwiGLU and the loss with its own modules (torch SDPA, "
-            "nn.RMSNorm, ...); the kernel selection is not applied to them"
-        )
-    trainer = build_trainer(cfg, ctx)
+        for choice in kernels.values():
+            log.info("torchtitan kernels: %s", choice.describe())
+    trainer = build_trainer(cfg, ctx, kernels)
     summary: dict[str, Any] = {"backend": "torchtitan"}
     try:
         if seed_only:
@@ -146,6 +158,8 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
             compat.purge_after_last_save(trainer.checkpointer)
             summary["final_step"] = trainer.step
             summary["last_metrics"] = trainer.metrics_processor.last
+            summary.update(trainer.health.metrics())
+            summary["kernels"] = {op: c.provider if c.fn else "torchtitan" for op, c in kernels.items()}
             steps = complete_checkpoints(ckpt_dir) if cfg.checkpoint.enabled else []
             if steps:
                 summary["checkpoint"] = str(ckpt_dir / f"step-{steps[-1]}")

@@ -113,6 +113,15 @@ def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
                     allowed="interleaved_1f1b or zero_bubble",
                 )
             )
+    if p.distributed_optimizer:
+        out.append(
+            ConfigIssue(
+                "parallel.distributed_optimizer",
+                "torchtitan has no distributed optimizer (Megatron's ZeRO-1); it shards optimizer state with FSDP",
+                value=True,
+                allowed="false, with parallel.dp_shard > 1 (or parallel.strategy: fsdp2) to shard the state",
+            )
+        )
     if p.dp_replicate > 1 and dp_shard == 1 and (p.tp > 1 or p.pp > 1 or p.cp > 1):
         out.append(
             ConfigIssue(
@@ -200,21 +209,11 @@ def _train_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 allowed="2 or more",
             )
         )
-    if cfg.profile.enabled:
-        out.append(
-            ConfigIssue(
-                "profile.enabled",
-                "profiling is not wired into the torchtitan backend yet; use "
-                "backend.extra.profiling (torchtitan's own)",
-                value=True,
-                allowed="false",
-            )
-        )
     return out
 
 
-# the plain-PyTorch providers are what torchtitan's own modules compute (SDPA, nn.RMSNorm, SwiGLU, cross-entropy)
-ENGINE_KERNELS = {
+# core's plain-PyTorch providers: what torchtitan's own modules compute (they are never swapped in)
+REFERENCE_KERNELS = {
     "attention": "sdpa",
     "rms_norm": "torch",
     "swiglu": "torch",
@@ -223,18 +222,55 @@ ENGINE_KERNELS = {
 }
 
 
+def _dtensor_reason(cfg: PrimusConfig, op: str) -> str:
+    """Why ``op`` runs on DTensors (which only torch ops take) in this layout, or "" (mirrors
+    :func:`primus.torchtitan.kernels.plan`)."""
+    p = cfg.parallel
+    loss_parallel = not _extra_flag(cfg.backend.extra, "parallelism.disable_loss_parallel")
+    if op == "rms_norm" and p.tp > 1:
+        return "torchtitan's tensor parallelism runs the norms on DTensors (sequence parallel)"
+    if op == "cross_entropy" and p.tp > 1 and loss_parallel:
+        return (
+            "torchtitan's loss parallelism runs the loss on DTensors "
+            "(backend.extra.parallelism.disable_loss_parallel: true gathers the logits instead)"
+        )
+    if op == "attention" and p.tp > 1 and cfg.model.family == "qwen3":
+        return "torchtitan's qwen3 attention runs on DTensors under tensor parallelism"
+    if op == "attention" and p.cp > 1:
+        return "torchtitan's context parallelism wraps its own SDPA module"
+    return ""
+
+
+def _extra_flag(extra: dict[str, Any], path: str) -> bool:
+    head, _, rest = path.partition(".")
+    if path in extra:
+        return bool(extra[path])
+    return isinstance(extra.get(head), dict) and bool(extra[head].get(rest, False))
+
+
 def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     out = []
-    for op, name in ENGINE_KERNELS.items():
+    for op, ref in REFERENCE_KERNELS.items():
         choice = getattr(cfg.kernels, op)
-        if choice not in ("auto", name):
+        if choice in ("auto", ref):
+            continue  # auto: a provider the layout cannot take is left out at run time, with the reason logged
+        if op == "rope":
+            why = (
+                "torchtitan's qwen3 RoPE (rotate-half) is inline in its Attention.forward, not a module to swap"
+                if cfg.model.family == "qwen3"
+                else "torchtitan's llama3 RoPE rotates interleaved pairs (complex freqs_cis); "
+                "the rope provider contract is rotate-half"
+            )
+            out.append(ConfigIssue("kernels.rope", why, value=choice, allowed=f"auto, {ref}"))
+            continue
+        reason = _dtensor_reason(cfg, op)
+        if reason:
             out.append(
                 ConfigIssue(
                     f"kernels.{op}",
-                    "the torchtitan backend runs torchtitan's own modules; kernel "
-                    "providers are not swapped into them yet",
+                    f"{reason}; provider {choice!r} takes plain tensors",
                     value=choice,
-                    allowed=f"auto, {name}",
+                    allowed=f"auto, {ref}",
                 )
             )
     if cfg.kernels.gemm_tuning != "off":

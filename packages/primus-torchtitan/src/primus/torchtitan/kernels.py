@@ -1,0 +1,211 @@
+"""The run's kernel providers (``ctx.kernels``) swapped into torchtitan's model and loss.
+
+Each swap keeps torchtitan's module object, its parameters and its name (only its class changes, to a
+subclass whose ``forward`` calls the provider), so state-dict keys, checkpoints, TP plans, FSDP groups
+and activation checkpointing see the same model:
+
+- ``rms_norm``: every ``nn.RMSNorm`` (block norms, final norm, qwen3's q/k norms) → ``ProviderRMSNorm``.
+- ``swiglu``: the FeedForward's ``silu(w1 x) * w3 x`` → ``provider(w1 x, w3 x)``.
+- ``attention``: ``attention.inner_attention`` (torchtitan's SDPA wrapper) → ``ProviderAttention``
+  (q, k, v ``[b, h, s, d]``, the core contract).
+- ``cross_entropy``: the TrainSpec's loss (token-sum, as torchtitan's) → provider mean × valid tokens.
+- ``rope`` is never swapped: torchtitan's llama3 rotates interleaved pairs (complex ``freqs_cis``) where
+  the provider contract is rotate-half, and qwen3's rotate-half RoPE is inline in its Attention.forward.
+
+Not swapped (torchtitan's own modules stay, with the reason logged): core's reference providers
+(torchtitan's modules compute the same math, with torch's fused kernels), ops that see DTensors under
+tensor parallelism (norms; the loss with loss parallelism; qwen3's attention), attention under context
+parallelism (torchtitan's CP wraps its SDPA wrapper).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from primus.core.kernels import reference
+from primus.torchtitan import compat
+
+compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
+from torchtitan.models.attention import ScaledDotProductAttentionWrapper  # noqa: E402
+
+log = logging.getLogger("primus.torchtitan")
+
+MODULE_OPS = ("attention", "rms_norm", "swiglu")  # swapped in the model; cross_entropy in the TrainSpec's loss
+SWAPPED_OPS = (*MODULE_OPS, "cross_entropy")
+
+# what torchtitan's own module computes for each op: core's reference provider of that op
+REFERENCE = {
+    "attention": reference.attention,
+    "rms_norm": reference.rms_norm,
+    "swiglu": reference.swiglu,
+    "cross_entropy": reference.cross_entropy,
+    "rope": reference.rope,
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the run applies for one op: the provider's callable (None: torchtitan's own module) and why."""
+
+    op: str
+    provider: str
+    fn: Callable[..., Any] | None
+    note: str
+
+    def describe(self) -> str:
+        return f"{self.op}: {self.provider} → {'swapped in' if self.fn else 'torchtitan module'} ({self.note})"
+
+
+def plan(
+    providers: dict[str, Any], *, family: str, tp: int, cp: int, loss_parallel: bool, swap_reference: bool = False
+) -> dict[str, Choice]:
+    """Decide per op whether the selected provider replaces torchtitan's module (``providers``: op →
+    :class:`~primus.core.protocols.KernelProvider`). ``swap_reference`` swaps core's reference providers
+    too (tests of the mechanism); normally torchtitan's modules already compute them."""
+    out: dict[str, Choice] = {}
+    dtensor = {
+        "rms_norm": "norms run on DTensors under tensor parallelism (sequence parallel)" if tp > 1 else "",
+        "cross_entropy": "the loss runs on DTensors under loss parallelism" if tp > 1 and loss_parallel else "",
+        "attention": (
+            "qwen3's attention runs on DTensors under tensor parallelism"
+            if tp > 1 and family == "qwen3"
+            else "torchtitan's context parallelism wraps its SDPA module"
+            if cp > 1
+            else ""
+        ),
+        "swiglu": "",
+    }
+    for op, prov in providers.items():
+        if op == "rope":
+            why = (
+                "qwen3's rotate-half RoPE is inline in torchtitan's Attention.forward"
+                if family == "qwen3"
+                else "torchtitan's llama3 RoPE rotates interleaved pairs, the provider contract is rotate-half"
+            )
+            out[op] = Choice(op, prov.name, None, why)
+            continue
+        if op not in SWAPPED_OPS:
+            continue
+        fn = prov.load()
+        if fn is REFERENCE[op] and not swap_reference:
+            out[op] = Choice(op, prov.name, None, "core's reference: torchtitan's module computes the same")
+        elif dtensor[op]:
+            out[op] = Choice(op, prov.name, None, dtensor[op])
+        else:
+            out[op] = Choice(op, prov.name, fn, "provider")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ modules
+
+
+class ProviderRMSNorm(nn.RMSNorm):
+    """torchtitan's ``nn.RMSNorm`` (same ``weight``), computed by the rms_norm provider."""
+
+    kernel: Callable[..., torch.Tensor]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return self.kernel(x, self.weight, eps)
+
+
+class ProviderAttention(ScaledDotProductAttentionWrapper):
+    """torchtitan's SDPA wrapper (same call), computed by the attention provider."""
+
+    kernel: Callable[..., torch.Tensor]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        is_causal: bool = True,
+    ) -> torch.Tensor:
+        return self.kernel(q, k, v, causal=is_causal, scale=scale)
+
+
+def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.w2(self.kernel(self.w1(x), self.w3(x)))
+
+
+@functools.cache
+def _swiglu_class(base: type) -> type:
+    """A subclass of torchtitan's FeedForward (llama3's or qwen3's: ``w2(silu(w1 x) * w3 x)``)."""
+    return type(f"Provider{base.__name__}", (base,), {"forward": _swiglu_forward, "__module__": __name__})
+
+
+def _retype(module: nn.Module, cls: type, kernel: Callable[..., Any]) -> None:
+    module.__class__ = cls
+    module.kernel = kernel
+
+
+def _is_feed_forward(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("w1", "w2", "w3")) and not hasattr(
+        module, "experts"
+    )
+
+
+def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]:
+    """Retype the modules of ``model`` for the choices that carry a provider; returns op → modules swapped."""
+    fns = {op: c.fn for op, c in choices.items() if c.fn is not None and op in MODULE_OPS}
+    counts = dict.fromkeys(fns, 0)
+    for module in model.modules():
+        if "rms_norm" in fns and type(module) is nn.RMSNorm and module.weight is not None:
+            _retype(module, ProviderRMSNorm, fns["rms_norm"])
+            counts["rms_norm"] += 1
+        elif "attention" in fns and type(module) is ScaledDotProductAttentionWrapper:
+            _retype(module, ProviderAttention, fns["attention"])
+            counts["attention"] += 1
+        elif "swiglu" in fns and _is_feed_forward(module) and type(module).forward is not _swiglu_forward:
+            _retype(module, _swiglu_class(type(module)), fns["swiglu"])
+            counts["swiglu"] += 1
+    return counts
+
+
+def swapping_parallelize(parallelize_fn: Callable[..., nn.Module], choices: dict[str, Choice]):
+    """A TrainSpec ``parallelize_fn`` that swaps the modules first: torchtitan calls it on the model (or
+    on each pipeline stage) after building it on the meta device, before TP, FSDP, AC and compile."""
+
+    def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
+        swap_modules(model, choices)
+        return parallelize_fn(model, parallel_dims, job_config)
+
+    return parallelize
+
+
+def provider_loss(cross_entropy: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """torchtitan's loss contract (the token *sum*, divided by the global token count by the trainer) from
+    a provider returning the mean over valid tokens. A micro-batch without valid tokens sums to 0."""
+
+    def loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        count = (labels != IGNORE_INDEX).sum()
+        mean = cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE_INDEX)
+        return torch.where(count > 0, mean, torch.zeros_like(mean)) * count
+
+    return loss
+
+
+def loss_builder(build_loss_fn: Callable[..., Any], choice: Choice | None):
+    """A TrainSpec ``build_loss_fn``: torchtitan's, or the provider's (compiled like torchtitan's when
+    ``compile.components`` has ``loss``)."""
+    if choice is None or choice.fn is None:
+        return build_loss_fn
+
+    def build(job_config: Any, **kwargs: Any) -> Callable[..., torch.Tensor]:
+        fn = provider_loss(choice.fn)
+        if job_config.compile.enable and "loss" in job_config.compile.components:
+            fn = torch.compile(fn, backend=job_config.compile.backend)
+        return fn
+
+    return build
