@@ -37,6 +37,8 @@ LINT_PATHS = ("packages", "tests", "benchmarks", "noxfile.py")
 INTEGRATION_DEPS = ["pytest>=8", "hatchling>=1.24"]
 # Extras that only do something on a GPU (e.g. primus-tune[cuda] = nvmath-python): not installed on CPU CI.
 GPU_ONLY_EXTRAS = {"cuda"}
+# In-tree packages a package's tests use besides itself (installed from packages/, with their extras).
+TEST_PACKAGES = {"torchtitan": ["turbo"]}
 
 
 def list_packages() -> dict[str, Path]:
@@ -124,7 +126,7 @@ def core_alone(session: nox.Session) -> None:
 @nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
     """One package's tests, with only that package and primus-core installed."""
-    install_packages(session, [package], *test_deps(package))
+    install_packages(session, [package, *TEST_PACKAGES.get(package, [])], *test_deps(package))
     pytest(session, str(PACKAGES[package] / "tests"))
 
 
