@@ -12,8 +12,9 @@ random tokens in both.
   [b, h, s, s] scores and runs out of memory at seq 4096), megatron ``DistributedDataParallel``,
   ``get_megatron_optimizer``, ``get_forward_backward_func``; its own loop, timed per step with a sync.
 - Primus: ``primus train llama3.2-1b backend.name=megatron ...`` resolved and run in-process
-  (``primus.core.train``), kernels as selected (no primus-turbo: core's SDPA attention and plain
-  PyTorch norm / SwiGLU); tokens/s per device as the backend reports it to ``metrics.jsonl``.
+  (``primus.core.train``), kernels as selected: ``--kernels auto`` takes primus-turbo's where it is
+  installed, ``--kernels core`` pins core's SDPA attention and plain PyTorch norm / SwiGLU (the "no turbo"
+  comparison); tokens/s per device as the backend reports it to ``metrics.jsonl``.
 
 Each run is a fresh subprocess (megatron keeps global parallel state); the two alternate for
 ``--rounds`` rounds, since the GPU drifts a few % over minutes. A run's tokens/s is the median over
@@ -242,6 +243,19 @@ def run_plain(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------------------------------------ primus
 
 
+# --kernels core: core's plain-PyTorch providers even where primus-turbo is installed (the "no turbo")
+CORE_KERNELS = [
+    f"kernels.{op}={name}"
+    for op, name in (
+        ("attention", "sdpa"),
+        ("rms_norm", "torch"),
+        ("swiglu", "torch"),
+        ("cross_entropy", "torch"),
+        ("rope", "torch"),
+    )
+]
+
+
 def primus_overrides(args: argparse.Namespace, out: Path) -> list[str]:
     return [
         "backend.name=megatron",
@@ -261,6 +275,7 @@ def primus_overrides(args: argparse.Namespace, out: Path) -> list[str]:
         "logging.tensorboard=false",
         "logging.progress=false",
         f"logging.output_dir={out}",
+        *(CORE_KERNELS if args.kernels == "core" else []),
     ]
 
 
@@ -307,6 +322,8 @@ def worker(which: str, args: argparse.Namespace, workdir: Path) -> dict:
         str(args.steps),
         "--log-interval",
         str(args.log_interval),
+        "--kernels",
+        args.kernels,
         "--workdir",
         str(workdir),
         "--result",
@@ -337,6 +354,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--log-interval", type=int, default=5, help="Primus logging.interval (steps per metrics line)")
     ap.add_argument("--worker", choices=["plain", "primus"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--kernels",
+        choices=["auto", "core"],
+        default="auto",
+        help="Primus kernel selection: auto (turbo's where installed) or core (plain PyTorch: the no-turbo comparison)",
+    )
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -388,6 +411,7 @@ def main() -> None:
         "+ optimizer, get_forward_backward_func, own loop",
         "primus_command": primus["command"],
         "primus_kernels": primus.get("kernels"),
+        "primus_kernel_selection": args.kernels,
         "rounds": rounds,
         "plain_tokens_per_s": plain_tps,
         "primus_tokens_per_s": primus_tps,
