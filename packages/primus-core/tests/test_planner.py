@@ -162,3 +162,18 @@ def test_named_strategy_fills_and_keeps_explicit_sizes(registry):
     assert (p.dp_replicate, p.dp_shard, p.tp, p.distributed_optimizer) == (2, 1, 2, False)
     fsdp = resolve("tiny-llama", ["backend.name=fake", "parallel.strategy=fsdp2"], world_size=4, registry=registry)
     assert (fsdp.config.parallel.dp_shard, fsdp.config.parallel.dp_replicate) == (4, 1)
+
+
+def test_strategy_estimate_is_the_planners_model(registry):
+    from primus.core.protocols import load_ref
+    from primus.core.train import resolve
+
+    res = resolve(
+        "llama3.1-8b",
+        ["backend.name=fake", "parallel.strategy=ddp", "train.seq_len=4096", "train.micro_batch_size=1"],
+        world_size=8,
+        registry=registry,
+    )
+    est = load_ref(registry.strategies["ddp"].estimate)(res.config, 8)
+    want = estimate(res.config.model, Layout("megatron", "ddp_distopt", dp=8), 4096)
+    assert est.parts == want.parts and est.total == pytest.approx(want.total)

@@ -12,13 +12,6 @@ from primus.megatron import faults
 EXTRA_KEYS = frozenset({"seed_checkpoint", "transformer_config", "ddp", "fault_injection"})
 
 
-def _dp_shard(cfg: PrimusConfig, world_size: int) -> int:
-    p = cfg.parallel
-    if isinstance(p.dp_shard, int):
-        return p.dp_shard
-    return max(world_size // (p.dp_replicate * p.tp * p.pp * p.cp), 1)
-
-
 def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     out: list[ConfigIssue] = []
@@ -65,7 +58,7 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     # Data parallelism is dp_replicate × dp_shard ranks; dp_shard > 1 shards the optimizer state over
     # each group of dp_shard ranks (megatron's distributed optimizer, ZeRO-1; with dp_replicate > 1 one
     # optimizer instance per replica). Parameters and gradients stay replicated.
-    shard = _dp_shard(cfg, world_size)
+    shard = p.shard_size(world_size)
     if "fsdp" in cfg.backend.extra:
         refuse(
             "backend.extra.fsdp",

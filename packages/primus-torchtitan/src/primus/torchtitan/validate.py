@@ -82,9 +82,7 @@ def _model_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
 
 def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
     p, t, m, out = cfg.parallel, cfg.train, cfg.model, []
-    dp_shard = (
-        p.dp_shard if isinstance(p.dp_shard, int) else max(world_size // (p.dp_replicate * p.tp * p.pp * p.cp), 1)
-    )
+    dp_shard = p.shard_size(world_size)
     if p.pp > 1:
         if m.tie_word_embeddings:
             out.append(

@@ -119,6 +119,12 @@ class ParallelConfig(Section):
     )
     recompute_layers: int | None = Field(None, gt=0, description="layers per group (uniform) or N (block)")
 
+    def shard_size(self, world_size: int) -> int:
+        """``dp_shard``, with ``auto`` taken as the devices left by the other degrees (at least 1)."""
+        if isinstance(self.dp_shard, int):
+            return self.dp_shard
+        return max(world_size // (self.dp_replicate * self.tp * self.pp * self.cp), 1)
+
     def sizes(self) -> dict[str, int | str]:
         return {
             "dp_replicate": self.dp_replicate,

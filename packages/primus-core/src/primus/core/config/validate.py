@@ -157,9 +157,7 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
 
 
 def data_parallel_size(cfg: PrimusConfig, world_size: int) -> int:
-    p = cfg.parallel
-    shard = p.dp_shard if isinstance(p.dp_shard, int) else world_size // (p.dp_replicate * p.tp * p.pp * p.cp)
-    return p.dp_replicate * max(shard, 1)
+    return cfg.parallel.dp_replicate * cfg.parallel.shard_size(world_size)
 
 
 def world_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
@@ -285,7 +283,7 @@ def resolve_parallel(cfg: PrimusConfig, world_size: int) -> PrimusConfig:
     p = cfg.parallel
     updates: dict[str, Any] = {}
     if p.dp_shard == "auto":
-        updates["dp_shard"] = world_size // (p.dp_replicate * p.tp * p.pp * p.cp)
+        updates["dp_shard"] = p.shard_size(world_size)
     new_parallel = p.model_copy(update=updates)
     dp = new_parallel.dp_replicate * int(new_parallel.dp_shard)
     gbs = cfg.train.global_batch_size or cfg.train.micro_batch_size * dp
