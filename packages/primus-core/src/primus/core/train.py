@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from primus.core.config.loader import Layered, load_layers
+from primus.core.config.loader import Layered, load_layers, nest
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import resolve_parallel, validate_config
 from primus.core.plugins import Registry, get_registry
@@ -41,18 +41,13 @@ def configure_changes(registry: Registry):
     """Run every plugin's ``primus_configure`` and label its change with the plugin's distribution."""
 
     def run(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        from primus.core.config.loader import nest
-
         changes = []
         for impl in registry.pm.hook.primus_configure.get_hookimpls():
-            result = impl.function(config=data)
-            if result:
-                merged: dict[str, Any] = {}
-                for key, value in result.items():
-                    from primus.core.config.loader import _deep_merge
-
-                    _deep_merge(merged, nest(key, value), "", "", {})
-                changes.append((f"plugin {registry.pm.dist_of(impl.plugin_name)}", merged))
+            change = Layered()
+            for key, value in (impl.function(config=data) or {}).items():
+                change.merge(nest(key, value), "")
+            if change.data:
+                changes.append((f"plugin {registry.pm.dist_of(impl.plugin_name)}", change.data))
         return changes
 
     return run
