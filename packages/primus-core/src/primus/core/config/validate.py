@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from primus.core.config.errors import ConfigError
 from primus.core.config.fields import _model_in, suggest
 from primus.core.config.schema import PrimusConfig
-from primus.core.protocols import KERNEL_OPS, ConfigIssue
+from primus.core.protocols import KERNEL_OPS, ConfigIssue, validate_with
 
 if TYPE_CHECKING:
     from primus.core.plugins import Registry
@@ -256,8 +256,6 @@ def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> l
                 )
             )
     if backend is not None and not out:
-        from primus.core.protocols import validate_with
-
         out.extend(validate_with(backend, cfg, world_size))
     return out
 
