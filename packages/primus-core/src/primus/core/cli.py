@@ -155,7 +155,7 @@ def config_show(
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     labels = set(res.layers.sources.values()) | {"default", "resolved (world size)"}
     table.add_column("key", no_wrap=True)
-    table.add_column("value", overflow="fold")
+    table.add_column("value", overflow="fold", min_width=10)
     if sources:
         table.add_column("from", style="cyan", no_wrap=True, min_width=max(map(len, labels)))
     table.add_column("description", style="dim", no_wrap=True, overflow="ellipsis")

@@ -138,6 +138,22 @@ class ParallelConfig(Section):
 KernelChoice = str  # "auto" or a provider name; checked against the installed providers
 
 
+class Fp8Recipe(Section):
+    grad_dtype: Literal["e4m3", "e5m2"] = Field(
+        "e5m2", description="dtype of output gradients in the backward GEMMs (e5m2: more range, the usual hybrid)"
+    )
+    scaling: Literal["current", "delayed"] = Field(
+        "current", description="scale from this step's amax (current) or from an amax history (delayed)"
+    )
+    amax_history: int = Field(16, gt=0, description="delayed scaling: steps of amax history")
+    bf16_first_layers: int = Field(0, ge=0, description="first N transformer blocks keep bf16 linears")
+    bf16_last_layers: int = Field(0, ge=0, description="last N transformer blocks keep bf16 linears")
+    bf16_output_head: bool = Field(True, description="the output projection (vocab GEMM) stays bf16")
+    implementation: Literal["auto", "primus", "torchao"] = Field(
+        "auto", description="primus: primus-turbo's torch._scaled_mm linear; torchao: torchao.float8 where installed"
+    )
+
+
 class KernelsConfig(Section):
     attention: KernelChoice = Field("auto", description="attention provider (auto = fastest available)")
     rms_norm: KernelChoice = Field("auto", description="RMSNorm provider")
@@ -146,6 +162,17 @@ class KernelsConfig(Section):
     rope: KernelChoice = Field("auto", description="rotary embedding provider")
     gemm_tuning: Literal["off", "online", "offline"] = Field("off", description="GEMM algorithm tuning mode")
     gemm_tuning_file: str | None = Field(None, description="offline tuning results file")
+    gemm_tuning_mismatch: Literal["warn", "refuse"] = Field(
+        "warn", description="offline: a results file made for another device / library version warns or refuses"
+    )
+    gemm_tuning_online_steps: int = Field(3, gt=0, description="online: steps during which new GEMM shapes are searched")
+    gemm_tuning_candidates: int = Field(16, gt=0, description="algorithms tried per GEMM shape")
+    gemm_tuning_iterations: int = Field(20, gt=0, description="timing iterations per candidate")
+    gemm_tuning_max_seconds: float = Field(60.0, gt=0, description="online: wall-clock cap on search per step")
+    fp8: Literal["off", "tensorwise", "rowwise"] = Field(
+        "off", description="FP8 (e4m3) linear GEMMs with dynamic scaling: one scale per tensor or per row"
+    )
+    fp8_recipe: Fp8Recipe = Field(default_factory=lambda: Fp8Recipe())
 
 
 class DataConfig(Section):
