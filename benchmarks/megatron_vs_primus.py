@@ -30,13 +30,15 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import LastStepsProfiler, free_port, steady  # noqa: E402
 
 # --model: the Primus preset, and the same shape for plain megatron-core ("tiny" checks this script on a CPU)
 MODELS = {
@@ -48,6 +50,22 @@ MODELS = {
             num_attention_heads=32,
             num_query_groups=8,
             kv_channels=64,
+            ffn_hidden_size=8192,
+            vocab=128256,
+            tied=True,
+            theta=500000,
+            rope_scaling_factor=32.0,
+            eps=1e-5,
+        ),
+    ),
+    "3b": (
+        "llama3.2-3b",
+        dict(
+            num_layers=28,
+            hidden_size=3072,
+            num_attention_heads=24,
+            num_query_groups=8,
+            kv_channels=128,
             ffn_hidden_size=8192,
             vocab=128256,
             tied=True,
@@ -74,12 +92,6 @@ MODELS = {
     ),
 }
 LR, MIN_LR, WD, CLIP = 3e-4, 3e-5, 0.1, 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------ plain
@@ -212,6 +224,8 @@ def run_plain(args: argparse.Namespace) -> dict:
         return out, lambda o: (o.float().mean(), {"lm loss": o.float().mean().detach()})
 
     sync = torch.cuda.synchronize if gpu else (lambda: None)
+    trace = Path(args.workdir) / "plain_trace.json" if getattr(args, "profile", False) else None
+    prof = LastStepsProfiler(trace, args.steps)
     tps, losses = [], []
     for step in range(args.steps):
         sync()
@@ -234,10 +248,12 @@ def run_plain(args: argparse.Namespace) -> dict:
         sync()
         tps.append(args.micro_batch * args.seq / (time.perf_counter() - t0))
         losses.append(loss)
+        prof.step()
+    prof.close()
     mem = torch.cuda.max_memory_allocated() / 2**30 if gpu else 0.0
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-    return {"tps": tps, "loss": losses, "params": params, "memory_gib": mem}
+    return {"tps": tps, "loss": losses, "params": params, "memory_gib": mem, "trace": str(trace) if trace else None}
 
 
 # ------------------------------------------------------------------------------------------------ primus
@@ -276,6 +292,7 @@ def primus_overrides(args: argparse.Namespace, out: Path) -> list[str]:
         "logging.progress=false",
         f"logging.output_dir={out}",
         *(CORE_KERNELS if args.kernels == "core" else []),
+        *getattr(args, "extra", []),
     ]
 
 
@@ -297,6 +314,7 @@ def run_primus(args: argparse.Namespace) -> dict:
         "memory_gib": rows[-1]["memory_gib"],
         "status": summary.get("status"),
         "kernels": json.loads((out / "summary.json").read_text()).get("kernels"),
+        "kernels_applied": json.loads((out / "summary.json").read_text()).get("kernels_applied"),
         "command": f"primus train {preset} " + shlex.join(overrides),
     }
 
@@ -335,12 +353,6 @@ def worker(which: str, args: argparse.Namespace, workdir: Path) -> dict:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         raise SystemExit(f"{which} run failed ({proc.returncode}): {shlex.join(cmd)}")
     return json.loads(result_file.read_text())
-
-
-def steady(values: list[float], warmup: int, steps: list[int] | None = None) -> float:
-    """Median after the first ``warmup`` steps (``steps``: the last step each value covers)."""
-    steps = steps or list(range(1, len(values) + 1))
-    return statistics.median(v for v, s in zip(values, steps, strict=True) if s - 1 >= warmup)
 
 
 def main() -> None:

@@ -28,7 +28,6 @@ import gc
 import json
 import os
 import shlex
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,9 @@ import traceback
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import free_port, steady  # noqa: E402
 
 # --model: the Primus preset and the same shape as a plain llama3 flavor ("tiny" is a CPU smoke test of this script)
 MODELS = {
@@ -49,6 +51,20 @@ MODELS = {
             n_kv_heads=8,
             vocab_size=128256,
             ffn_dim_multiplier=1.5,
+            multiple_of=256,
+            rope_theta=500000,
+            rope_scaling=(32.0, 1.0, 4.0, 8192),
+        ),
+    ),
+    "3b": (
+        "llama3.2-3b",
+        dict(
+            dim=3072,
+            n_layers=28,
+            n_heads=24,
+            n_kv_heads=8,
+            vocab_size=128256,
+            ffn_dim_multiplier=1.0,
             multiple_of=256,
             rope_theta=500000,
             rope_scaling=(32.0, 1.0, 4.0, 8192),
@@ -69,12 +85,6 @@ MODELS = {
         ),
     ),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_process_env() -> None:
@@ -153,7 +163,9 @@ class Recorder:
         pass
 
 
-def run_plain(steps: int, seq: int, micro: int, out: Path, compile_: bool) -> dict:
+def run_plain(steps: int, seq: int, micro: int, out: Path, compile_: bool, profile: bool = False) -> dict:
+    """Plain TorchTitan; ``profile``: torchtitan's own profiler traces the last step (after 3 warm-up steps),
+    under ``out/profile_traces``."""
     from torchtitan.config import ConfigManager
     from torchtitan.train import Trainer
 
@@ -187,6 +199,8 @@ def run_plain(steps: int, seq: int, micro: int, out: Path, compile_: bool) -> di
     ]
     if compile_:
         argv += ["--compile.enable", "--compile.components", "model,loss"]
+    if profile:
+        argv += ["--profiling.enable_profiling", "--profiling.profile_freq", str(steps)]
     one_process_env()
     job_config = ConfigManager().parse_args(argv)
     trainer = Trainer(job_config)
@@ -199,7 +213,9 @@ def run_plain(steps: int, seq: int, micro: int, out: Path, compile_: bool) -> di
         params = sum(p.numel() for m in trainer.model_parts for p in m.parameters())
         del trainer
         release()
+    traces = sorted(out.glob("profile_traces/iteration_*/rank0_trace.json"))
     return {
+        "trace": str(traces[-1]) if traces else None,
         "tps": [r["throughput(tps)"] for r in recorder.rows],
         "memory_gib": max(r["memory/max_reserved(GiB)"] for r in recorder.rows),
         "loss": [r["loss_metrics/global_avg_loss"] for r in recorder.rows],
@@ -211,7 +227,10 @@ def run_plain(steps: int, seq: int, micro: int, out: Path, compile_: bool) -> di
 # ------------------------------------------------------------------------------------------------ primus
 
 
-def run_primus(preset: str, steps: int, seq: int, micro: int, out: Path, compile_: bool) -> dict:
+def run_primus(
+    preset: str, steps: int, seq: int, micro: int, out: Path, compile_: bool, extra: tuple[str, ...] = ()
+) -> dict:
+    """``primus train`` on the torchtitan backend in this process; ``extra``: more overrides (kernels, profile)."""
     from primus.core.train import resolve, run_rank
 
     overrides = [
@@ -232,6 +251,7 @@ def run_primus(preset: str, steps: int, seq: int, micro: int, out: Path, compile
         "logging.progress=false",
         f"logging.output_dir={out}",
         "backend.name=torchtitan",
+        *extra,
     ]
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
         os.environ.pop(key, None)
@@ -245,12 +265,9 @@ def run_primus(preset: str, steps: int, seq: int, micro: int, out: Path, compile
         "mfu": [r.get("mfu") for r in rows],
         "memory_gib": max(r["memory_gib"] for r in rows),
         "summary_status": summary.get("status"),
+        "kernels": summary.get("kernels"),
         "command": f"primus train {preset} " + shlex.join(overrides),
     }
-
-
-def steady(values: list[float], warmup: int) -> float:
-    return statistics.median(values[warmup:])
 
 
 def main() -> None:

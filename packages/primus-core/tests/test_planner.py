@@ -11,6 +11,7 @@ from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
 from primus.core.planner import Cluster, Layout, best, candidates, device, estimate
 from primus.core.presets import resolver
+from primus.core.strategies import fused_loss
 
 
 def _model(registry, name):
@@ -36,7 +37,12 @@ def test_activation_memory_orders(registry):
         rc: estimate(m, Layout("megatron", "ddp", dp=1, recompute=rc), 8192).parts["activations"]
         for rc in ("none", "selective", "full")
     }
-    assert act["full"] < act["selective"] < act["none"]
+    assert act["full"] < act["selective"] <= act["none"]  # megatron's selective drops only flash attention's (nothing)
+    tt = {
+        rc: estimate(m, Layout("torchtitan", "fsdp", dp=8, recompute=rc), 8192).parts["activations"]
+        for rc in ("none", "selective", "full")
+    }
+    assert tt["full"] < tt["selective"] < tt["none"]
     # Llama 8B at seq 8192, bf16, one sample: 2·s·(6d + 2·kv·c + 3f) bytes per layer
     assert act["none"] == pytest.approx(32 * 2 * 8192 * (6 * 4096 + 2 * 8 * 128 + 3 * 14336))
     tp = estimate(m, Layout("megatron", "ddp", dp=1, tp=4), 8192).parts["activations"]
@@ -175,5 +181,121 @@ def test_strategy_estimate_is_the_planners_model(registry):
         registry=registry,
     )
     est = load_ref(registry.strategies["ddp"].estimate)(res.config, 8)
-    want = estimate(res.config.model, Layout("megatron", "ddp_distopt", dp=8), 4096)
+    want = estimate(res.config.model, Layout("megatron", "ddp_distopt", dp=8), 4096, fused_loss=fused_loss(res.config))
     assert est.parts == want.parts and est.total == pytest.approx(want.total)
+
+
+def test_auto_refusal_gives_the_numbers(registry, monkeypatch):
+    from primus.core.config.errors import ConfigError
+    from primus.core.planner import auto
+    from primus.core.train import resolve
+
+    monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
+    with pytest.raises(ConfigError, match=r"72\.0 usable.*the smallest \(.*\) needs \d+\.\d GiB per device"):
+        resolve(
+            "llama3.1-405b",
+            ["backend.name=fake", "parallel.strategy=auto", "train.seq_len=8192"],
+            world_size=8,
+            registry=registry,
+        )
+
+
+def test_a_layout_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatch):
+    import primus.core.kernels
+    from primus.core.errors import UserError
+    from primus.core.planner import auto
+    from primus.core.train import resolve, run_rank
+
+    out = tmp_path / "run"
+    res = resolve(
+        "llama3.1-70b",
+        ["backend.name=megatron", "train.seq_len=4096", "train.micro_batch_size=1", f"logging.output_dir={out}"],
+        world_size=1,
+    )
+    monkeypatch.setattr(primus.core.kernels, "detect_device", lambda: "cuda")
+    monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
+    with pytest.raises(UserError, match=r"llama3.1-70b does not fit: an estimated \d+\.\d GiB per device \(weights"):
+        run_rank(res)
+    assert not out.exists()  # nothing was built or written
+    # a layout within the model's error of the device's memory is let through (70B fits in 1.5 TB)
+    monkeypatch.setattr(auto, "local_device", lambda: device("H100", 1500))
+    auto.check_fits(res.config, 1)
+
+
+def _untied(registry, name):
+    return _model(registry, name).model_copy(update={"tie_word_embeddings": False})
+
+
+@pytest.mark.parametrize(
+    "name,seq,micro,measured_mfu",
+    [("llama3.2-1b", 4096, 2, 0.498), ("llama3.2-3b", 4096, 2, 0.557), ("llama3.2-1b", 8192, 1, 0.532)],
+)
+def test_step_time_reproduces_the_h200_baseline(registry, name, seq, micro, measured_mfu):
+    """The calibrated step-time model against TorchTitan eager on one H200 (h200-baseline.md)."""
+    from primus.core.planner.search import evaluate
+
+    c = evaluate(
+        _untied(registry, name),
+        Layout("torchtitan", "ddp", 1, micro_batch=micro),
+        seq,
+        micro,
+        Cluster(device("H200"), 1, 1),
+        "bf16",
+    )
+    assert c.mfu == pytest.approx(measured_mfu, rel=0.05)
+
+
+def test_fp8_gemms_run_at_the_fp8_rate_and_keep_an_e4m3_weight_copy(registry):
+    from primus.core.planner import calibration as cal
+    from primus.core.planner.memory import fp8_layers
+    from primus.core.planner.perf import gemm_rate, layer_seconds_per_token, step_time
+
+    m = _model(registry, "llama3.1-8b")
+    h200 = device("H200")
+    assert gemm_rate(h200, "tensorwise") / gemm_rate(h200) == pytest.approx(1979 / 989 * 0.99)
+    assert gemm_rate(device("A100"), "rowwise") == gemm_rate(device("A100"))  # no FP8 tensor cores
+    assert gemm_rate(device("MI300X"), "tensorwise") / gemm_rate(device("MI300X")) == pytest.approx(2615 / 1307 * 0.99)
+    bf16 = layer_seconds_per_token(m, 8192, h200)
+    fp8 = layer_seconds_per_token(m, 8192, h200, "rowwise")
+    assert 1.6 < bf16["gemm"] / fp8["gemm"] < 2.0 and fp8["fp8_casts"] > 0 and fp8["attention"] == bf16["attention"]
+    lay = Layout("torchtitan", "fsdp", dp=8, micro_batch=1, micro_batches=4)
+    t_bf16 = step_time(m, lay, 8192, 32, h200, 8).total
+    t_fp8 = step_time(m, lay, 8192, 32, h200, 8, "rowwise").total
+    assert t_bf16 / 2 < t_fp8 < t_bf16
+    assert fp8_layers(m, "rowwise", 1, 1) == m.num_layers - 2 and fp8_layers(m, "off") == 0
+    # only the FP8 layers' GEMMs speed up
+    t_some = step_time(m, lay, 8192, 32, h200, 8, "rowwise", fp8_layers(m, "rowwise", 8, 8)).total
+    assert t_fp8 < t_some < t_bf16
+    per_layer = count_params(m).per_layer
+    mem = estimate(m, lay, 8192, "bf16", "tensorwise").parts
+    assert mem["fp8"] == pytest.approx(cal.FP8_WEIGHT_COPY_BYTES * m.num_layers * per_layer)
+    assert "fp8" not in estimate(m, lay, 8192).parts
+    half = estimate(m, lay, 8192, "bf16", "tensorwise", m.num_layers // 2).parts["fp8"]
+    assert half == pytest.approx(mem["fp8"] / 2)
+
+
+def test_plan_shows_fp8():
+    args = ["plan", "--preset", "llama3.1-8b", "--device", "H200", "--engine", "torchtitan", "train.seq_len=8192"]
+    off = CliRunner().invoke(cli.app, args)
+    on = CliRunner().invoke(cli.app, [*args, "kernels.fp8=rowwise", "kernels.fp8_recipe.bf16_last_layers=2"])
+    assert off.exit_code == 0 and on.exit_code == 0, on.output
+    assert "FP8" not in off.output and "fp8" not in off.output
+    assert "FP8 rowwise GEMMs in 30 of 32 layers" in " ".join(on.output.split()) and "recommended:" in on.output
+    assert on.output.rstrip().endswith("FP8 rowwise")
+
+
+def test_memory_splits_what_the_allocator_sees(registry):
+    from primus.core.planner import calibration as cal
+
+    m = _model(registry, "llama3.2-1b")
+    one = estimate(m, Layout("megatron", "ddp", dp=1), 4096)
+    eight = estimate(m, Layout("megatron", "ddp", dp=8), 4096)
+    assert one.parts["context"] == cal.CONTEXT_BYTES  # no NCCL buffers without another rank
+    assert eight.parts["context"] == cal.CONTEXT_BYTES + cal.COMM_BUFFER_BYTES
+    assert one.allocator == pytest.approx(one.total - cal.CONTEXT_BYTES)
+    assert one.allocated == pytest.approx(one.allocator - one.parts["fragmentation"])
+    # TorchTitan without FSDP keeps an fp32 residual stream under autocast: more activation memory per layer
+    tt = estimate(m, Layout("torchtitan", "ddp", dp=1), 4096).parts["activations"]
+    fsdp = estimate(m, Layout("torchtitan", "fsdp", dp=8), 4096).parts["activations"]
+    d = m.hidden_size
+    assert tt - fsdp == pytest.approx(m.num_layers * 4096 * 2 * d * (4 - 2))

@@ -50,6 +50,7 @@ def test_shares_of_a_synthetic_step():
         ("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
         ("Memcpy DtoD (Device -> Device)", "memory"),
         ("LinearWithGradAccumulationAndAsyncCommunication", "gemm"),  # megatron's linear, outermost on a CPU trace
+        ("autograd::engine::evaluate_function: AddmmBackward0", "gemm"),  # a CPU trace's backward GEMM
         ("some_unknown_thing", "other"),
     ],
 )
@@ -84,3 +85,49 @@ def test_bad_trace_is_refused(tmp_path):
     bad.write_text(json.dumps({"nothing": 1}))
     res = CliRunner().invoke(cli.app, ["analyze", str(bad)])
     assert res.exit_code == 2 and "not a Chrome trace" in res.output
+
+
+def test_cpu_training_step_trace_counts_nothing_twice(tmp_path):
+    """A real CPU trace of a small transformer block's training steps: nested operators (aten::linear →
+    aten::addmm → ...) are counted once, through their outermost operator, and the shares fill the window."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from primus.core.profile.analyze import _device_events, read_trace
+
+    torch.manual_seed(0)
+    block = torch.nn.TransformerEncoderLayer(64, 4, 256, batch_first=True)
+    opt = torch.optim.AdamW(block.parameters())
+    x = torch.randn(4, 32, 64)
+    path = tmp_path / "rank3.json"
+    sched = schedule(wait=0, warmup=1, active=2, repeat=1)
+    with profile(
+        activities=[ProfilerActivity.CPU], schedule=sched, on_trace_ready=lambda p: p.export_chrome_trace(str(path))
+    ) as prof:
+        for _ in range(3):
+            block(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    events, _ = read_trace(path)
+    (r,) = analyze_files([path], flops_per_step=1e9, peak_flops=1e12)
+    top = _device_events(events)
+    all_ops = sum(e["dur"] for e in events if e.get("cat") == "cpu_op")
+    assert r.rank == "3" and r.steps == 2
+    assert sum(r.categories.values()) == pytest.approx(sum(e["dur"] for e in top))
+    assert sum(r.categories.values()) < all_ops  # nested operators were not added on top of their parents
+    assert r.compute_us + r.idle_us == pytest.approx(r.window_us) and r.exposed_comm_us == 0
+    assert r.categories["gemm"] > 0.2 * sum(r.categories.values()), r.categories  # forward and backward GEMMs
+    assert r.mfu == pytest.approx(1e9 / (r.window_us / 2 * 1e-6) / 1e12)
+
+
+def test_many_ranks_report_and_mfu_column():
+    from primus.core.profile.report import markdown
+
+    r0 = analyze_events([_k(GEMM, 0, 80), _k(ALLREDUCE, 60, 40, stream=9)], "0", flops_per_step=5e6, peak_flops=1e12)
+    r1 = analyze_events([_k(GEMM, 0, 100)], "1")
+    assert r0.mfu == pytest.approx(5e6 / 100e-6 / 1e12) and r1.mfu is None
+    md = markdown([r0, r1])
+    assert "| 0 | 1 | 0.1 | 60.0% | 20.0% | 20.0% | 0.0% | 5.0% |" in md
+    assert "| 1 | 1 | 0.1 | 100.0% | 0.0% | 0.0% | 0.0% | - |" in md
+    assert "| mean of 2 | | 0.1 (max) | 80.0% | 10.0% | 10.0% | 0.0% |" in md

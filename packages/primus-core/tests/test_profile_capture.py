@@ -49,6 +49,13 @@ def test_profile_writes_traces_and_report(tmp_path, monkeypatch):
     )
     assert res.exit_code == 0, res.output
     assert (tmp_path / "traces" / "rank0.json").is_file()
+    import json
+
+    meta = json.loads((tmp_path / "traces" / "rank0.json").read_text())["primus"]  # what analyze needs for MFU
+    assert meta["model"] == "tiny-llama" and meta["active_steps"] >= 1 and meta["flops_per_token"] > 0
+    assert meta["model_flops_per_step_per_device"] == pytest.approx(
+        meta["tokens_per_step_per_device"] * meta["flops_per_token"]
+    )
     report = (tmp_path / "profile" / "report.md").read_text()
     assert "| 0 |" in report and "MFU (last logged interval): 25.0%" in report
     gemm_share = report.split("## Kernel categories")[1].splitlines()[4].split("|")[2].strip()

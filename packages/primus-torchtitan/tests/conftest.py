@@ -24,9 +24,16 @@ def free_port() -> int:
 
 
 def primus_train(
-    config: str, out: Path, *overrides: str, nproc: int = 1, resume: bool = False, timeout: int = 240
+    config: str,
+    out: Path,
+    *overrides: str,
+    nproc: int = 1,
+    resume: bool = False,
+    timeout: int = 240,
+    check: bool = True,
 ) -> subprocess.CompletedProcess:
-    """``primus train`` in a fresh process (torchrun for several), output in ``out``; fails the test on error."""
+    """``primus train`` in a fresh process (torchrun for several), output in ``out``; fails the test on
+    error if ``check``."""
     cmd = [
         sys.executable,
         "-m",
@@ -44,7 +51,7 @@ def primus_train(
         cmd.append("--resume")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PRIMUS_LAUNCHED")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         (out / "failed-run.log").write_text(proc.stdout + proc.stderr)
         errors = [line for line in proc.stderr.splitlines() if "rror" in line and "lspci" not in line]
         pytest.fail(
@@ -129,3 +136,17 @@ def reference(tmp_path_factory, seed_checkpoint):
         return runs[model]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def fsdp2_straight(tmp_path_factory, seed_checkpoint):
+    """2 ranks (FSDP dp_shard 2) from the seed checkpoint, 8 steps uninterrupted, a checkpoint every 2 steps
+    (all kept): the reference of the resume and crash-safety tests."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    overrides = (
+        f"backend.extra.checkpoint.initial_load_path={seed_checkpoint()}",
+        "parallel.dp_shard=2",
+        "checkpoint.interval=2",
+    )
+    primus_train(TINY, out, *overrides, "checkpoint.keep_last=4", nproc=2)
+    return {"out": out, "overrides": overrides, "losses": losses(out), "rows": metrics(out)}

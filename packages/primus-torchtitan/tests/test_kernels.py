@@ -23,6 +23,7 @@ from test_models import preset
 from primus.core.kernels import reference
 from primus.core.protocols import Availability, KernelProvider
 from primus.torchtitan.kernels import ProviderAttention, ProviderRMSNorm, plan, provider_loss, swap_modules
+from primus.torchtitan.loss import FusedOutput, head_loss, head_targets
 from primus.torchtitan.models import base_train_spec, model_args
 
 
@@ -120,6 +121,62 @@ def test_provider_loss_is_torchtitans_token_sum():
     assert empty.item() == 0 and torch.equal(pred.grad, torch.zeros_like(pred.grad))
 
 
+def fused_reference(hidden, weight, target, ignore_index=-100):
+    """Core's reference loss on the logits: what a provider's fused linear + cross-entropy computes."""
+    return reference.cross_entropy(hidden @ weight.T, target, ignore_index)
+
+
+def offering_fused() -> dict[str, KernelProvider]:
+    """Core's providers, with a cross_entropy that offers a fused ``linear_cross_entropy``."""
+
+    def cross_entropy(logits, target, ignore_index=-100):
+        return reference.cross_entropy(logits, target, ignore_index)
+
+    cross_entropy.linear_cross_entropy = fused_reference
+    return {**CORE, "cross_entropy": provider("cross_entropy", "fused", cross_entropy)}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen2"])  # tiny-qwen2: tied embeddings
+def test_fused_head_gives_torchtitans_loss_and_gradients(name):
+    from torchtitan.components.loss import cross_entropy_loss
+
+    model = tiny_model(name)
+    fused = copy.deepcopy(model)
+    params = dict(fused.named_parameters())
+    choices = plan(offering_fused(), family=preset(name).family, tp=1, cp=1, loss_parallel=True)
+    assert choices["linear_cross_entropy"].fn is fused_reference
+    assert swap_modules(fused, choices) == {"linear_cross_entropy": 1}  # core's modules stay torchtitan's
+    assert isinstance(fused.output, FusedOutput) and isinstance(fused.output, torch.nn.Linear)
+    assert all(p is params[n] for n, p in fused.named_parameters())
+    assert list(fused.state_dict()) == list(model.state_dict())
+    tokens = torch.randint(0, 2048, (2, 32))
+    labels = torch.randint(0, 2048, (2, 32))
+    labels[0, :5] = -100
+    torch.testing.assert_close(fused(tokens), model(tokens))  # without labels: the plain projection
+    want = cross_entropy_loss(model(tokens), labels)
+    with head_targets([fused], labels):
+        got = head_loss(cross_entropy_loss)(fused(tokens), labels)
+    assert fused.output.labels is None  # handed back after the forward
+    assert got.dim() == 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.backward()
+    want.backward()
+    for (n, a), b in zip(fused.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_fused_head_is_refused_where_the_output_is_sharded_or_the_loss_is_outside_its_forward():
+    fake = offering_fused()
+    notes = {
+        "tp": plan(fake, family="llama", tp=2, cp=1, loss_parallel=False)["linear_cross_entropy"],
+        "pp": plan(fake, family="llama", tp=1, cp=1, pp=2, loss_parallel=True)["linear_cross_entropy"],
+        "cp": plan(fake, family="llama", tp=1, cp=2, loss_parallel=True)["linear_cross_entropy"],
+    }
+    assert all(c.fn is None for c in notes.values())
+    assert "vocab-sharded" in notes["tp"].note and "pipeline" in notes["pp"].note and "context" in notes["cp"].note
+    assert "linear_cross_entropy" not in plan(CORE, family="llama", tp=1, cp=1, loss_parallel=True)
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 
 # layout -> (processes, overrides, per rank: op -> provider calls over the run of 2 steps)
@@ -171,8 +228,9 @@ def test_counting_providers_run_and_match_torchtitans_modules(layout, tmp_path, 
 
 
 def test_turbo_triton_kernels_give_the_same_loss(tmp_path, reference, seed_checkpoint):
-    """primus-turbo's Triton rms_norm, swiglu and cross_entropy (Triton's interpreter on the CPU, fp32)
-    against torchtitan's own modules (turbo off), same seed checkpoint and data: losses within 1e-5.
+    """primus-turbo's Triton rms_norm, swiglu and fused output projection + cross_entropy (Triton's
+    interpreter on the CPU, fp32) against torchtitan's own modules (turbo off), same seed checkpoint and
+    data: losses within 1e-5 (relative), grad norms within 1e-4.
     Attention (turbo has no CPU-runnable one) is the counting provider: swapped in at world size 1 too."""
     ref = metrics(reference(()))[:2]
     counts = tmp_path / "calls.json"
@@ -198,6 +256,7 @@ def test_turbo_triton_kernels_give_the_same_loss(tmp_path, reference, seed_check
         "rms_norm": "triton",
         "swiglu": "triton",
         "cross_entropy": "triton",
+        "linear_cross_entropy": "triton",  # the output projection + loss: one fused call
         "rope": "torchtitan",  # layouts differ: never swapped
     }
     got = metrics(tmp_path)

@@ -112,7 +112,7 @@ def test_resume_continues_like_a_straight_run(tmp_path, reference, seed_checkpoi
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "step-3" / ".metadata").is_file()  # every 3 steps
     assert (ckpts / "step-4" / ".metadata").is_file()  # and at the end
-    (ckpts / "step-6").mkdir()  # an interrupted save (no .metadata) must be passed over
+    (ckpts / "step-6").mkdir()  # an interrupted save (no manifest) must be passed over
     primus_train(TINY, tmp_path, seed, resume=True)
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 9))

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from primus.core.cli_analyze import analyze
+from primus.core.cli_checkpoint import checkpoint_app
 from primus.core.cli_data import data_app
 from primus.core.cli_plan import plan
 from primus.core.cli_preflight import preflight
@@ -34,6 +35,7 @@ presets_app = typer.Typer(help="Model and recipe presets.", no_args_is_help=True
 app.add_typer(config_app, name="config")
 app.add_typer(presets_app, name="presets")
 app.add_typer(data_app, name="data")
+app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(slurm_app, name="slurm")
 app.command("plan")(plan)
 app.command("analyze")(analyze)

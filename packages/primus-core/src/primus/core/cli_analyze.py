@@ -12,8 +12,15 @@ def analyze(
     traces: Annotated[list[Path], typer.Argument(help="Chrome trace JSON files (.json or .json.gz), one per rank")],
     out_dir: Annotated[Path | None, typer.Option("--out", help="write report.md and report.html here")] = None,
     top: Annotated[int, typer.Option(help="top kernels listed")] = 10,
+    flops_per_step: Annotated[
+        float | None,
+        typer.Option(help="model FLOPs of one step on one device (default: the trace's own primus block)"),
+    ] = None,
+    peak_tflops: Annotated[
+        float | None, typer.Option(help="the device's dense bf16 peak, TFLOP/s (default: the trace's)")
+    ] = None,
 ) -> None:
-    """Compute / exposed and overlapped communication / idle, kernel categories, top kernels."""
+    """Compute / exposed and overlapped communication / idle, step time and MFU, kernel categories, top kernels."""
     from rich.markdown import Markdown
 
     from primus.core.cli import err, out
@@ -25,7 +32,7 @@ def analyze(
         err.print(f"error: no such trace: {', '.join(missing)}", style="red", markup=False)
         raise typer.Exit(2)
     try:
-        reports = analyze_files(traces, top)
+        reports = analyze_files(traces, top, flops_per_step, peak_tflops * 1e12 if peak_tflops else None)
     except (ValueError, KeyError) as exc:
         err.print(f"error: not a Chrome trace ({type(exc).__name__}: {exc})", style="red", markup=False)
         raise typer.Exit(2) from None

@@ -7,7 +7,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "buffers", "overhead")
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
+OVERHEAD = ("workspace", "fragmentation", "context")  # shown summed as "overhead"
 
 
 def plan(
@@ -26,8 +27,9 @@ def plan(
     """Rank the parallel layouts that fit: DDP (+ distributed optimizer), FSDP, TP(+SP), PP/VPP, recompute."""
     from primus.core.cli import _resolve, err, out
     from primus.core.planner import Cluster, candidates, device
-    from primus.core.planner.memory import GIB
+    from primus.core.planner.memory import GIB, fp8_layers
     from primus.core.planner.search import ENGINES
+    from primus.core.strategies import fused_loss
 
     if preset and config:  # with --preset, positional words are all overrides
         overrides = [config, *(overrides or [])]
@@ -48,7 +50,11 @@ def plan(
     cluster = Cluster(dev, nodes, gpus)
     t = cfg.train
     gbs = t.global_batch_size if "train.global_batch_size" in res.layers.sources else None
-    cands = candidates(cfg.model, cluster, t.seq_len, t.micro_batch_size, gbs, engine, t.precision)
+    k = cfg.kernels
+    n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
+    cands = candidates(
+        cfg.model, cluster, t.seq_len, t.micro_batch_size, gbs, engine, t.precision, k.fp8, n_fp8, fused_loss(cfg)
+    )
     if not cands:
         err.print("error: no layout divides this cluster (check --gpus, --nodes and the global batch)", style="red")
         raise typer.Exit(2)
@@ -57,8 +63,11 @@ def plan(
         f"{cfg.model.name} on {nodes}×{gpus} {dev.name} ({dev.memory_gib:.0f} GiB, {cluster.capacity / GIB:.0f} usable), "
         f"{engine}, seq {t.seq_len}, micro-batch {t.micro_batch_size}, global batch {gbs or 'auto'}"
     )
+    if k.fp8 != "off":
+        title += f", FP8 {k.fp8} GEMMs in {n_fp8} of {cfg.model.num_layers} layers"
+    cats = (*CATEGORIES, "fp8") if k.fp8 != "off" else CATEGORIES
     table = Table(title=title, box=None)
-    for col in ("#", "layout", *CATEGORIES, "total GiB", "step s", "tok/s/GPU", "MFU"):
+    for col in ("#", "layout", *cats, "overhead", "total GiB", "step s", "tok/s/GPU", "MFU"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     shown = (fitting or sorted(cands, key=lambda c: c.memory.total))[:top]
     for i, c in enumerate(shown, 1):
@@ -66,7 +75,8 @@ def plan(
         table.add_row(
             str(i),
             c.layout.describe(),
-            *(f"{g[k]:.1f}" for k in CATEGORIES),
+            *(f"{g.get(name, 0.0):.1f}" for name in cats),
+            f"{sum(g.get(name, 0.0) for name in OVERHEAD):.1f}",
             f"{c.memory.total / GIB:.1f}",
             f"{c.time.total:.2f}",
             f"{c.tokens_per_s_per_device:,.0f}",
@@ -82,4 +92,5 @@ def plan(
             markup=False,
         )
         raise typer.Exit(3)
-    out.print(f"recommended: {fitting[0].layout.describe()}", highlight=False)
+    fp8_note = f", FP8 {k.fp8}" if k.fp8 != "off" else ""
+    out.print(f"recommended: {fitting[0].layout.describe()}{fp8_note}", highlight=False)

@@ -53,7 +53,8 @@ def primus_backends() -> list[BackendSpec]:
     :returns: a list of :class:`primus.core.protocols.BackendSpec`.
 
     Use in plugins: called when the registry is first built (``primus plugins``, ``primus train``).
-    Must not import the engine: a spec names its ``validate``/``run`` callables as ``"module:attr"``.
+    Must not import the engine: a spec names its ``validate``/``run`` callables as ``"module:attr"``,
+    and its Hugging Face importer/exporter (``hf``, see :class:`primus.core.hf.contract.HFInterop`) too.
     """
 
 
@@ -128,6 +129,26 @@ def primus_on_train_start(config: PrimusConfig, info: RunInfo) -> None:
 
     :param config: the validated config.
     :param info: world size, rank, device, kernel choices, parameter count, output folder.
+    """
+
+
+@hookspec
+def primus_on_model_ready(config: PrimusConfig, model_parts: list[Any], info: RunInfo) -> None:
+    """The engine built (and parallelized, and compiled where asked) the model; no step has run.
+
+    :param config: the validated config.
+    :param model_parts: the engine's model modules (one per pipeline chunk on this rank). A plugin may
+        change how their modules compute (e.g. route linears through tuned GEMMs), never their parameters.
+    :param info: as in ``primus_on_train_start``.
+    """
+
+
+@hookspec
+def primus_on_train_step(step: int, info: RunInfo) -> None:
+    """One optimizer step finished (every step, unlike ``primus_on_step_end``); keep it cheap.
+
+    :param step: the step just finished (1-based).
+    :param info: as in ``primus_on_train_start``.
     """
 
 

@@ -64,6 +64,8 @@ class BackendSpec:
     features: frozenset[str] = frozenset()
     priority: int = 0
     dist: str = ""  # filled in by the plugin manager
+    # Hugging Face import/export: an object with the methods of primus.core.hf.contract.HFInterop (named lazily)
+    hf: str | Callable[..., Any] | None = None
 
     def load_run(self) -> Callable[..., Any]:
         return load_ref(self.run)
@@ -87,7 +89,10 @@ class KernelProvider:
 
     ``available(device: str, **constraints) -> Availability`` says whether it runs here (device is
     ``"cuda"``, ``"rocm"`` or ``"cpu"``; constraints such as ``dtype`` or ``head_dim`` may be
-    passed). ``impl`` is the callable or module the backends use, named lazily.
+    passed). ``impl`` is the callable or module the backends use, named lazily. ``features`` names what
+    it offers beyond the op's contract, for those that plan without loading it (the planner reads
+    ``"linear_cross_entropy"``: a cross-entropy that also takes the output projection, so the logits are
+    never materialised).
     """
 
     op: str
@@ -97,6 +102,7 @@ class KernelProvider:
     priority: int = 0
     description: str = ""
     dist: str = ""
+    features: frozenset[str] = frozenset()
 
     def check(self, device: str, **constraints: Any) -> Availability:
         try:
@@ -159,6 +165,13 @@ class RunContext:
     hooks: Any  # pluggy HookRelay: call hooks.primus_on_step_end(step=..., metrics=..., info=...)
     kernels: dict[str, KernelProvider] = field(default_factory=dict)
     resume: bool = False
+    config: Any = None  # the validated PrimusConfig, for the hooks that take it
+
+    def model_ready(self, model_parts: list[Any]) -> None:
+        self.hooks.primus_on_model_ready(config=self.config, model_parts=list(model_parts), info=self.info)
+
+    def train_step(self, step: int) -> None:
+        self.hooks.primus_on_train_step(step=step, info=self.info)
 
     def step_end(self, step: int, metrics: dict[str, float]) -> None:
         self.hooks.primus_on_step_end(step=step, metrics=metrics, info=self.info)

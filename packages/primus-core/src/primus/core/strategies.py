@@ -41,7 +41,7 @@ def fill_tp_pp_vpp(parallel: dict[str, Any], world_size: int, cfg: PrimusConfig 
 
 
 def estimate_memory(cfg: PrimusConfig, world_size: int) -> MemoryEstimate:
-    from primus.core.planner.memory import Layout, estimate
+    from primus.core.planner.memory import Layout, estimate, fp8_layers
 
     p, t = cfg.parallel, cfg.train
     shard = p.shard_size(world_size)
@@ -53,7 +53,20 @@ def estimate_memory(cfg: PrimusConfig, world_size: int) -> MemoryEstimate:
     engine = cfg.backend.name if cfg.backend.name in ("megatron", "torchtitan") else "megatron"
     micro_batches = max((t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp), 1)
     layout = Layout(engine, mode, dp, p.tp, p.pp, p.vpp, p.cp, recompute, layers, t.micro_batch_size, micro_batches)
-    return MemoryEstimate(estimate(cfg.model, layout, t.seq_len, t.precision).parts)
+    k = cfg.kernels
+    n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
+    return MemoryEstimate(estimate(cfg.model, layout, t.seq_len, t.precision, k.fp8, n_fp8, fused_loss(cfg)).parts)
+
+
+def fused_loss(cfg: PrimusConfig) -> bool:
+    """Whether ``kernels.cross_entropy`` picks a provider that fuses the output projection (its ``features``),
+    as ``auto`` does on a GPU: the highest-priority provider registered."""
+    from primus.core.plugins import get_registry
+
+    providers = get_registry().providers("cross_entropy")
+    choice = cfg.kernels.cross_entropy
+    chosen = next((p for p in providers if choice in ("auto", p.name)), None)
+    return chosen is not None and "linear_cross_entropy" in chosen.features
 
 
 BUILTIN_STRATEGIES = [

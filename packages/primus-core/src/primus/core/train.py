@@ -123,6 +123,9 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
     device = detect_device()
     device_name = None
     if device != "cpu":
+        from primus.core.planner.auto import check_fits
+
+        check_fits(cfg, res.world_size)  # a layout that cannot fit is refused before the model is built
         import torch
 
         device_name = torch.cuda.get_device_name(local_rank)
@@ -146,7 +149,7 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         log.info("kernels: %s", ", ".join(f"{op}={name}" for op, name in info.kernels.items()))
     hooks = registry.pm.hook
-    ctx = RunContext(info=info, hooks=hooks, kernels=kernels, resume=resume or cfg.checkpoint.resume)
+    ctx = RunContext(info=info, hooks=hooks, kernels=kernels, resume=resume or cfg.checkpoint.resume, config=cfg)
     backend = registry.backends[cfg.backend.name]
     hooks.primus_on_train_start(config=cfg, info=info)
     summary: dict[str, Any] = {"status": "failed"}

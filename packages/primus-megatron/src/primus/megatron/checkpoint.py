@@ -7,7 +7,8 @@ Layout: ``<dir>/step_00000012/`` per checkpoint. A save is atomic: every rank wr
 checkpoint is complete exactly when its folder is named ``step_<N>`` and holds a manifest of step N;
 resume takes the newest complete one, and a partial folder (a rank killed mid-save leaves a ``.tmp``
 without manifest) never shadows it. The next save removes such leftovers; ``keep_last`` counts
-complete checkpoints only. Resume refuses a checkpoint of another model shape, naming both.
+complete checkpoints only. Resume refuses a checkpoint of another model shape, naming both. The
+bookkeeping (manifest, completeness, keep-last, shape check) is core's :mod:`primus.core.checkpoints`.
 
 Contents: the model (all chunks), the optimizer (fp32 main params and Adam state, resharded across
 DP with the distributed optimizer), the LR scheduler and the step (which is also the data position,
@@ -19,61 +20,31 @@ same weights (megatron's TP/PP-dependent init otherwise differs between layouts)
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import re
-import shutil
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from primus.core import checkpoints as core
+from primus.core.checkpoints import MANIFEST, SHAPE_KEYS, CheckpointMismatch, model_shape, read_manifest
 from primus.core.config.schema import PrimusConfig
 from primus.megatron import compat as mc
 
 log = logging.getLogger("primus.megatron.checkpoint")
 
-_STEP = re.compile(r"^step_(\d{8})$")
-_TMP = re.compile(r"^step_(\d{8})\.tmp$")
-MANIFEST = "manifest.json"
-# What makes two models' checkpoints interchangeable (every layout of the same shape can load it).
-SHAPE_KEYS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_kv_heads",
-    "kv_channels",
-    "ffn_hidden_size",
-    "vocab_size",
-    "tie_word_embeddings",
-    "qkv_bias",
-    "qk_norm",
-)
+__all__ = ["MANIFEST", "SHAPE_KEYS", "CheckpointMismatch", "model_shape", "read_manifest"]
 
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint that this run's model cannot load."""
-
-
-def model_shape(cfg: PrimusConfig) -> dict[str, Any]:
-    return {k: getattr(cfg.model, k) for k in SHAPE_KEYS}
+NAMING = core.Naming("step_{step:08d}", re.compile(r"^step_(\d{8})$"))
+DISTRIBUTIONS = ("primus-megatron", "primus-core", "megatron-core", "torch")
 
 
 def manifest(cfg: PrimusConfig, step: int, layout: dict[str, int]) -> dict[str, Any]:
     """What a checkpoint says about itself; written last, so its presence marks a complete save."""
-    text = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
-    return {
-        "step": step,
-        "config_hash": hashlib.sha256(text.encode()).hexdigest(),
-        "model_name": cfg.model.name,
-        "model_shape": model_shape(cfg),
-        "layout": layout,
-        "versions": {d: version(d) for d in ("primus-megatron", "primus-core", "megatron-core", "torch")},
-    }
+    return core.manifest(cfg, step, layout, DISTRIBUTIONS)
 
 
 def _model_sd(chunks: list[Any]) -> dict[str, Any]:
@@ -85,32 +56,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every complete checkpoint under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP.match(p.name)
-        if m and p.is_dir():
-            man = read_manifest(p)
-            if man is not None and man.get("step") == int(m.group(1)):
-                found.append((int(m.group(1)), p))
-            else:
-                log.warning("ignoring %s: no manifest of its step (an incomplete save)", p)
-    return sorted(found)
+    return core.complete_checkpoints(root, NAMING)
 
 
 def latest(root: Path) -> tuple[int, Path] | None:
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
+    return core.latest(root, NAMING)
 
 
 def _save(
@@ -120,21 +72,13 @@ def _save(
     rank: int,
     before_commit: Callable[[], None] | None = None,
 ) -> None:
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    mc.checkpoint_writer_dies_with_rank()
-    mc.dist_checkpointing.save(sd, str(tmp))
-    if before_commit is not None:
-        before_commit()
-    _barrier()  # every rank's shards are on disk
-    if rank == 0:
-        (tmp / MANIFEST).write_text(json.dumps(man, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    _barrier()
+    def write(tmp: Path) -> None:
+        mc.checkpoint_writer_dies_with_rank()
+        mc.dist_checkpointing.save(sd, str(tmp))
+        if before_commit is not None:
+            before_commit()
+
+    core.atomic_save(final, man, rank, write, _barrier)
 
 
 def save(
@@ -157,36 +101,17 @@ def save(
         "scheduler": scheduler.state_dict(),
         "step": step,
     }
-    final = root / f"step_{step:08d}"
+    final = NAMING.folder(root, step)
     _save(sd, final, man, rank, before_commit)
     if rank == 0:
-        for _, old in complete_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        for p in root.iterdir():  # partial saves of a run that died (a later complete one exists now)
-            m = _TMP.match(p.name)
-            if m and int(m.group(1)) <= step:
-                shutil.rmtree(p, ignore_errors=True)
+        core.purge(root, NAMING, keep_last)
     log.info("saved checkpoint %s", final)
     return final
 
 
 def check_compatible(path: Path, cfg: PrimusConfig) -> dict[str, Any]:
     """The manifest of ``path``; refuses a checkpoint of another model shape, naming both."""
-    man = read_manifest(path)
-    if man is None:
-        raise CheckpointMismatch(f"{path} has no {MANIFEST}: not a complete primus-megatron checkpoint")
-    ours = model_shape(cfg)
-    theirs = man.get("model_shape", {})
-    if theirs != ours:
-        diff = ", ".join(f"{k} {theirs.get(k)} vs {ours[k]}" for k in SHAPE_KEYS if theirs.get(k) != ours[k])
-        raise CheckpointMismatch(
-            f"checkpoint {path} holds a model of another shape ({diff}): checkpoint "
-            f"{man.get('model_name')} {theirs}, this run {cfg.model.name} {ours}"
-        )
-    mine = {d: version(d) for d in man.get("versions", {})}
-    if mine != man.get("versions", mine):
-        log.warning("checkpoint %s was written with %s; this run has %s", path, man["versions"], mine)
-    return man
+    return core.check_compatible(path, cfg, "primus-megatron")
 
 
 def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, cfg: PrimusConfig) -> int:

@@ -6,7 +6,10 @@ SelfAttention, MLP, bias-dropout-add), with the modules Primus selects kernels f
 - every RMSNorm (input, pre-MLP, q/k-norm, final) calls the ``rms_norm`` provider;
 - the SwiGLU activation calls the ``swiglu`` provider through the MLP's activation slot.
 
-RoPE and the (vocab-parallel) cross-entropy stay megatron's: they are not slots of the spec.
+- RoPE calls the ``rope`` provider (a non-reference one) through :class:`primus.megatron.rope.KernelRoPESelfAttention`
+  (RoPE is not a slot of the spec: it is applied inside SelfAttention.forward).
+
+The output layer + loss are the model's, not the layer's: :mod:`primus.megatron.gpt` fuses them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from primus.core.protocols import KernelProvider, load_ref
 from primus.megatron import compat as mc
+from primus.megatron.rope import KernelRoPESelfAttention, rope_impl
 
 
 class KernelCoreAttention(mc.MegatronModule):
@@ -106,20 +110,32 @@ def _impl(kernels: dict[str, KernelProvider], op: str) -> Any:
     return kernels[op].impl
 
 
-def layer_spec(kernels: dict[str, KernelProvider], *, qk_norm: bool) -> mc.ModuleSpec:
+def layer_spec(kernels: dict[str, KernelProvider], *, qk_norm: bool, fp8: Any = None) -> mc.ModuleSpec:
+    """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its four linears FP8 ones."""
+    lin = {
+        "linear_qkv": mc.ColumnParallelLinear,
+        "linear_proj": mc.RowParallelLinear,
+        "linear_fc1": mc.ColumnParallelLinear,
+        "linear_fc2": mc.RowParallelLinear,
+    }
+    if fp8 is not None:
+        from primus.megatron.fp8 import linear_specs
+
+        lin.update(linear_specs(fp8, kernels["fp8"]))
     norm = mc.ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
     qk = mc.ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
+    rope, _ = rope_impl(kernels)
     return mc.ModuleSpec(
         module=mc.TransformerLayer,
         submodules=mc.TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=mc.ModuleSpec(
-                module=mc.SelfAttention,
-                params={"attn_mask_type": mc.AttnMaskType.causal},
+                module=KernelRoPESelfAttention if rope else mc.SelfAttention,
+                params={"attn_mask_type": mc.AttnMaskType.causal, **({"rope": rope} if rope else {})},
                 submodules=mc.SelfAttentionSubmodules(
-                    linear_qkv=mc.ColumnParallelLinear,
+                    linear_qkv=lin["linear_qkv"],
                     core_attention=functools.partial(KernelCoreAttention, kernel=_impl(kernels, "attention")),
-                    linear_proj=mc.RowParallelLinear,
+                    linear_proj=lin["linear_proj"],
                     q_layernorm=qk if qk_norm else mc.IdentityOp,
                     k_layernorm=qk if qk_norm else mc.IdentityOp,
                 ),
@@ -129,8 +145,8 @@ def layer_spec(kernels: dict[str, KernelProvider], *, qk_norm: bool) -> mc.Modul
             mlp=mc.ModuleSpec(
                 module=mc.MLP,
                 submodules=mc.MLPSubmodules(
-                    linear_fc1=mc.ColumnParallelLinear,
-                    linear_fc2=mc.RowParallelLinear,
+                    linear_fc1=lin["linear_fc1"],
+                    linear_fc2=lin["linear_fc2"],
                     activation_func=mc.ModuleSpec(module=KernelSwiGLU, params={"kernel": _impl(kernels, "swiglu")}),
                 ),
             ),
@@ -140,12 +156,23 @@ def layer_spec(kernels: dict[str, KernelProvider], *, qk_norm: bool) -> mc.Modul
 
 
 def block_spec(
-    config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bool, vp_stage: int | None
+    config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bool, vp_stage: int | None, fp8: Any = None
 ) -> mc.TransformerBlockSubmodules:
     """The layers of one model chunk plus the final norm (which must also be the kernel norm:
     megatron's default final norm is TE, apex or torch's, the last refusing sequence parallel)."""
     n = mc.get_num_layers_to_build(config, vp_stage=vp_stage)
     return mc.TransformerBlockSubmodules(
-        layer_specs=[layer_spec(kernels, qk_norm=qk_norm)] * n,
+        layer_specs=_layer_specs(config, kernels, qk_norm=qk_norm, vp_stage=vp_stage, n=n, fp8=fp8),
         layer_norm=mc.ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")}),
     )
+
+
+def _layer_specs(config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bool, vp_stage: Any, n: int, fp8: Any):
+    """This chunk's n block specs; with ``fp8`` (KernelsConfig, fp8 on) the blocks the recipe keeps in FP8
+    (global layer numbers: pipeline offset included) get FP8 linears."""
+    if fp8 is None or fp8.fp8 == "off":
+        return [layer_spec(kernels, qk_norm=qk_norm)] * n
+    from primus.megatron.fp8 import chunk_fp8_flags
+
+    plain, fp8_spec = layer_spec(kernels, qk_norm=qk_norm), layer_spec(kernels, qk_norm=qk_norm, fp8=fp8)
+    return [fp8_spec if on else plain for on in chunk_fp8_flags(config, fp8, vp_stage=vp_stage, n=n)]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from primus.core.config.schema import PrimusConfig
 from primus.core.protocols import KernelProvider
 from primus.megatron import compat as mc
+from primus.megatron.gpt import fuse_loss, fused_loss
 from primus.megatron.layer_spec import block_spec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -72,12 +73,13 @@ def build_chunks(
 ) -> list[torch.nn.Module]:
     """This rank's model chunks (vpp of them), unwrapped, on the current device."""
     m = cfg.model
+    fused, _ = fused_loss(kernels, cfg.parallel.tp)
     chunks = []
     for vp in range(cfg.parallel.vpp):
         vp_stage = vp if cfg.parallel.vpp > 1 else None
         model = mc.gpt_model(
             config,
-            block_spec(config, kernels, qk_norm=m.qk_norm, vp_stage=vp_stage),
+            block_spec(config, kernels, qk_norm=m.qk_norm, vp_stage=vp_stage, fp8=cfg.kernels),
             vocab_size=m.vocab_size,
             max_seq=max(cfg.train.seq_len, 1),
             tied=m.tie_word_embeddings,
@@ -85,6 +87,8 @@ def build_chunks(
             rope_scaling=m.rope_scaling,
             vp_stage=vp_stage,
         )
+        if fused is not None:
+            fuse_loss(model, fused)
         for param in model.parameters():
             mc.tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         chunks.append(model.to(torch.cuda.current_device()))

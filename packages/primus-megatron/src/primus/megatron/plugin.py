@@ -33,6 +33,7 @@ def primus_backends() -> list[BackendSpec]:
             "PP 1F1B / interleaved, recompute, dist_checkpointing, profiling, health checks",
             run="primus.megatron.runner:run",
             validate="primus.megatron.validate:validate",
+            hf="primus.megatron.hf:INTEROP",
             model_families=frozenset({"llama", "qwen2", "qwen3", "mistral"}),
             features=FEATURES,
         )

@@ -154,7 +154,9 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
     from primus.megatron import compat as mc
     from primus.megatron.data import build_batches
     from primus.megatron.faults import FaultInjection
+    from primus.megatron.gpt import fused_loss
     from primus.megatron.model import build_chunks, transformer_config
+    from primus.megatron.rope import rope_impl
 
     p, t = cfg.parallel, cfg.train
     if cfg.logging.level != "debug":  # megatron logs every config object at INFO
@@ -162,17 +164,26 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
     try:
         mc.init_parallel(p.tp, p.pp, p.vpp, p.cp, _optimizer_instances(cfg), timeout.total_seconds())
         mc.seed(t.seed)
+        # what RoPE and the output layer + loss run (megatron's own, or a provider's), with the reason
+        swapped = {"rope": rope_impl(ctx.kernels)[1], "output_loss": fused_loss(ctx.kernels, p.tp)[1]}
         if rank == 0:
             log.info(
-                "megatron layer spec: attention=%s, rms_norm=%s, swiglu=%s from the kernel providers; RoPE and "
-                "the vocab-parallel cross-entropy are megatron's own",
+                "megatron layer spec: attention=%s, rms_norm=%s, swiglu=%s from the kernel providers; rope: %s; "
+                "output layer + loss: %s",
                 *(ctx.info.kernels.get(op) for op in ("attention", "rms_norm", "swiglu")),
+                swapped["rope"],
+                swapped["output_loss"],
             )
         config = transformer_config(cfg)
         chunks = build_chunks(cfg, config, ctx.kernels)
         out = Path(ctx.info.output_dir)
         layout = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "world": world}
         faults = FaultInjection.from_extra(cfg.backend.extra)
+
+        if t.init_from_hf:  # HF weights into this rank's TP/PP shard (a seed checkpoint or resume overrides them)
+            from primus.megatron.hf import load_hf_into_chunks
+
+            load_hf_into_chunks(chunks, cfg, t.init_from_hf)
 
         seed_dir = cfg.backend.extra.get("seed_checkpoint")
         if seed_dir:
@@ -192,6 +203,7 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         ]
         for m in model:  # every DP rank built the same weights (same seed); make sure
             m.broadcast_params()
+        ctx.model_ready(chunks)
         optimizer = mc.get_megatron_optimizer(_optimizer_config(cfg, mc), model)
         scheduler = _scheduler(cfg, optimizer, mc)
 
@@ -282,6 +294,7 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
                     # so the next step runs at this step's lr; the data still moves on (batch = step).
                     scheduler.step(increment=-1)
                 profiler.step()
+                ctx.train_step(done)
                 meter.add(tokens_per_step)
                 if done % cfg.logging.interval == 0 or done == t.steps:
                     last_metrics = {
@@ -319,6 +332,7 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
             "start_step": start,
             "metrics": last_metrics,
             "kernels": ctx.info.kernels,
+            "kernels_applied": swapped,
             "checkpoint": str(saved) if saved else None,
             **health.metrics(),
         }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.protocols import ConfigIssue
-from primus.megatron import faults
+from primus.megatron import faults, fp8
 
 # backend.extra keys: a seed checkpoint (same initial weights in every layout), raw
 # TransformerConfig / DistributedDataParallelConfig fields passed through unchanged, and the
@@ -97,9 +97,10 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
             "train.compile", "torch.compile of megatron-core modules is not supported by this backend", True, "false"
         )
     if t.init_from_hf:
-        refuse(
-            "train.init_from_hf", "loading Hugging Face weights is not implemented in primus-megatron", t.init_from_hf
-        )
+        from primus.core.hf.safetensors_io import folder_problem
+
+        if why := folder_problem(t.init_from_hf):
+            refuse("train.init_from_hf", why, t.init_from_hf, "a folder with config.json and *.safetensors")
     if m.rope_scaling is not None and m.rope_scaling.type == "yarn":
         refuse(
             "model.rope_scaling.type",
@@ -109,6 +110,7 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
         )
     if cfg.data.format == "megatron" and cfg.data.source in ("bundled", "mock"):
         refuse("data.source", "data.format: megatron reads .bin/.idx prefixes; give a path", cfg.data.source)
+    out.extend(fp8.issues(cfg))
     for problem in faults.issues(cfg.backend.extra):
         refuse("backend.extra.fault_injection", problem, allowed=", ".join(faults.KEYS))
     unknown = set(cfg.backend.extra) - EXTRA_KEYS - {"fsdp"}  # fsdp: refused above with its reason

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from primus.core.health import collective_timeout
+from primus.torchtitan import faults
 
 log = logging.getLogger("primus.torchtitan")
 
@@ -312,10 +313,26 @@ def build_job_config(cfg: Any, *, model_name: str, flavor: str, output_dir: str,
     jc.metrics.enable_tensorboard = False  # core's run log writes TensorBoard
     jc.metrics.disable_color_printing = True
     jc.debug.seed = t.seed
-    apply_overrides(jc, cfg.backend.extra)
+    # backend.extra.fault_injection is Primus's (primus.torchtitan.faults), not a JobConfig section
+    apply_overrides(jc, {k: v for k, v in cfg.backend.extra.items() if k != faults.EXTRA_KEY})
     if not cfg.checkpoint.enabled and ck.initial_load_path:
         ck.enable, ck.load_only = True, True  # load the initial weights, save nothing
     return jc
+
+
+@contextmanager
+def checkpoint_manager_class(factory: Callable[..., Any]) -> Iterator[None]:
+    """torchtitan 0.2.2's ``Trainer.__init__`` builds its checkpointer by calling the name
+    ``CheckpointManager`` of ``torchtitan.train``; while it runs, that name is ``factory`` (which builds
+    a subclass, :class:`primus.torchtitan.checkpoint.AtomicCheckpointManager`)."""
+    import torchtitan.train as tt_train
+
+    original = tt_train.CheckpointManager
+    tt_train.CheckpointManager = factory
+    try:
+        yield
+    finally:
+        tt_train.CheckpointManager = original
 
 
 def purge_after_last_save(checkpointer: Any) -> None:

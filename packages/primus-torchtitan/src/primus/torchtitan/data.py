@@ -9,7 +9,6 @@ whatever the layout, and a resumed run continues with exactly the samples a stra
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,8 +41,11 @@ class GlobalBatchOrder:
 class PrimusDataLoader(BaseDataLoader):
     """Yields ``({"input": tokens}, labels)`` batches of int64 ``[batch, seq_len]`` forever.
 
-    State (saved by torchtitan's checkpointer) is the number of samples this rank has consumed, keyed
-    by data-parallel rank like torchtitan's own loader.
+    State (saved by torchtitan's checkpointer) is the number of samples the whole run has consumed, the
+    same on every rank (a checkpoint is taken between steps, when every rank has consumed ``steps ×
+    G/dp``). So a run resumed with another data-parallel size continues at the same global position:
+    rank ``r`` of the new ``dp`` starts at its slice of the next global batch, no sample repeated or
+    skipped.
     """
 
     def __init__(
@@ -58,7 +60,6 @@ class PrimusDataLoader(BaseDataLoader):
         self.local_batch = global_batch_size // dp_world_size
         self.order = GlobalBatchOrder(len(dataset), seed)
         self.consumed = 0  # samples of this rank already yielded
-        self._key = f"dp_rank_{dp_rank}"
 
     def position(self, local_index: int) -> int:
         step, j = divmod(local_index, self.local_batch)
@@ -73,17 +74,21 @@ class PrimusDataLoader(BaseDataLoader):
             yield {"input": inputs}, labels
 
     def state_dict(self) -> dict[str, Any]:
-        return {self._key: pickle.dumps({"consumed": self.consumed}), "world_size": self.dp_world_size}
+        steps, partial = divmod(self.consumed, self.local_batch)
+        assert not partial, "the data loader is saved between steps"
+        return {"samples_consumed": steps * self.global_batch_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not state_dict or self._key not in state_dict:
+        if not state_dict:
             return
-        if state_dict["world_size"] != self.dp_world_size:
+        samples = int(state_dict["samples_consumed"])
+        steps, rest = divmod(samples, self.global_batch_size)
+        if rest:
             raise ValueError(
-                f"the checkpoint was written with data-parallel size {state_dict['world_size']}, "
-                f"this run has {self.dp_world_size}: resharding the data order is not supported"
+                f"the checkpoint's run consumed {samples} samples, not a whole number of global batches of "
+                f"{self.global_batch_size} (train.global_batch_size changed): cannot continue the data order"
             )
-        self.consumed = pickle.loads(state_dict[self._key])["consumed"]
+        self.consumed = steps * self.local_batch
 
 
 def load_dataset(cfg: PrimusConfig) -> Any:

@@ -9,6 +9,9 @@ and activation checkpointing see the same model:
 - ``attention``: ``attention.inner_attention`` (torchtitan's SDPA wrapper) → ``ProviderAttention``
   (q, k, v ``[b, h, s, d]``, the core contract).
 - ``cross_entropy``: the TrainSpec's loss (token-sum, as torchtitan's) → provider mean × valid tokens.
+- ``linear_cross_entropy`` (when the cross_entropy provider offers it): the model's ``output`` projection
+  and the loss become one fused call that never materialises the logits (:mod:`primus.torchtitan.loss`);
+  not under PP, CP or TP (reasons in :func:`plan`), where the plain provider loss above applies.
 - ``rope`` is never swapped: torchtitan's llama3 rotates interleaved pairs (complex ``freqs_cis``) where
   the provider contract is rotate-half, and qwen3's rotate-half RoPE is inline in its Attention.forward.
 
@@ -31,6 +34,7 @@ from torch import nn
 
 from primus.core.kernels import reference
 from primus.torchtitan import compat
+from primus.torchtitan.loss import fuse_output, head_loss
 
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
@@ -65,7 +69,14 @@ class Choice:
 
 
 def plan(
-    providers: dict[str, Any], *, family: str, tp: int, cp: int, loss_parallel: bool, swap_reference: bool = False
+    providers: dict[str, Any],
+    *,
+    family: str,
+    tp: int,
+    cp: int,
+    loss_parallel: bool,
+    pp: int = 1,
+    swap_reference: bool = False,
 ) -> dict[str, Choice]:
     """Decide per op whether the selected provider replaces torchtitan's module (``providers``: op →
     :class:`~primus.core.protocols.KernelProvider`). ``swap_reference`` swaps core's reference providers
@@ -101,7 +112,23 @@ def plan(
             out[op] = Choice(op, prov.name, None, dtensor[op])
         else:
             out[op] = Choice(op, prov.name, fn, "provider")
+    fused = getattr(out["cross_entropy"].fn, "linear_cross_entropy", None) if "cross_entropy" in out else None
+    if fused is not None:
+        name = out["cross_entropy"].provider
+        why = fused_head_refusal(tp=tp, pp=pp, cp=cp)
+        out["linear_cross_entropy"] = Choice("linear_cross_entropy", name, None if why else fused, why or "provider")
     return out
+
+
+def fused_head_refusal(*, tp: int, pp: int, cp: int) -> str:
+    """Why the output projection + loss cannot be fused in this layout ("" where they can)."""
+    if tp > 1:
+        return "the output projection is vocab-sharded under tensor parallelism: provider loss on the logits"
+    if pp > 1:
+        return "pipeline schedules call the loss outside the last stage's forward: provider loss on the logits"
+    if cp > 1:
+        return "context parallelism shards the labels inside torchtitan's train context: provider loss on the logits"
+    return ""
 
 
 # ------------------------------------------------------------------------------------------------ modules
@@ -160,6 +187,9 @@ def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]
     """Retype the modules of ``model`` for the choices that carry a provider; returns op → modules swapped."""
     fns = {op: c.fn for op, c in choices.items() if c.fn is not None and op in MODULE_OPS}
     counts = dict.fromkeys(fns, 0)
+    head = choices.get("linear_cross_entropy")
+    if head is not None and head.fn is not None:
+        counts["linear_cross_entropy"] = int(fuse_output(model, head.fn))
     for module in model.modules():
         if "rms_norm" in fns and type(module) is nn.RMSNorm and module.weight is not None:
             _retype(module, ProviderRMSNorm, fns["rms_norm"])
@@ -179,6 +209,8 @@ def swapping_parallelize(parallelize_fn: Callable[..., nn.Module], choices: dict
 
     def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
         swap_modules(model, choices)
+        if (fp8 := choices.get("fp8")) is not None and fp8.fn is not None:
+            fp8.fn(model)  # FP8 linears (primus.torchtitan.fp8), before TP / FSDP / AC / compile
         return parallelize_fn(model, parallel_dims, job_config)
 
     return parallelize
@@ -196,16 +228,20 @@ def provider_loss(cross_entropy: Callable[..., torch.Tensor]) -> Callable[[torch
     return loss
 
 
-def loss_builder(build_loss_fn: Callable[..., Any], choice: Choice | None):
+def loss_builder(build_loss_fn: Callable[..., Any], choice: Choice | None, fused: Choice | None = None):
     """A TrainSpec ``build_loss_fn``: torchtitan's, or the provider's (compiled like torchtitan's when
-    ``compile.components`` has ``loss``)."""
-    if choice is None or choice.fn is None:
+    ``compile.components`` has ``loss``); with ``fused`` applied, the fused head's token-loss sum passes
+    through it (:func:`primus.torchtitan.loss.head_loss`)."""
+    if (choice is None or choice.fn is None) and (fused is None or fused.fn is None):
         return build_loss_fn
 
     def build(job_config: Any, **kwargs: Any) -> Callable[..., torch.Tensor]:
-        fn = provider_loss(choice.fn)
-        if job_config.compile.enable and "loss" in job_config.compile.components:
-            fn = torch.compile(fn, backend=job_config.compile.backend)
-        return fn
+        if choice is None or choice.fn is None:
+            fn = build_loss_fn(job_config, **kwargs)
+        else:
+            fn = provider_loss(choice.fn)
+            if job_config.compile.enable and "loss" in job_config.compile.components:
+                fn = torch.compile(fn, backend=job_config.compile.backend)
+        return head_loss(fn) if fused is not None and fused.fn is not None else fn
 
     return build

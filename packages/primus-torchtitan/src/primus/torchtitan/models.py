@@ -146,6 +146,8 @@ def train_spec(
         build_tokenizer_fn=None,
         build_validator_fn=None,
         build_metrics_processor_fn=build_metrics_processor_fn,
-        build_loss_fn=loss_builder(spec.build_loss_fn, kernels.get("cross_entropy")),
+        build_loss_fn=loss_builder(
+            spec.build_loss_fn, kernels.get("cross_entropy"), kernels.get("linear_cross_entropy")
+        ),
         state_dict_adapter=None,
     )

@@ -16,6 +16,7 @@ def primus_backends() -> list[BackendSpec]:
             "zero-bubble), CP, activation checkpointing, torch.compile",
             run="primus.torchtitan.runner:run",
             validate="primus.torchtitan.validate:validate",
+            hf="primus.torchtitan.hf:INTEROP",
             model_families=FAMILIES,
             features=frozenset(
                 {

@@ -4,7 +4,8 @@ The run builds torchtitan's JobConfig from the Primus config, registers a TrainS
 model args (flavor ``primus``), Primus's data loader and metrics processor, and hands both to
 :class:`PrimusTrainer`: torchtitan's ``Trainer`` with two gradient-scale corrections (see
 :mod:`primus.torchtitan.compat`). Model code, parallelize functions, pipeline schedules, optimizer,
-LR schedule and checkpointer are torchtitan's.
+LR schedule and checkpointer are torchtitan's (its saves made atomic and its resume manifest-based by
+:mod:`primus.torchtitan.checkpoint`).
 """
 
 from __future__ import annotations
@@ -34,17 +35,6 @@ def _single_process_env() -> None:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
-
-
-def complete_checkpoints(folder: Path) -> list[int]:
-    """Steps of the checkpoints in ``folder`` whose save finished (DCP writes ``.metadata`` last)."""
-    if not folder.is_dir():
-        return []
-    steps = []
-    for child in folder.iterdir():
-        if child.name.startswith("step-") and (child / ".metadata").is_file():
-            steps.append(int(child.name.removeprefix("step-")))
-    return sorted(steps)
 
 
 def checkpoint_dir(cfg: PrimusConfig) -> Path:
@@ -82,7 +72,12 @@ def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
 
     loss_parallel = not compat.extra_value(cfg.backend.extra, "parallelism.disable_loss_parallel", False)
     p = cfg.parallel
-    return plan(ctx.kernels, family=cfg.model.family, tp=p.tp, cp=p.cp, loss_parallel=loss_parallel)
+    choices = plan(ctx.kernels, family=cfg.model.family, tp=p.tp, cp=p.cp, pp=p.pp, loss_parallel=loss_parallel)
+    if "fp8" in ctx.kernels:
+        from primus.torchtitan import fp8
+
+        choices["fp8"] = fp8.choice(cfg, ctx.kernels["fp8"])
+    return choices
 
 
 def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | None = None) -> Any:
@@ -107,6 +102,12 @@ def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | 
         cpu=device == "cpu",
         kernels=kernels,
     )
+    if cfg.train.init_from_hf:  # torchtitan's checkpointer maps HF names through the spec's adapter
+        import dataclasses
+
+        from primus.torchtitan.hf import adapter_cls
+
+        spec = dataclasses.replace(spec, state_dict_adapter=adapter_cls(cfg.model))
     compat.register_train_spec(name, spec)
     job_config = compat.build_job_config(
         cfg,
@@ -116,7 +117,28 @@ def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | 
         checkpoint_dir=str(checkpoint_dir(cfg)),
         gpu=device != "cpu",
     )
-    return PrimusTrainer(job_config, health=HealthMonitor(cfg.train.health), profiler=StepProfiler(cfg, ctx.info))
+    if cfg.train.init_from_hf:
+        from primus.torchtitan.hf import init_from_hf
+
+        init_from_hf(job_config, cfg)
+    return PrimusTrainer(
+        job_config,
+        health=HealthMonitor(cfg.train.health),
+        profiler=StepProfiler(cfg, ctx.info),
+        on_step=ctx.train_step,
+        checkpoint_manager=atomic_checkpoints(cfg, ctx),
+    )
+
+
+def atomic_checkpoints(cfg: PrimusConfig, ctx: RunContext) -> Any:
+    """Builds torchtitan's checkpointer as Primus's atomic one (tmp folder, manifest, rename)."""
+    import functools
+
+    from primus.torchtitan.checkpoint import AtomicCheckpointManager, CheckpointContext, layout
+    from primus.torchtitan.faults import FaultInjection
+
+    context = CheckpointContext(cfg, layout(cfg, ctx.info.world_size), FaultInjection.from_extra(cfg.backend.extra))
+    return functools.partial(AtomicCheckpointManager, primus=context)
 
 
 def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
@@ -126,11 +148,14 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
 
     if ctx.info.device == "cpu" and (why := compat.cpu_refusal(cfg)):
         raise RuntimeError(f"the torchtitan backend cannot run this on a CPU: {why}")
+    compat.import_torchtitan(ctx.info.device)
+    from primus.torchtitan import checkpoint as ckpt
+
     ckpt_dir = checkpoint_dir(cfg)
     seed_only = bool(compat.extra_value(cfg.backend.extra, "checkpoint.create_seed_checkpoint", False))
     if seed_only and ctx.info.world_size > 1:
         raise RuntimeError("a seed checkpoint is written by one process (unsharded): run it without --nproc-per-node")
-    found = complete_checkpoints(ckpt_dir) if cfg.checkpoint.enabled else []
+    found = ckpt.complete_steps(ckpt_dir) if cfg.checkpoint.enabled else []
     if found and not ctx.resume and not seed_only:
         raise RuntimeError(
             f"{ckpt_dir} holds checkpoints of an earlier run (steps {found}); pass --resume to "
@@ -138,6 +163,8 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         )
     if ctx.resume and not found:
         log.warning("--resume: no complete checkpoint in %s; starting from step 0", ckpt_dir)
+    if ctx.resume and found:  # refuse another model shape before building anything
+        ckpt.check_compatible(ckpt.NAMING.folder(ckpt_dir, found[-1]), cfg)
     if ctx.info.world_size == 1:
         _single_process_env()
     if ctx.info.rank != 0:
@@ -148,6 +175,7 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         for choice in kernels.values():
             log.info("torchtitan kernels: %s", choice.describe())
     trainer = build_trainer(cfg, ctx, kernels)
+    ctx.model_ready(trainer.model_parts)
     summary: dict[str, Any] = {"backend": "torchtitan"}
     try:
         if seed_only:
@@ -160,7 +188,7 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
             summary["last_metrics"] = trainer.metrics_processor.last
             summary.update(trainer.health.metrics())
             summary["kernels"] = {op: c.provider if c.fn else "torchtitan" for op, c in kernels.items()}
-            steps = complete_checkpoints(ckpt_dir) if cfg.checkpoint.enabled else []
+            steps = ckpt.complete_steps(ckpt_dir) if cfg.checkpoint.enabled else []
             if steps:
                 summary["checkpoint"] = str(ckpt_dir / f"step-{steps[-1]}")
     finally:

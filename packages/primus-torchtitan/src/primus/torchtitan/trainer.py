@@ -32,14 +32,26 @@ from torch.distributed.tensor import DTensor
 
 from primus.core.health import HealthMonitor
 from primus.torchtitan import compat
+from primus.torchtitan.loss import head_targets
 
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
 from torchtitan.train import Trainer  # noqa: E402
 
 
 class PrimusTrainer(Trainer):
-    def __init__(self, job_config: Any, *, health: HealthMonitor | None = None, profiler: Any = None) -> None:
-        super().__init__(job_config)
+    def __init__(
+        self,
+        job_config: Any,
+        *,
+        health: HealthMonitor | None = None,
+        profiler: Any = None,
+        on_step: Any = None,
+        checkpoint_manager: Any = None,
+    ) -> None:
+        # checkpoint_manager builds torchtitan's checkpointer (Primus's atomic one, primus.torchtitan.checkpoint)
+        with compat.checkpoint_manager_class(checkpoint_manager) if checkpoint_manager else contextlib.nullcontext():
+            super().__init__(job_config)
+        self.on_step = on_step  # called with the step number after each training step (plugins' per-step hook)
         self._microbatch = 0
         if job_config.training.mixed_precision_param == "float32":
             self.maybe_enable_amp = contextlib.nullcontext()  # fp32 needs no autocast (which would warn)
@@ -98,9 +110,10 @@ class PrimusTrainer(Trainer):
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
     ) -> torch.Tensor:
-        loss = super().forward_backward_step(
-            input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
-        )
+        with head_targets(self.model_parts, labels):  # a fused output layer computes the loss in its forward
+            loss = super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
         self._step_losses.append(loss.detach().reshape(-1)[0])
         self._microbatch += 1
         if self._microbatch == self.gradient_accumulation_steps:  # the step's gradients are complete
@@ -114,6 +127,8 @@ class PrimusTrainer(Trainer):
             super().train_step(data_iterator)
         self._skip_update = False
         self.profiler.step()
+        if self.on_step is not None:
+            self.on_step(self.step)
 
     def train(self) -> None:
         self.metrics_processor.reset_clock()

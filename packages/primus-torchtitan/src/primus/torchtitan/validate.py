@@ -9,6 +9,7 @@ from typing import Any
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.protocols import ConfigIssue
+from primus.torchtitan import faults, fp8
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -190,14 +191,17 @@ def _train_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
             )
         )
     if t.init_from_hf:
-        out.append(
-            ConfigIssue(
-                "train.init_from_hf",
-                "loading Hugging Face weights is not wired into the torchtitan backend yet",
-                value=t.init_from_hf,
-                allowed="null",
+        from primus.core.hf.safetensors_io import folder_problem
+
+        if why := folder_problem(t.init_from_hf):
+            out.append(
+                ConfigIssue(
+                    "train.init_from_hf",
+                    why,
+                    value=t.init_from_hf,
+                    allowed="a folder with config.json and *.safetensors",
+                )
             )
-        )
     if cfg.checkpoint.keep_last == 1:
         out.append(
             ConfigIssue(
@@ -271,15 +275,6 @@ def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                     allowed=f"auto, {ref}",
                 )
             )
-    if cfg.kernels.gemm_tuning != "off":
-        out.append(
-            ConfigIssue(
-                "kernels.gemm_tuning",
-                "GEMM tuning is not wired into the torchtitan backend yet",
-                value=cfg.kernels.gemm_tuning,
-                allowed="off",
-            )
-        )
     return out
 
 
@@ -287,7 +282,12 @@ def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
     out = []
     for key, value in extra.items():
         section = key.split(".")[0]
-        if section not in JOB_CONFIG_SECTIONS:
+        if key == faults.EXTRA_KEY:  # Primus's test-only fault injectors, not a JobConfig section
+            out += [
+                ConfigIssue(f"backend.extra.{key}", problem, allowed=", ".join(faults.KEYS))
+                for problem in faults.issues(extra)
+            ]
+        elif section not in JOB_CONFIG_SECTIONS:
             out.append(
                 ConfigIssue(
                     f"backend.extra.{key}",
@@ -299,6 +299,17 @@ def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
             out.append(
                 ConfigIssue(f"backend.extra.{key}", "must be a mapping of torchtitan config fields", value=value)
             )
+    section = extra.get("checkpoint")
+    async_mode = extra.get("checkpoint.async_mode", section.get("async_mode") if isinstance(section, dict) else None)
+    if async_mode not in (None, "disabled"):
+        out.append(
+            ConfigIssue(
+                "backend.extra.checkpoint.async_mode",
+                "Primus commits a checkpoint (manifest, rename) once its save is on disk: saves must be synchronous",
+                value=async_mode,
+                allowed="disabled",
+            )
+        )
     return out
 
 
@@ -309,5 +320,6 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
         *_parallel_issues(cfg, world_size),
         *_train_issues(cfg),
         *_kernel_issues(cfg),
+        *fp8.issues(cfg),
         *_extra_issues(cfg.backend.extra),
     ]

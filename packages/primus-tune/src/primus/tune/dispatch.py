@@ -60,25 +60,27 @@ def gemm(a: torch.Tensor, b: torch.Tensor, plans: PlanProvider | None) -> torch.
 
 
 class _TunedLinear(torch.autograd.Function):
+    """On 2-D ``x`` (tokens × in): the caller reshapes outside, so the output is no view made inside the Function
+    (a view of it modified in place, as megatron's vocab-parallel cross-entropy does to the logits, would be an
+    autograd error)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, plans):
-        x2 = x.reshape(-1, x.shape[-1])
+    def forward(ctx, x2, weight, bias, plans):
         out = gemm(x2, weight.t(), plans)
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(x2, weight)
-        ctx.plans, ctx.has_bias, ctx.x_shape = plans, bias is not None, x.shape
-        return out.view(*x.shape[:-1], weight.shape[0])
+        ctx.plans, ctx.has_bias = plans, bias is not None
+        return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, g2):
         x2, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, weight.shape[0])
         if not g2.is_contiguous():
             g2 = g2.contiguous()
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = gemm(g2, weight, ctx.plans).view(ctx.x_shape)
+            dx = gemm(g2, weight, ctx.plans)
         if ctx.needs_input_grad[1]:
             dw = gemm(g2.t(), x2, ctx.plans)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -100,13 +102,46 @@ def tuned_linear(
         bias = bias.to(dtype) if bias is not None else None
     if x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    if not x.is_contiguous():
-        x = x.contiguous()
-    return _TunedLinear.apply(x, weight, bias, plans)
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    return _TunedLinear.apply(x2, weight, bias, plans).view(*x.shape[:-1], weight.shape[0])
+
+
+MEGATRON_LINEARS = ("ColumnParallelLinear", "RowParallelLinear")
+
+
+def _megatron_linear(mod: nn.Module) -> bool:
+    """megatron-core's own tensor-parallel linears (not subclasses: e.g. FP8 linears keep their GEMM)."""
+    return type(mod).__name__ in MEGATRON_LINEARS and type(mod).__module__.startswith("megatron.core")
+
+
+def _tuned_forward_impl(original: Callable, plans: PlanProvider) -> Callable:
+    """megatron's ``_forward_impl(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+    sequence_parallel, ...)`` is a plain linear when none of those three is on (tp 1, no fused wgrad): then the
+    tuned GEMMs run it; otherwise megatron's own function (its backward overlaps TP communication)."""
+
+    def forward_impl(
+        input,
+        weight,
+        bias=None,
+        gradient_accumulation_fusion=False,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        **kwargs,
+    ):
+        if gradient_accumulation_fusion or allreduce_dgrad or sequence_parallel or not weight.requires_grad:
+            return original(
+                input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel, **kwargs
+            )
+        return tuned_linear(input, weight, bias, plans)
+
+    return forward_impl
 
 
 def patch_linears(model: nn.Module, plans: PlanProvider) -> int:
-    """Route every ``nn.Linear`` of ``model`` through :func:`tuned_linear`; returns how many were patched."""
+    """Route every ``nn.Linear`` of ``model``, and megatron-core's parallel linears, through :func:`tuned_linear`;
+    returns how many were patched."""
     count = 0
     for mod in model.modules():
         if type(mod) is nn.Linear:
@@ -115,6 +150,9 @@ def patch_linears(model: nn.Module, plans: PlanProvider) -> int:
                 return tuned_linear(x, mod.weight, mod.bias, plans)
 
             mod.forward = forward
+            count += 1
+        elif _megatron_linear(mod):
+            mod._forward_impl = _tuned_forward_impl(mod._forward_impl, plans)
             count += 1
     return count
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,10 @@ from primus.core import hookimpl
 from primus.tune.gemm import default_results_file
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+log = logging.getLogger("primus.tune")
+
+# the GEMM tuning of this process's run (one run per process), between model_ready and train_end
+_active: dict[str, Any] = {}
 
 
 @hookimpl
@@ -31,3 +36,32 @@ def primus_configure(config: dict[str, Any]) -> dict[str, Any] | None:
     if kernels.get("gemm_tuning") not in ("offline", "online") or kernels.get("gemm_tuning_file"):
         return None
     return {"kernels.gemm_tuning_file": str(default_results_file(config))}
+
+
+@hookimpl
+def primus_on_model_ready(config: Any, model_parts: list[Any], info: Any) -> None:
+    """``kernels.gemm_tuning`` online/offline: set tuning up for this run and route the model's linears."""
+    if config.kernels.gemm_tuning == "off":
+        return
+    from primus.tune.runtime import setup
+
+    tuning = setup(config, info.device)
+    for part in model_parts:
+        tuning.apply(part)
+    _active["tuning"] = tuning
+
+
+@hookimpl
+def primus_on_train_step(step: int, info: Any) -> None:
+    tuning = _active.get("tuning")
+    if tuning is not None:
+        tuning.step_end(step)
+
+
+@hookimpl
+def primus_on_train_end(summary: dict[str, Any], info: Any) -> None:
+    tuning = _active.pop("tuning", None)
+    if tuning is not None:
+        summary["gemm_tuning"] = tuning.close()
+        if info.rank == 0:
+            log.info("gemm tuning: %s", summary["gemm_tuning"])

@@ -160,8 +160,8 @@ def setup(
     cfg: Any,
     device: Any,
     *,
-    on_mismatch: Literal["warn", "refuse"] = "warn",
-    online_steps: int = 3,
+    on_mismatch: Literal["warn", "refuse"] | None = None,
+    online_steps: int | None = None,
     budget: SearchBudget | None = None,
     environment: Environment | None = None,
     searcher: Searcher | None = None,
@@ -169,10 +169,17 @@ def setup(
     """Prepare GEMM tuning for a run of ``cfg`` (a validated ``PrimusConfig``) on ``device`` (``"cuda"``,
     ``"rocm"``, ``"cpu"`` or a ``torch.device``). ``on_mismatch``: what an offline file made for another device
     or version does (``warn`` and use it, or ``refuse``). ``online_steps``/``budget`` bound online search.
-    ``environment``/``searcher`` replace the detected ones (tests)."""
-    mode = cfg.kernels.gemm_tuning
+    Left out, these three come from the config (``kernels.gemm_tuning_mismatch``, ``_online_steps``,
+    ``_candidates`` / ``_iterations`` / ``_max_seconds``). ``environment``/``searcher`` replace the detected ones
+    (tests)."""
+    k = cfg.kernels
+    mode = k.gemm_tuning
     platform = platform_of(device)
-    budget = budget or SearchBudget(max_seconds=60.0)
+    on_mismatch = on_mismatch or k.gemm_tuning_mismatch
+    online_steps = online_steps or k.gemm_tuning_online_steps
+    budget = budget or SearchBudget(
+        limit=k.gemm_tuning_candidates, iterations=k.gemm_tuning_iterations, max_seconds=k.gemm_tuning_max_seconds
+    )
     rank = int(os.environ.get("RANK", "0"))
     compiled = bool(getattr(cfg.train, "compile", False))
     if mode == "off":

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from primus.core.errors import UserError
 from primus.tune.results import TuningEntry, pick_winner
 from primus.tune.shapes import GemmShape
 
@@ -27,7 +28,7 @@ TUNABLE_DTYPES = ("bfloat16", "float16", "float32")
 BUDGET_SPENT = "search time budget spent"
 
 
-class NoSearcher(RuntimeError):
+class NoSearcher(UserError, RuntimeError):
     """No GEMM searcher can run here (CPU, or a missing library); the message says what to do."""
 
 

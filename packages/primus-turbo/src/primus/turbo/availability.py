@@ -92,3 +92,64 @@ def triton_kernels(device: str, **_: Any) -> Availability:
     except ImportError as exc:
         return Availability(False, f"triton is not installed ({exc})")
     return Availability(True)
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer
+
+
+def _fp8_reason(device: str) -> str:
+    """Why ``torch._scaled_mm`` FP8 GEMMs cannot run on ``device`` ("" when they can)."""
+    if device == "rocm":
+        return "ROCm GPUs use the fp8 *fnuz* formats, which primus-turbo's FP8 linear does not handle yet"
+    import torch
+
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no float8 dtypes / torch._scaled_mm"
+    if device == "cuda":
+        cap = torch.cuda.get_device_capability()
+        if cap < FP8_MIN_CAPABILITY:
+            name = torch.cuda.get_device_name()
+            return f"{name} is compute capability {cap[0]}.{cap[1]}; FP8 GEMMs need 8.9 or newer (Ada, Hopper)"
+        return ""
+    return _cpu_scaled_mm_reason()
+
+
+def _cpu_scaled_mm_reason() -> str:
+    """torch._scaled_mm on CPU exists in some torch versions only: try one 16×16 product."""
+    import torch
+
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as exc:
+        return f"torch._scaled_mm does not run on CPU in torch {torch.__version__} ({str(exc).splitlines()[0]})"
+    return ""
+
+
+def fp8(device: str, *, mode: str = "tensorwise", scaling: str = "current", **_: Any) -> Availability:
+    """primus-turbo's FP8 linear (torch._scaled_mm): CUDA sm_89+, or CPU where torch runs _scaled_mm there."""
+    from primus.turbo.fp8.recipe import delayed_rowwise_reason
+
+    if mode == "rowwise" and scaling == "delayed":
+        return Availability(False, delayed_rowwise_reason())
+    return _verdict(_fp8_reason(device))
+
+
+def torchao_fp8(
+    device: str, *, mode: str = "tensorwise", scaling: str = "current", grad_dtype: str = "e5m2", **_: Any
+) -> Availability:
+    """torchao.float8's training linears: CUDA sm_89+ with torchao installed."""
+    if device != "cuda":
+        return Availability(False, "torchao.float8 training runs on CUDA GPUs only")
+    try:
+        from torchao.float8 import convert_to_float8_training  # noqa: F401 - the import is the check
+    except ImportError as exc:
+        return Availability(False, f"torchao is not installed ({exc})")
+    from primus.turbo.fp8.recipe import Fp8Recipe
+    from primus.turbo.fp8.torchao_backend import unsupported
+
+    if mode == "rowwise" and scaling == "delayed":
+        return Availability(False, "torchao.float8 has only dynamic (current) scaling")
+    why = _fp8_reason(device) or unsupported(Fp8Recipe(mode=mode, grad_dtype=grad_dtype, scaling=scaling))
+    return _verdict(why)

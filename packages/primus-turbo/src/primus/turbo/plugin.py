@@ -3,6 +3,10 @@
 Priorities order ``auto`` selection (highest available wins): AITER (ROCm) 30, cuDNN (CUDA) 20,
 flash 10, core's plain SDPA 0. The Triton kernels (rms_norm, swiglu, rope, cross_entropy) are 20, above
 core's plain-PyTorch ones (0), on any CUDA or ROCm device with ``triton`` installed.
+
+FP8 linears are ``gemm`` providers, chosen by ``kernels.fp8`` / ``fp8_recipe.implementation`` (not by
+``auto`` over the ops): ``torchao`` (30, where torchao is installed) before primus-turbo's ``fp8`` (20).
+Their impl is the model swap ``convert_to_fp8(model, recipe, skip) -> names swapped``.
 """
 
 from __future__ import annotations
@@ -56,7 +60,24 @@ def primus_kernels() -> list[KernelProvider]:
                 available=f"{_CHECK}:triton_kernels",
                 priority=20,
                 description=description,
+                features=frozenset({"linear_cross_entropy"}) if op == "cross_entropy" else frozenset(),
             )
             for op, (impl, description) in TRITON_OPS.items()
+        ),
+        KernelProvider(
+            op="gemm",
+            name="torchao",
+            impl="primus.turbo.fp8.torchao_backend:convert_to_fp8",
+            available=f"{_CHECK}:torchao_fp8",
+            priority=30,
+            description="FP8 training linears from torchao.float8 (CUDA sm_89+)",
+        ),
+        KernelProvider(
+            op="gemm",
+            name="fp8",
+            impl="primus.turbo.fp8.linear:convert_to_fp8",
+            available=f"{_CHECK}:fp8",
+            priority=20,
+            description="primus-turbo FP8 linear: torch._scaled_mm e4m3 / e5m2, Triton quantization",
         ),
     ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Auto = Literal["auto"]
 
@@ -165,7 +165,9 @@ class KernelsConfig(Section):
     gemm_tuning_mismatch: Literal["warn", "refuse"] = Field(
         "warn", description="offline: a results file made for another device / library version warns or refuses"
     )
-    gemm_tuning_online_steps: int = Field(3, gt=0, description="online: steps during which new GEMM shapes are searched")
+    gemm_tuning_online_steps: int = Field(
+        3, gt=0, description="online: steps during which new GEMM shapes are searched"
+    )
     gemm_tuning_candidates: int = Field(16, gt=0, description="algorithms tried per GEMM shape")
     gemm_tuning_iterations: int = Field(20, gt=0, description="timing iterations per candidate")
     gemm_tuning_max_seconds: float = Field(60.0, gt=0, description="online: wall-clock cap on search per step")
@@ -173,6 +175,12 @@ class KernelsConfig(Section):
         "off", description="FP8 (e4m3) linear GEMMs with dynamic scaling: one scale per tensor or per row"
     )
     fp8_recipe: Fp8Recipe = Field(default_factory=lambda: Fp8Recipe())
+
+    @field_validator("gemm_tuning", "fp8", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: Any) -> Any:
+        # YAML 1.1 (PyYAML) reads a bare `off` as false; here it can only mean the mode "off"
+        return "off" if value is False else value
 
 
 class DataConfig(Section):

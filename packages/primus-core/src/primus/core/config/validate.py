@@ -117,6 +117,16 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 value=t.seq_len,
             )
         )
+    k = cfg.kernels
+    if k.gemm_tuning != "off" and k.fp8 != "off":
+        out.append(
+            ConfigIssue(
+                "kernels.gemm_tuning",
+                f"tunes bf16 GEMMs, and kernels.fp8={k.fp8} runs the linears in FP8",
+                value=k.gemm_tuning,
+                allowed="off (with fp8)",
+            )
+        )
     if p.sequence_parallel and p.tp == 1:
         out.append(ConfigIssue("parallel.sequence_parallel", "needs parallel.tp > 1", value=True))
     if p.vpp > 1 and p.pp == 1:

@@ -7,7 +7,13 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
 - ``rms_norm(x, weight, eps) -> y`` over the last dim.
 - ``swiglu(gate, up) -> silu(gate) * up``.
 - ``cross_entropy(logits, target, ignore_index=-100) -> mean loss`` (fp32 accumulation).
+  A provider may also offer ``cross_entropy.linear_cross_entropy(hidden [N, d], weight [V, d], target [N],
+  ignore_index=-100) -> mean loss`` (an attribute of that callable): the output projection fused with the loss,
+  never materialising the [N, V] logits; the backends then use it in place of their output layer + loss.
 - ``rope(x, cos, sin) -> x`` rotate-half convention, x ``[b, s, h, d]``, cos/sin ``[s, d]``.
+
+FP8 linears (``kernels.fp8`` not ``off``) are ``gemm`` providers picked by :func:`select_fp8` and returned
+under the key ``"fp8"``; their impl is ``convert_to_fp8(model, recipe, skip) -> names swapped``.
 """
 
 from __future__ import annotations
@@ -76,4 +82,35 @@ def select_kernels(
             raise KernelUnavailable(
                 f"kernels.{op}: no provider available on {device} ({'; '.join(reasons) or 'none installed'})"
             )
+    if (fp8 := select_fp8(kernels, registry, device)) is not None:
+        chosen["fp8"] = fp8
     return chosen
+
+
+# fp8_recipe.implementation -> the gemm provider it names ("auto": the best available of both)
+FP8_PROVIDERS = {"primus": "fp8", "torchao": "torchao"}
+
+
+def select_fp8(kernels: KernelsConfig, registry: Registry, device: str) -> KernelProvider | None:
+    """The FP8 linear provider for ``kernels.fp8`` (None when off); raises :class:`KernelUnavailable`
+    naming why when none can run here."""
+    if kernels.fp8 == "off":
+        return None
+    recipe = kernels.fp8_recipe
+    constraints = {"mode": kernels.fp8, "scaling": recipe.scaling, "grad_dtype": recipe.grad_dtype}
+    want = FP8_PROVIDERS.get(recipe.implementation)
+    providers = [p for p in registry.providers("gemm") if p.name in FP8_PROVIDERS.values()]
+    candidates = [p for p in providers if want in (None, p.name)]
+    if not candidates:
+        raise KernelUnavailable(
+            f"kernels.fp8: no FP8 linear provider {want or ''} is installed "
+            f"(installed: {', '.join(p.name for p in providers) or 'none'}; primus-turbo provides them)"
+        )
+    reasons = []
+    for prov in candidates:
+        ok = prov.check(device, **constraints)
+        if ok:
+            log.info("fp8: %s (%s, %s)", prov.name, kernels.fp8, "asked for" if want else "auto")
+            return prov
+        reasons.append(f"{prov.name}: {ok.reason}")
+    raise KernelUnavailable(f"kernels.fp8={kernels.fp8}: cannot run on {device} ({'; '.join(reasons)})")

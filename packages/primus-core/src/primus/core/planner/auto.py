@@ -12,8 +12,9 @@ import os
 from typing import Any
 
 from primus.core.config.schema import PrimusConfig
+from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device, device
-from primus.core.planner.memory import GIB, Layout
+from primus.core.planner.memory import GIB, Layout, fp8_layers
 from primus.core.planner.search import Candidate, Cluster, candidates
 
 log = logging.getLogger("primus.planner")
@@ -59,11 +60,25 @@ def choose(cfg: PrimusConfig, explicit_keys: set[str], world_size: int, dev: Dev
     cluster = Cluster(dev, max(world_size // gpn, 1), gpn)
     t = cfg.train
     explicit = {k: getattr(cfg.parallel, k) for k in explicit_keys if k not in ("strategy",)}
+    k = cfg.kernels
+    n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
+    from primus.core.strategies import fused_loss  # strategies imports the planner
+
+    every = candidates(
+        cfg.model,
+        cluster,
+        t.seq_len,
+        t.micro_batch_size,
+        t.global_batch_size,
+        cfg.backend.name,
+        t.precision,
+        k.fp8,
+        n_fp8,
+        fused_loss(cfg),
+    )
     cands = [
         c
-        for c in candidates(
-            cfg.model, cluster, t.seq_len, t.micro_batch_size, t.global_batch_size, cfg.backend.name, t.precision
-        )
+        for c in every
         # TorchTitan's "checkpoint every k-th block" has no field in the schema yet
         if c.fits
         and _agrees(c, explicit)
@@ -73,13 +88,20 @@ def choose(cfg: PrimusConfig, explicit_keys: set[str], world_size: int, dev: Dev
         from primus.core.config.errors import ConfigError
         from primus.core.protocols import ConfigIssue
 
+        allowed = [c for c in every if _agrees(c, explicit)] or every
+        smallest = min(allowed, key=lambda c: c.memory.total) if allowed else None
+        need = (
+            f"; the smallest ({smallest.layout.describe()}) needs {smallest.memory.total / GIB:.1f} GiB per device"
+            if smallest
+            else ""
+        )
         raise ConfigError(
             [
                 ConfigIssue(
                     "parallel.strategy",
                     f"auto: no layout fits {world_size} × {dev.name} "
-                    f"({dev.memory_gib:.0f} GiB) with the parallel settings given "
-                    f"({explicit or 'none'}); run `primus plan` to see the numbers",
+                    f"({dev.memory_gib:.0f} GiB, {cluster.capacity / GIB:.1f} usable) with the parallel settings "
+                    f"given ({explicit or 'none'}){need}; `primus plan` ranks them",
                 )
             ]
         )
@@ -91,3 +113,24 @@ def choose(cfg: PrimusConfig, explicit_keys: set[str], world_size: int, dev: Dev
         pick.time.total,
     )
     return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=to_parallel(pick.layout))})
+
+
+def check_fits(cfg: PrimusConfig, world_size: int, dev: Device | None = None) -> None:
+    """Refuse, before any model is built, a layout whose estimated per-device memory exceeds the device's
+    by more than the memory model's validated error (``calibration.FIT_TOLERANCE``), with the numbers."""
+    if cfg.backend.name not in ("megatron", "torchtitan"):
+        return  # the planner models these two engines only
+    from primus.core.errors import UserError
+    from primus.core.strategies import estimate_memory
+
+    dev = dev or local_device()
+    est = estimate_memory(cfg, world_size)
+    need, have = est.total / GIB, dev.memory_gib
+    if need <= have * (1 + cal.FIT_TOLERANCE):
+        return
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in est.parts.items() if v >= 0.05 * GIB)
+    raise UserError(
+        f"{cfg.model.name} does not fit: an estimated {need:.1f} GiB per device ({parts}) on "
+        f"{dev.name} with {have:.0f} GiB; use more devices, parallel.recompute, parallel.strategy=auto, or "
+        "see `primus plan` for layouts that fit"
+    )

@@ -1,15 +1,18 @@
-"""Devices the planner knows: memory, dense bf16 peak, and the bandwidth collectives see.
+"""Devices the planner knows: memory, dense bf16 and FP8 peaks, HBM and collective bandwidths.
 
-Bandwidths are per GPU "bus bandwidth" of a ring collective (what nccl-tests / rccl-tests report), in
-GB/s: ``intra`` inside a node (NVLink / Infinity Fabric), ``inter`` across nodes (one 400 Gb/s NIC per
-GPU gives ~40-45 GB/s). ``efficiency`` is the fraction of peak a well-tuned dense transformer step
-reaches in its GEMMs and attention (the MFU ceiling the step-time estimate divides by); it is a
-planning constant, set from public figures and our H200 baseline (51-57% MFU on 1B/3B at seq 4096).
+Bandwidths in GB/s: ``hbm`` the datasheet memory bandwidth; ``intra`` / ``inter`` the per GPU "bus
+bandwidth" of a ring collective (what nccl-tests / rccl-tests report) inside a node (NVLink / Infinity
+Fabric) and across nodes (one 400 Gb/s NIC per GPU gives ~40-45 GB/s). ``fp8_peak_flops`` is the dense
+(no sparsity) FP8 peak, 0 where the device has no FP8 tensor cores. How much of these peaks a training
+step reaches is in :mod:`primus.core.planner.calibration`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from primus.core.planner import calibration as cal
 
 
 @dataclass(frozen=True)
@@ -19,20 +22,29 @@ class Device:
     peak_flops: float
     intra_gbps: float
     inter_gbps: float
-    efficiency: float = 0.5
+    hbm_gbps: float
+    fp8_peak_flops: float = 0.0
+
+    @property
+    def gemm_fraction(self) -> float:
+        return cal.GEMM_FRACTION[self.name]
+
+    @property
+    def attention_fraction(self) -> float:
+        return cal.ATTENTION_FRACTION[self.name]
 
 
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
-        Device("H100", 80, 989e12, 360, 45, 0.5),
-        Device("H200", 141, 989e12, 360, 45, 0.52),
-        Device("B200", 180, 2250e12, 720, 45, 0.45),
-        Device("A100", 80, 312e12, 230, 22, 0.55),
-        Device("MI300X", 192, 1307e12, 300, 45, 0.4),
-        Device("MI325X", 256, 1307e12, 300, 45, 0.4),
-        Device("MI355X", 288, 2500e12, 330, 45, 0.35),
-        Device("CPU", 24, 1e12, 10, 1, 0.5),
+        Device("H100", 80, 989e12, 360, 45, 3350, 1979e12),
+        Device("H200", 141, 989e12, 360, 45, 4800, 1979e12),
+        Device("B200", 180, 2250e12, 720, 45, 8000, 4500e12),
+        Device("A100", 80, 312e12, 230, 22, 2039, 0.0),
+        Device("MI300X", 192, 1307e12, 300, 45, 5300, 2615e12),
+        Device("MI325X", 256, 1307e12, 300, 45, 6000, 2615e12),
+        Device("MI355X", 288, 2500e12, 330, 45, 8000, 5000e12),
+        Device("CPU", 24, 1e12, 10, 1, 100, 0.0),
     )
 }
 
@@ -44,6 +56,4 @@ def device(name: str, memory_gib: float | None = None) -> Device:
     if key is None:
         raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
     d = DEVICES[key]
-    if memory_gib is not None:
-        d = Device(d.name, memory_gib, d.peak_flops, d.intra_gbps, d.inter_gbps, d.efficiency)
-    return d
+    return d if memory_gib is None else dataclasses.replace(d, memory_gib=memory_gib)

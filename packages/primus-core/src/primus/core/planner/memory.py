@@ -18,13 +18,17 @@ Activations of one layer for one micro-batch (s tokens / cp, b samples, a bytes 
 attention, so no s×s scores): a·s·b·(4d / t_sp + (h·c + 2·kv·c + h·c + 3f) / t) — the layer input,
 the two norm outputs and the residual (sharded by TP only with sequence parallel), then q, k, v, the
 attention output and the SwiGLU gate, up and product (sharded by TP). Recompute keeps less:
-selective drops the norm outputs and the SwiGLU product (recomputed: cheap element-wise ops); full
+selective keeps a measured share per engine (calibration.SELECTIVE_KEPT); full
 keeps only the layer input, plus one layer's working set while it recomputes; partial applies full
 to some layers. Pipelines hold min(pp, micro-batches) micro-batches on the first stage, times
 Megatron's interleaving penalty 1 + (pp − 1)/(pp · vpp). The last stage also holds the logits:
-s·b·V/t elements at a (logits) + 4 (fp32 loss) + 4 (their gradient) bytes.
-Framework overhead: 2.5 GiB (CUDA/HIP context, NCCL/RCCL buffers, GEMM workspaces) plus 5% of the
-rest for allocator fragmentation.
+s·b·V/t elements at a (logits) + 4 (fp32 loss) + 4 (their gradient) bytes, or with a fused linear +
+cross-entropy one chunk of them plus the output weight's and hidden states' gradients. TorchTitan without FSDP
+runs fp32 weights under autocast: its layer input and residual are fp32 (4 bytes), the rest bf16.
+With FP8 GEMMs (``fp8`` not off) an e4m3 copy of the FP8 layers' weights is kept from forward to backward.
+Framework memory: outside the allocator the CUDA/HIP context and, with more than one rank, NCCL/RCCL
+buffers ("context"); inside it GEMM workspaces plus allocator fragmentation ("overhead"). All constants:
+:mod:`primus.core.planner.calibration`; measured against real runs by ``benchmarks/memory_validation.py``.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from dataclasses import dataclass, field
 
 from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
+from primus.core.planner import calibration as cal
+from primus.core.planner.calibration import GIB
 
-GIB = 2**30
-FIXED_OVERHEAD = 2.5 * GIB
-FRAGMENTATION = 0.05
+# parts of the breakdown that live outside the framework's caching allocator (torch.cuda.max_memory_reserved
+# does not see them); the rest is what the allocator holds at the peak
+OUTSIDE_ALLOCATOR = ("context",)
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,16 @@ class MemoryBreakdown:
     def total(self) -> float:
         return sum(self.parts.values())
 
+    @property
+    def allocator(self) -> float:
+        """What torch.cuda.max_memory_reserved should show at the peak (context and NCCL buffers left out)."""
+        return self.total - sum(self.parts.get(k, 0.0) for k in OUTSIDE_ALLOCATOR)
+
+    @property
+    def allocated(self) -> float:
+        """What torch.cuda.max_memory_allocated should show: the allocator's share without fragmentation."""
+        return self.allocator - self.parts.get("fragmentation", 0.0)
+
     def gib(self) -> dict[str, float]:
         return {k: v / GIB for k, v in self.parts.items()}
 
@@ -104,7 +120,9 @@ def stage_params(model: ModelConfig, layout: Layout) -> tuple[float, float]:
     return max(first, last), layer
 
 
-def activation_bytes_per_layer(model: ModelConfig, layout: Layout, seq_len: int, dtype_bytes: int) -> dict[str, float]:
+def activation_bytes_per_layer(
+    model: ModelConfig, layout: Layout, seq_len: int, dtype_bytes: int, residual_bytes: int | None = None
+) -> dict[str, float]:
     s, b, t = seq_len / layout.cp, layout.micro_batch, layout.tp
     d, h, kv, c, f = (
         model.hidden_size,
@@ -113,12 +131,13 @@ def activation_bytes_per_layer(model: ModelConfig, layout: Layout, seq_len: int,
         model.kv_channels,
         model.ffn_hidden_size,
     )
+    r = residual_bytes or dtype_bytes
     t_sp = t if layout.sequence_parallel else 1
-    replicated = 4 * d / t_sp
-    sharded = (2 * h * c + 2 * kv * c + 3 * f) / t
-    full = dtype_bytes * s * b * (replicated + sharded)
-    selective = full - dtype_bytes * s * b * (2 * d / t_sp + f / t)
-    layer_input = dtype_bytes * s * b * d / t_sp
+    layer_input = r * s * b * d / t_sp
+    norms = dtype_bytes * s * b * 2 * d / t_sp
+    sharded = dtype_bytes * s * b * (2 * h * c + 2 * kv * c + 3 * f) / t
+    full = 2 * layer_input + norms + sharded  # the layer input and the residual, both norm outputs, the rest
+    selective = full * cal.SELECTIVE_KEPT.get(layout.engine, 1.0)
     return {"none": full, "selective": selective, "full": layer_input, "working": full}
 
 
@@ -131,7 +150,23 @@ def in_flight_micro_batches(layout: Layout) -> float:
     return inflight
 
 
-def estimate(model: ModelConfig, layout: Layout, seq_len: int, precision: str = "bf16") -> MemoryBreakdown:
+def fp8_layers(model: ModelConfig, fp8: str, bf16_first: int = 0, bf16_last: int = 0) -> int:
+    """Layers whose GEMMs run in FP8 (the recipe keeps ``bf16_first`` / ``bf16_last`` layers in bf16)."""
+    return 0 if fp8 == "off" else max(model.num_layers - bf16_first - bf16_last, 0)
+
+
+def estimate(
+    model: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    precision: str = "bf16",
+    fp8: str = "off",
+    fp8_layer_count: int | None = None,
+    fused_loss: bool = False,
+) -> MemoryBreakdown:
+    """Per-device peak memory of ``layout``; ``fp8``: kernels.fp8 (off | tensorwise | rowwise), with
+    ``fp8_layer_count`` of the model's layers in FP8 (default: all); ``fused_loss``: the cross-entropy provider
+    fuses the output projection (the engines use it where the output layer is not vocab-sharded, tp 1)."""
     a = 4 if precision == "fp32" else 2
     params, layer = stage_params(model, layout)
     n = layout.dp * layout.cp  # Megatron and TorchTitan shard optimizer/FSDP state over dp × cp
@@ -151,18 +186,33 @@ def estimate(model: ModelConfig, layout: Layout, seq_len: int, precision: str = 
     buffers = 0.0
     if layout.dp_mode == "fsdp" and n > 1:
         buffers = 2 * layer * a + (layer * 4 if layout.engine == "torchtitan" else 0)  # gathered layers, RS buffer
-    per_layer = activation_bytes_per_layer(model, layout, seq_len, a)
-    nl = layers_per_stage(model, layout) / layout.vpp * layout.vpp  # all chunks of the stage
+    autocast = layout.engine == "torchtitan" and mixed and not (layout.dp_mode == "fsdp" and n > 1)
+    per_layer = activation_bytes_per_layer(model, layout, seq_len, a, cal.AUTOCAST_RESIDUAL_BYTES if autocast else a)
+    nl = layers_per_stage(model, layout)  # all virtual chunks of the stage
     if layout.recompute == "partial":
         kept = layout.recompute_layers * per_layer["full"] + (nl - layout.recompute_layers) * per_layer["none"]
     else:
         kept = nl * per_layer[layout.recompute]
     if layout.recompute in ("full", "partial"):
         kept += per_layer["working"]
-    parts["activations"] = kept * in_flight_micro_batches(layout)
+    scale = cal.ACTIVATION_SCALE.get(layout.engine, 1.0)
+    parts["activations"] = kept * in_flight_micro_batches(layout) * scale
     s = seq_len / layout.cp
-    parts["logits"] = s * layout.micro_batch * model.vocab_size / layout.tp * (a + 8)
+    if fused_loss and layout.tp == 1:
+        # one chunk of logits, the output weight's gradient and the hidden states' (made in the forward)
+        parts["logits"] = (
+            cal.FUSED_LOSS_CHUNK_BYTES
+            + a * model.vocab_size * model.hidden_size
+            + a * s * layout.micro_batch * model.hidden_size
+        )
+    else:
+        parts["logits"] = s * layout.micro_batch * model.vocab_size / layout.tp * (a + cal.LOGITS_EXTRA_BYTES)
     parts["buffers"] = buffers
-    subtotal = sum(parts.values())
-    parts["overhead"] = FIXED_OVERHEAD + FRAGMENTATION * subtotal
+    if fp8 != "off":
+        n_fp8 = model.num_layers if fp8_layer_count is None else fp8_layer_count
+        share = min(n_fp8 / model.num_layers, 1.0)
+        parts["fp8"] = cal.FP8_WEIGHT_COPY_BYTES * layers_per_stage(model, layout) * layer * share
+    parts["workspace"] = cal.WORKSPACE_BYTES
+    parts["fragmentation"] = cal.FRAGMENTATION * sum(parts.values())
+    parts["context"] = cal.CONTEXT_BYTES + (cal.COMM_BUFFER_BYTES if layout.world > 1 else 0.0)
     return MemoryBreakdown(parts)

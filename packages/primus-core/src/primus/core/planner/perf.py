@@ -1,9 +1,12 @@
 """Estimated step time of a layout: compute, pipeline bubble, and the communication left exposed.
 
-- compute = micro-batches × FLOPs of the slowest pipeline stage for one micro-batch ÷ (tp · cp) ÷ (peak ×
-  efficiency × 0.9^log2(tp)). A stage's FLOPs: its layers (× the recompute factor: none 1, selective
-  1.03 for the element-wise ops run again, full 4/3 for one more forward, partial 1 + share/3) plus,
-  on the last stage, the output head. Without PP this is the step's FLOPs ÷ devices.
+- compute = micro-batches × the time of the slowest pipeline stage for one micro-batch, its tokens ÷ (tp · cp),
+  ÷ 0.9^log2(tp). Per token and layer: GEMMs (6 × the layer's weights) at the device's achieved GEMM
+  rate (the FP8 rate for FP8 layers, plus the casts FP8 adds), causal attention (6·h·c·s) at its achieved
+  attention rate, and memory-bound work (norms, RoPE, SwiGLU, adds) as passes over d + f elements at HBM
+  bandwidth; all times the recompute factor (none 1, selective 1.03, full 4/3 for one more forward,
+  partial 1 + share/3). The last stage adds the output head GEMM and the loss; every device adds the
+  optimizer step over its parameters. Rates and constants: :mod:`primus.core.planner.calibration`.
 - pipeline bubble = compute × (pp − 1) / (micro-batches × vpp), plus a fixed 0.2 ms per hop.
 - data-parallel traffic per device, ring collectives ((n − 1)/n of the payload per step of the ring):
   DDP all-reduce of gradients once per step = 2·G bytes of gradients; DDP + distributed optimizer
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
+from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import Layout, stage_params
 
@@ -58,22 +62,75 @@ def recompute_factor(layout: Layout, layers_per_stage: int) -> float:
     return 1.03 if layout.recompute == "selective" else 1.0
 
 
+def gemm_rate(dev: Device, fp8: str = "off") -> float:
+    """Achieved FLOP/s of training GEMMs on ``dev``: bf16, or FP8 with the given scaling."""
+    bf16 = dev.peak_flops * dev.gemm_fraction
+    if fp8 == "off" or not dev.fp8_peak_flops:
+        return bf16
+    return dev.fp8_peak_flops * dev.gemm_fraction * cal.FP8_RATE_VS_BF16[fp8]
+
+
+def layer_seconds_per_token(model: ModelConfig, seq_len: int, dev: Device, fp8: str = "off") -> dict[str, float]:
+    """One transformer layer, forward + backward, one token (no TP, no recompute), by kind of work."""
+    pc = count_params(model)
+    d, f, h, kv, c = (
+        model.hidden_size,
+        model.ffn_hidden_size,
+        model.num_attention_heads,
+        model.num_kv_heads,
+        model.kv_channels,
+    )
+    hbm = dev.hbm_gbps * 1e9
+    out = {
+        "gemm": 6 * pc.per_layer / gemm_rate(dev, fp8),
+        "attention": 6 * h * c * seq_len / (dev.peak_flops * dev.attention_fraction),  # causal: half of 12·h·c·s
+        "memory_bound": cal.MEMORY_BOUND_PASSES * 2 * (d + f) / hbm,
+    }
+    if fp8 != "off" and dev.fp8_peak_flops:
+        # forward GEMM inputs (qkv, o, gate/up, down) and backward output gradients, cast to e4m3
+        elements = (2 * d + h * c + f) + ((h + 2 * kv) * c + 2 * d + 2 * f)
+        out["fp8_casts"] = cal.FP8_CAST_BYTES_PER_ELEMENT * elements / hbm
+    return out
+
+
 def step_time(
-    model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, dev: Device, gpus_per_node: int
+    model: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    global_batch: int,
+    dev: Device,
+    gpus_per_node: int,
+    fp8: str = "off",
+    fp8_layer_count: int | None = None,
 ) -> StepTime:
     lps = math.ceil(model.num_layers / layout.pp)
     m = layout.micro_batches
-    # the slowest pipeline stage sets the pace: the last one also runs the output head (and the loss)
     pc = count_params(model)
-    layer_flops = 6 * pc.per_layer + 12 * model.num_attention_heads * model.kv_channels * seq_len
-    head_flops = 6 * model.vocab_size * model.hidden_size
-    stage_flops = lps * layer_flops * recompute_factor(layout, lps) + head_flops
+    hbm = dev.hbm_gbps * 1e9
+    bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev).values())
+    fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, fp8).values())
+    fp8_share = (
+        0.0
+        if fp8 == "off"
+        else min((model.num_layers if fp8_layer_count is None else fp8_layer_count) / model.num_layers, 1.0)
+    )
+    layer_s = fp8_share * fp8_layer + (1 - fp8_share) * bf16_layer
+    # the slowest pipeline stage sets the pace: the last one also runs the output head and the loss
+    head_s = (
+        6 * model.vocab_size * model.hidden_size / gemm_rate(dev) + cal.LOSS_BYTES_PER_LOGIT * model.vocab_size / hbm
+    )
+    token_s = lps * layer_s * recompute_factor(layout, lps) + head_s
     tokens_per_micro_batch = layout.micro_batch * seq_len / (layout.tp * layout.cp)
-    eff = dev.peak_flops * dev.efficiency * TP_EFFICIENCY ** math.log2(layout.tp)
-    compute = m * tokens_per_micro_batch * stage_flops / eff
+    tp_slowdown = TP_EFFICIENCY ** math.log2(layout.tp)
+    compute = m * tokens_per_micro_batch * token_s / tp_slowdown
+    params, _ = stage_params(model, layout)
+    fp8_weight_casts = 0.0
+    if fp8 != "off" and dev.fp8_peak_flops:  # each micro-batch casts the stage's weights (and a transposed copy)
+        fp8_weight_casts = m * 2 * cal.FP8_CAST_BYTES_PER_ELEMENT * lps * pc.per_layer / layout.tp * fp8_share / hbm
+    optimizer = cal.OPTIMIZER_BYTES_PER_PARAM * params / (layout.dp * layout.cp if layout.dp_mode != "ddp" else 1) / hbm
+    compute += fp8_weight_casts + optimizer
     bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
 
-    params, _ = stage_params(model, layout)
     n = layout.dp * layout.cp
     grad_bytes = 2 if layout.engine == "megatron" else 4
     ring = (n - 1) / n if n > 1 else 0.0

@@ -81,10 +81,18 @@ def _recompute_options(engine: str, lps: int) -> list[tuple[str, int]]:
 
 
 def evaluate(
-    model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, cluster: Cluster, precision: str
+    model: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    global_batch: int,
+    cluster: Cluster,
+    precision: str,
+    fp8: str = "off",
+    fp8_layer_count: int | None = None,
+    fused_loss: bool = False,
 ) -> Candidate:
-    mem = estimate(model, layout, seq_len, precision)
-    t = step_time(model, layout, seq_len, global_batch, cluster.device, cluster.gpus_per_node)
+    mem = estimate(model, layout, seq_len, precision, fp8, fp8_layer_count, fused_loss)
+    t = step_time(model, layout, seq_len, global_batch, cluster.device, cluster.gpus_per_node, fp8, fp8_layer_count)
     tps = global_batch * seq_len / t.total / layout.world
     mfu = tps * flops_per_token(model, seq_len) / cluster.device.peak_flops
     return Candidate(layout, mem, t, mem.total <= cluster.capacity, tps, mfu)
@@ -98,8 +106,12 @@ def candidates(
     global_batch: int | None = None,
     engine: str = "megatron",
     precision: str = "bf16",
+    fp8: str = "off",
+    fp8_layer_count: int | None = None,
+    fused_loss: bool = False,
 ) -> list[Candidate]:
-    """Every layout ``engine`` can run on ``cluster``, best first."""
+    """Every layout ``engine`` can run on ``cluster``, best first; ``fp8``: kernels.fp8, with
+    ``fp8_layer_count`` layers in FP8 (default all; see :func:`primus.core.planner.memory.fp8_layers`)."""
     gbs = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq_len)
     out: list[Candidate] = []
     for tp in _tp_options(model, cluster.gpus_per_node):
@@ -122,7 +134,9 @@ def candidates(
                     best_partial: Candidate | None = None
                     for rc, n in _recompute_options(engine, lps):
                         layout = Layout(engine, mode, dp, tp, pp, vpp, 1, rc, n, micro_batch, m)
-                        cand = evaluate(model, layout, seq_len, gbs, cluster, precision)
+                        cand = evaluate(
+                            model, layout, seq_len, gbs, cluster, precision, fp8, fp8_layer_count, fused_loss
+                        )
                         if rc != "partial":
                             out.append(cand)
                         elif cand.fits and best_partial is None:

@@ -9,9 +9,15 @@ device event:
 - overlapped communication: covered by both;
 - idle: covered by nothing.
 
-These four add up to the window. Kernels are also put in categories (GEMM, attention, norm,
-elementwise/activation, communication, optimizer, memory, other) by name, with their summed time
+These four add up to the window, and no instant is counted twice (they are computed on the union of
+intervals). Kernels are also put in categories (GEMM, attention, norm, elementwise/activation,
+communication, optimizer, memory, other) by name, each kernel in exactly one, with their summed time
 (overlapping kernels each count fully there) and the top kernels by time.
+
+The step time is the window over the number of traced steps (torch.profiler's ``ProfilerStep#N``
+annotations). MFU needs the model FLOPs of a step: the ``"primus"`` block StepProfiler writes into
+the trace (:func:`primus.core.profile.capture.trace_metadata`), or ``flops_per_step`` / ``peak_flops``
+given by the caller.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
         "gemm",
         re.compile(
             r"gemm|cutlass|xmma|nvjet|cublas|hipblaslt|Cijk_|matmul|\bmm\b|aten::mm|aten::addmm|linearwith|"
-            r"aten::bmm|aten::linear|sm90_|sm80_|wgmma|scaled_mm",
+            r"aten::bmm|aten::linear|sm90_|sm80_|wgmma|scaled_mm|mmbackward",  # CPU traces: autograd's (Add|B)mmBackward0
             re.I,
         ),
     ),
@@ -76,6 +82,21 @@ class RankReport:
     idle_us: float
     categories: dict[str, float] = field(default_factory=dict)
     top: list[tuple[str, float, int]] = field(default_factory=list)
+    steps: int = 1
+    kernels: int = 0
+    model_flops_per_step: float | None = None
+    peak_flops: float | None = None
+
+    @property
+    def step_us(self) -> float:
+        return self.window_us / max(self.steps, 1)
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs of a step ÷ (step time × dense bf16 peak); None without both numbers."""
+        if not (self.model_flops_per_step and self.peak_flops and self.window_us):
+            return None
+        return self.model_flops_per_step / (self.step_us * 1e-6) / self.peak_flops
 
     def shares(self) -> dict[str, float]:
         w = self.window_us or 1.0
@@ -87,12 +108,26 @@ class RankReport:
         }
 
 
-def load_trace(path: Path) -> list[dict]:
+STEP_MARK = re.compile(r"^ProfilerStep#\d+$")
+
+
+def read_trace(path: Path) -> tuple[list[dict], dict]:
+    """The complete ("X") events of a Chrome trace (.json or .json.gz) and its ``"primus"`` block ({} if none)."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as fh:
         data = json.load(fh)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+    meta = data.get("primus", {}) if isinstance(data, dict) else {}
+    return [e for e in events if e.get("ph") == "X" and "dur" in e], meta
+
+
+def load_trace(path: Path) -> list[dict]:
+    return read_trace(path)[0]
+
+
+def count_steps(events: list[dict]) -> int:
+    """Traced steps: distinct ``ProfilerStep#N`` annotations (at least 1)."""
+    return max(len({e["name"] for e in events if STEP_MARK.match(str(e.get("name", "")))}), 1)
 
 
 def _device_events(events: list[dict]) -> list[dict]:
@@ -137,10 +172,17 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
     return total
 
 
-def analyze_events(events: list[dict], rank: str = "0", top_n: int = 10) -> RankReport:
+def analyze_events(
+    events: list[dict],
+    rank: str = "0",
+    top_n: int = 10,
+    flops_per_step: float | None = None,
+    peak_flops: float | None = None,
+) -> RankReport:
     dev = _device_events(events)
+    steps = count_steps(events)
     if not dev:
-        return RankReport(rank, 0, 0, 0, 0, 0)
+        return RankReport(rank, 0, 0, 0, 0, 0, steps=steps)
     start = min(e["ts"] for e in dev)
     end = max(e["ts"] + e["dur"] for e in dev)
     comm, compute = [], []
@@ -164,12 +206,22 @@ def analyze_events(events: list[dict], rank: str = "0", top_n: int = 10) -> Rank
         (end - start) - busy,
         dict(sorted(cats.items(), key=lambda kv: -kv[1])),
         top,
+        steps,
+        len(dev),
+        flops_per_step,
+        peak_flops,
     )
 
 
-def analyze_files(paths: list[Path], top_n: int = 10) -> list[RankReport]:
+def analyze_files(
+    paths: list[Path], top_n: int = 10, flops_per_step: float | None = None, peak_flops: float | None = None
+) -> list[RankReport]:
+    """One report per trace; ``flops_per_step`` / ``peak_flops`` (per device) override the trace's own block."""
     reports = []
     for i, path in enumerate(paths):
         m = re.search(r"rank[_-]?(\d+)", path.name)
-        reports.append(analyze_events(load_trace(path), m.group(1) if m else str(i), top_n))
+        events, meta = read_trace(path)
+        flops = flops_per_step or meta.get("model_flops_per_step_per_device")
+        peak = peak_flops or meta.get("peak_flops")
+        reports.append(analyze_events(events, m.group(1) if m else str(i), top_n, flops, peak))
     return reports

@@ -3,16 +3,42 @@
 With ``profile.enabled``, the ranks in ``profile.ranks`` run torch.profiler on the schedule
 ``wait → warmup → active`` (steps) and write ``<output_dir>/traces/rank<r>.json`` (Chrome trace),
 which ``primus analyze`` / ``primus profile`` read. Otherwise every call is a no-op.
+
+Each trace carries a top-level ``"primus"`` block (:func:`trace_metadata`): the model FLOPs one step
+costs this device, the device's dense bf16 peak and the number of traced steps, so that a trace alone
+gives the step time and MFU.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 
 def trace_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "traces"
+
+
+def trace_metadata(cfg: Any, info: Any) -> dict[str, Any]:
+    """What ``primus analyze`` needs besides the kernels: FLOPs per step on one device, peak, steps traced."""
+    t, p = cfg.train, cfg.parallel
+    world = max(int(getattr(info, "world_size", 1) or 1), 1)
+    model_parallel = p.tp * p.pp * p.cp
+    samples = t.global_batch_size or t.micro_batch_size * max(world // model_parallel, 1)
+    tokens_per_device = samples * t.seq_len / world
+    return {
+        "model": cfg.model.name,
+        "backend": cfg.backend.name,
+        "seq_len": t.seq_len,
+        "tokens_per_step_per_device": tokens_per_device,
+        "flops_per_token": info.flops_per_token,
+        "model_flops_per_step_per_device": tokens_per_device * info.flops_per_token,
+        "peak_flops": info.peak_flops,
+        "device_name": (info.extra or {}).get("device_name"),
+        "active_steps": cfg.profile.active,
+        "fp8": cfg.kernels.fp8,
+    }
 
 
 class StepProfiler:
@@ -33,15 +59,25 @@ class StepProfiler:
             on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
             record_shapes=False,
         )
+        self._meta = trace_metadata(cfg, info)
 
     def __enter__(self) -> StepProfiler:
         if self._prof is not None:
             self._prof.__enter__()
+            self._tag()
         return self
+
+    def _tag(self) -> None:
+        # kineto keeps metadata only while a session is open (warmup or active), so add it then
+        from torch.profiler import ProfilerAction
+
+        if self._prof.current_action != ProfilerAction.NONE:
+            self._prof.add_metadata_json("primus", json.dumps(self._meta))
 
     def step(self) -> None:
         if self._prof is not None:
             self._prof.step()
+            self._tag()
 
     def __exit__(self, *exc: Any) -> None:
         if self._prof is not None:

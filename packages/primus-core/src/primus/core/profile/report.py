@@ -25,31 +25,48 @@ CAT_COLORS = {
 }
 
 
+def _mfu(r: RankReport) -> str:
+    return "-" if r.mfu is None else f"{r.mfu:.1%}"
+
+
 def markdown(reports: list[RankReport], title: str = "Step time breakdown") -> str:
     lines = [
         f"# {title}",
         "",
         "## Where the time goes (share of the traced window)",
         "",
-        "| rank | window ms | compute | exposed comm | overlapped comm | idle |",
-        "|---|---|---|---|---|---|",
+        "| rank | steps | step ms | compute | exposed comm | overlapped comm | idle | MFU |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         s = r.shares()
         lines.append(
-            f"| {r.rank} | {r.window_us / 1e3:.1f} | {s['compute']:.1%} | {s['exposed communication']:.1%} "
-            f"| {s['overlapped communication']:.1%} | {s['idle']:.1%} |"
+            f"| {r.rank} | {r.steps} | {r.step_us / 1e3:.1f} | {s['compute']:.1%} | {s['exposed communication']:.1%} "
+            f"| {s['overlapped communication']:.1%} | {s['idle']:.1%} | {_mfu(r)} |"
+        )
+    if len(reports) > 1:  # the ranks together: the slowest sets the step
+        n = len(reports)
+        mean = {k: sum(r.shares()[k] for r in reports) / n for k in SHARE_COLORS}
+        slowest = max(reports, key=lambda r: r.step_us)
+        lines.append(
+            f"| mean of {n} | | {slowest.step_us / 1e3:.1f} (max) | {mean['compute']:.1%} "
+            f"| {mean['exposed communication']:.1%} | {mean['overlapped communication']:.1%} | {mean['idle']:.1%} "
+            f"| {_mfu(slowest)} |"
         )
     lines += [
         "",
-        "## Kernel categories (summed kernel time)",
+        "## Kernel categories (share of summed kernel time; each kernel in one category)",
         "",
-        "| rank | " + " | ".join(CAT_COLORS) + " |",
-        "|---" * (len(CAT_COLORS) + 1) + "|",
+        "| rank | " + " | ".join(CAT_COLORS) + " | kernel ms |",
+        "|---" * (len(CAT_COLORS) + 2) + "|",
     ]
     for r in reports:
         total = sum(r.categories.values()) or 1.0
-        lines.append(f"| {r.rank} | " + " | ".join(f"{r.categories.get(c, 0) / total:.1%}" for c in CAT_COLORS) + " |")
+        lines.append(
+            f"| {r.rank} | "
+            + " | ".join(f"{r.categories.get(c, 0) / total:.1%}" for c in CAT_COLORS)
+            + f" | {total / 1e3:.1f} |"
+        )
     for r in reports[:1]:
         lines += ["", f"## Top kernels (rank {r.rank})", "", "| kernel | total ms | calls |", "|---|---|---|"]
         lines += [f"| `{n[:100]}` | {t / 1e3:.2f} | {c} |" for n, t, c in r.top]

@@ -132,3 +132,17 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     """Mean cross-entropy of ``logits [..., V]`` against ``target [...]`` (core's ``cross_entropy``
     contract): fp32 math whatever the logits dtype, fp32 loss, gradient in the logits dtype."""
     return CrossEntropyFunction.apply(logits, target, ignore_index)
+
+
+def _linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    # imported on first use: linear_cross_entropy imports this module's row kernel
+    from primus.turbo.triton.linear_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(hidden, weight, target, ignore_index)
+
+
+# The fused output projection + cross-entropy this provider offers (core's ``cross_entropy`` contract: an
+# attribute of the op's callable), which the backends use in place of their output layer + loss.
+cross_entropy.linear_cross_entropy = _linear_cross_entropy

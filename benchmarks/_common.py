@@ -1,0 +1,96 @@
+"""Helpers shared by the GPU benchmarks: medians, model FLOPs, versions, profiler traces and their breakdown."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+from pathlib import Path
+from typing import Any
+
+PEAK_BF16 = 989e12  # H200 dense bf16, the MFU denominator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def steady(values: list[float], warmup: int, steps: list[int] | None = None, last: int | None = None) -> float:
+    """Median of the values of steps ``warmup + 1 .. last`` (``steps``: the last step each value covers)."""
+    steps = steps or list(range(1, len(values) + 1))
+    last = last or max(steps)
+    return statistics.median(v for v, s in zip(values, steps, strict=True) if warmup < s <= last)
+
+
+def flops_per_token(shape: dict[str, Any], seq: int) -> float:
+    """Training FLOPs a token of a Llama-like model: 6 x (matmul parameters, the output head included, the
+    input embedding not) + 12 x layers x (heads x head dim) x seq for attention (no causal discount), as in
+    shared/notes/h200-baseline.md. ``shape``: layers, dim, heads, kv_heads, head_dim, ffn, vocab."""
+    attn_width = shape["heads"] * shape["head_dim"]
+    kv_width = shape["kv_heads"] * shape["head_dim"]
+    per_layer = shape["dim"] * (2 * attn_width + 2 * kv_width) + 3 * shape["dim"] * shape["ffn"]
+    matmul = shape["layers"] * per_layer + shape["vocab"] * shape["dim"]
+    return 6 * matmul + 12 * shape["layers"] * attn_width * seq
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    for dist in ("triton", "megatron-core", "torchtitan", "primus-core", "primus-turbo"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+class LastStepsProfiler:
+    """torch.profiler over the last ``active`` of ``steps`` steps (one warm-up step before them); the Chrome
+    trace lands in ``path``. Call :meth:`step` after each step."""
+
+    def __init__(self, path: Path | None, steps: int, active: int = 2) -> None:
+        self._prof = None
+        if path is None:
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(
+            activities=acts,
+            schedule=schedule(wait=max(0, steps - active - 1), warmup=1, active=active, repeat=1),
+            on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+        )
+        self._prof.__enter__()
+
+    def step(self) -> None:
+        if self._prof is not None:
+            self._prof.step()
+
+    def close(self) -> None:
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._prof = None
+
+
+def breakdown(trace: Path | None) -> dict[str, Any] | None:
+    """GEMM / attention / other shares of the traced device time (primus.core.profile.analyze), the step
+    time and the top kernels; None without a trace."""
+    if trace is None or not trace.is_file():
+        return None
+    from primus.core.profile.analyze import analyze_files
+
+    report = analyze_files([trace], top_n=5)[0]
+    busy = sum(report.categories.values()) or 1.0
+    return {
+        "traced_steps": report.steps,
+        "step_ms": report.step_us / 1e3,
+        "idle_share": report.shares()["idle"],
+        "kernel_time_shares": {k: round(v / busy, 4) for k, v in report.categories.items()},
+        "top_kernels": [{"name": n[:120], "ms": round(t / 1e3, 3), "calls": c} for n, t, c in report.top],
+    }

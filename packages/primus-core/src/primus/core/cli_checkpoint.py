@@ -1,0 +1,113 @@
+"""``primus checkpoint ...``: Hugging Face import / export for either backend (mounted by :mod:`primus.core.cli`).
+
+Importing this module imports neither torch nor an engine: the work is imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+checkpoint_app = typer.Typer(help="Hugging Face import / export of checkpoints.", no_args_is_help=True)
+_out = Console()
+_err = Console(stderr=True)
+log = logging.getLogger("primus.hf")
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    _err.print(f"error: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
+    """The resolved config of ``config`` + ``overrides`` whose model is the HF folder's architecture."""
+    import json
+
+    from primus.core.config.validate import resolve_parallel, validate_config
+    from primus.core.hf.config import model_fields_from_hf
+    from primus.core.train import resolve
+
+    res = resolve(config, overrides)
+    hf_json = Path(hf_dir) / "config.json"
+    if not hf_json.is_file():
+        from primus.core.hf.safetensors_io import HFCheckpointError
+
+        raise HFCheckpointError(f"--from-hf {hf_dir}: no config.json there (not a Hugging Face model folder)")
+    fields = model_fields_from_hf(json.loads(hf_json.read_text()), name=Path(hf_dir).absolute().name)
+    data = res.config.model_dump()
+    changed = [k for k, v in fields.items() if data["model"].get(k) != v and k != "name"]
+    if changed:
+        log.info("model from %s: %s", hf_json, ", ".join(f"{k}={fields[k]!r}" for k in changed))
+    data["model"] = {**data["model"], **fields}
+    cfg = validate_config(data, world_size=res.world_size, registry=res.registry)
+    return resolve_parallel(cfg, res.world_size)
+
+
+def find_run_config(checkpoint: Path) -> Path | None:
+    """The config.yaml of the run a checkpoint belongs to (beside it, or in the run folder above it)."""
+    for folder in (checkpoint, *list(checkpoint.absolute().parents)[:3]):
+        if (folder / "config.yaml").is_file():
+            return folder / "config.yaml"
+    return None
+
+
+@checkpoint_app.command("import")
+def import_(
+    config: Annotated[str, typer.Argument(help="a YAML file or a preset name: backend, parallel layout, precision")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides, applied last")] = None,
+    from_hf: Annotated[str, typer.Option("--from-hf", help="Hugging Face folder: config.json + *.safetensors")] = "",
+    out: Annotated[str | None, typer.Option("--out", help="checkpoint folder (default <output_dir>/hf_import)")] = None,
+) -> None:
+    """Hugging Face weights -> the checkpoint of the config's backend (the model is config.json's)."""
+    from primus.core.config.errors import ConfigError
+    from primus.core.errors import UserError
+    from primus.core.hf.contract import import_checkpoint
+    from primus.core.train import output_dir
+
+    if not from_hf:
+        raise _fail(ValueError("--from-hf DIR is required"))
+    try:
+        cfg = config_with_hf_model(config, overrides or [], from_hf)
+        target = Path(out) if out else output_dir(cfg) / "hf_import"
+        path = import_checkpoint(cfg, from_hf, target)
+    except (ConfigError, UserError) as exc:
+        raise _fail(exc) from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        _out.print(f"imported {from_hf} -> {path} ({cfg.backend.name}, model {cfg.model.name})", highlight=False)
+
+
+@checkpoint_app.command("export")
+def export(
+    checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, or a folder of them (the newest is taken)")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides of the run's config")] = None,
+    to_hf: Annotated[str, typer.Option("--to-hf", help="Hugging Face folder to write")] = "",
+    config: Annotated[
+        str | None, typer.Option("--config", help="the run's config (default: config.yaml of the run folder)")
+    ] = None,
+    max_shard_mb: Annotated[int, typer.Option("--max-shard-mb", help="largest safetensors shard, MiB")] = 5120,
+) -> None:
+    """A backend checkpoint -> a Hugging Face folder (config.json, safetensors shards + index, tokenizer)."""
+    from primus.core.config.errors import ConfigError
+    from primus.core.errors import UserError
+    from primus.core.hf.contract import OFFLINE_OVERRIDES, export_checkpoint
+    from primus.core.train import resolve
+
+    if not to_hf:
+        raise _fail(ValueError("--to-hf DIR is required"))
+    path = Path(checkpoint)
+    if not path.exists():
+        raise _fail(FileNotFoundError(f"checkpoint {path} does not exist"))
+    source = config or find_run_config(path)
+    if source is None:
+        raise _fail(ValueError(f"no config.yaml beside {path} or in its run folder: pass --config"))
+    try:
+        cfg = resolve(str(source), [*OFFLINE_OVERRIDES, *(overrides or [])], world_size=1).config
+        written = export_checkpoint(cfg, path, to_hf, max_shard_bytes=max_shard_mb * 2**20)
+    except (ConfigError, UserError) as exc:
+        raise _fail(exc) from None
+    _out.print(f"exported {path} ({cfg.backend.name}) -> {written}", highlight=False)

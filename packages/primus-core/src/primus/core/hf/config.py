@@ -1,0 +1,178 @@
+"""HF ``config.json`` <-> Primus :class:`ModelConfig`, for the dense families Primus trains.
+
+The HF side is what ``transformers`` writes (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``MistralForCausalLM``); both the 4.x spelling (``rope_theta`` + ``rope_scaling``) and the 5.x one
+(``rope_parameters``) are read, the 4.x one is written (5.x reads it too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from primus.core.config.schema import ModelConfig
+from primus.core.errors import UserError
+
+# model_type -> (Primus family, HF architecture class)
+FAMILIES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+}
+MODEL_TYPE = {family: model_type for model_type, (family, _) in FAMILIES.items()}
+
+
+class HFConfigError(UserError):
+    """A HF config Primus cannot represent (names the key and what is allowed)."""
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    theta = float(hf.get("rope_theta", params.pop("rope_theta", 10000.0)))
+    params.pop("rope_theta", None)
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return theta, None
+    if kind not in ("llama3", "linear", "yarn"):
+        raise HFConfigError(
+            f"config.json rope_scaling.rope_type {kind!r} is not supported; allowed: llama3, linear, yarn"
+        )
+    out: dict[str, Any] = {"type": kind, "factor": float(scaling["factor"])}
+    for key in ("low_freq_factor", "high_freq_factor"):
+        if key in scaling:
+            out[key] = float(scaling[key])
+    if "original_max_position_embeddings" in scaling:
+        out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    return theta, out
+
+
+def model_fields_from_hf(hf: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """The ``model`` section (a plain dict, validated by the caller) that describes the HF model ``hf``."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise HFConfigError(f"config.json model_type {model_type!r} is not supported; allowed: {', '.join(FAMILIES)}")
+    family = FAMILIES[model_type][0]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFConfigError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; allowed: silu")
+    if hf.get("mlp_bias"):
+        raise HFConfigError("config.json mlp_bias true is not supported; allowed: false")
+    window = hf.get("sliding_window") if (model_type == "mistral" or hf.get("use_sliding_window")) else None
+    if window is not None and window < hf.get("max_position_embeddings", 0):
+        raise HFConfigError(
+            f"config.json sliding_window {window} is not supported (full attention only); allowed: null"
+        )
+    heads = int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim")
+    theta, scaling = _rope(hf)
+    fields: dict[str, Any] = {
+        "name": name or hf.get("_name_or_path") or model_type,
+        "family": family,
+        "hidden_size": int(hf["hidden_size"]),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "num_attention_heads": heads,
+        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(head_dim) if head_dim and int(head_dim) != hf["hidden_size"] // heads else None,
+        "ffn_hidden_size": int(hf["intermediate_size"]),
+        "vocab_size": int(hf["vocab_size"]),
+        "max_position_embeddings": int(hf.get("max_position_embeddings", 2048)),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases (transformers hard-codes them); Llama / Mistral say attention_bias
+        "qkv_bias": True if family == "qwen2" else bool(hf.get("attention_bias", False)),
+        "qk_norm": family == "qwen3",
+        "init_std": float(hf.get("initializer_range", 0.02)),
+    }
+    if family == "qwen3" and hf.get("attention_bias"):
+        fields["qkv_bias"] = True
+    return fields
+
+
+def model_config_from_hf(hf: dict[str, Any], name: str | None = None) -> ModelConfig:
+    return ModelConfig.model_validate(model_fields_from_hf(hf, name))
+
+
+def hf_config(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The ``config.json`` of a HF model with the architecture ``m`` (what ``from_pretrained`` reads)."""
+    if m.family == "qwen2" and not m.qkv_bias:
+        raise HFConfigError("model.qkv_bias false cannot be written as Qwen2 (transformers' Qwen2 always has it)")
+    if m.family in ("llama", "mistral") and m.qk_norm:
+        raise HFConfigError(f"model.qk_norm true cannot be written as {m.family}; allowed: family qwen3")
+    if m.family == "qwen3" and not m.qk_norm:
+        raise HFConfigError("model.qk_norm false cannot be written as Qwen3 (transformers' Qwen3 always has it)")
+    model_type = MODEL_TYPE[m.family]
+    out: dict[str, Any] = {
+        "architectures": [FAMILIES[model_type][1]],
+        "model_type": model_type,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.kv_channels,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_position_embeddings,
+        "vocab_size": m.vocab_size,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "initializer_range": m.init_std,
+        "attention_dropout": 0.0,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+    if m.family in ("llama", "mistral", "qwen3"):
+        out["attention_bias"] = m.qkv_bias
+    if m.family == "llama":
+        out["mlp_bias"] = False
+    if m.family in ("mistral", "qwen2", "qwen3"):
+        out["sliding_window"] = None
+        out["use_sliding_window"] = False
+    if m.rope_scaling is not None:
+        rs = m.rope_scaling
+        scaling: dict[str, Any] = {"rope_type": rs.type, "factor": rs.factor}
+        if rs.type == "llama3":
+            scaling |= {"low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor}
+        if rs.type in ("llama3", "yarn"):
+            scaling["original_max_position_embeddings"] = rs.original_max_position_embeddings
+        out["rope_scaling"] = scaling
+    return out
+
+
+# What must agree between a run's model and a HF folder it starts from (the weights' shapes and meaning).
+ARCH_KEYS = (
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_kv_heads",
+    "kv_channels",
+    "ffn_hidden_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "qk_norm",
+    "rope_theta",
+    "rope_scaling",
+    "norm_eps",
+)
+
+
+def check_matches(m: ModelConfig, hf: dict[str, Any], where: str) -> None:
+    """Refuse to load HF weights into a model of another architecture, naming every differing key."""
+    theirs = model_config_from_hf(hf)
+    diff = [
+        f"model.{k} {getattr(m, k)!r} vs {getattr(theirs, k)!r}"
+        for k in ARCH_KEYS
+        if getattr(m, k) != getattr(theirs, k)
+    ]
+    if diff:
+        raise HFConfigError(
+            f"{where}: the HF model in it has another architecture than this run's model ({'; '.join(diff)}; "
+            "this run first): use a config whose model matches, or `primus checkpoint import` which takes the "
+            "model from config.json"
+        )

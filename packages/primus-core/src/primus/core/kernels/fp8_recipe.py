@@ -1,0 +1,106 @@
+"""What an FP8 linear does, from the config's ``kernels.fp8`` / ``kernels.fp8_recipe`` (no torch import)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+E4M3_MAX = 448.0  # torch.float8_e4m3fn
+E5M2_MAX = 57344.0  # torch.float8_e5m2
+FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
+GEMM_ALIGN = 16  # torch._scaled_mm on CUDA: every GEMM dim a multiple of 16
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """``mode``: one scale per tensor (``tensorwise``) or per row of each operand along the reduction dim
+    (``rowwise``); ``grad_dtype``: the output gradient's fp8 format in the two backward GEMMs;
+    ``scaling``: ``current`` (this step's amax) or ``delayed`` (max of the last ``amax_history`` steps,
+    tensorwise only)."""
+
+    mode: Literal["tensorwise", "rowwise"] = "tensorwise"
+    grad_dtype: Literal["e4m3", "e5m2"] = "e5m2"
+    scaling: Literal["current", "delayed"] = "current"
+    amax_history: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("tensorwise", "rowwise"):
+            raise ValueError(f"fp8 mode must be tensorwise or rowwise (got {self.mode!r})")
+        if self.grad_dtype not in FP8_MAX:
+            raise ValueError(f"fp8 grad_dtype must be e4m3 or e5m2 (got {self.grad_dtype!r})")
+        if self.scaling == "delayed" and self.mode == "rowwise":
+            raise ValueError(delayed_rowwise_reason())
+        if self.amax_history < 1:
+            raise ValueError(f"amax_history must be >= 1 (got {self.amax_history})")
+
+    @classmethod
+    def from_config(cls, kernels: Any) -> Fp8Recipe | None:
+        """From a :class:`primus.core.config.schema.KernelsConfig`; None when ``kernels.fp8`` is off."""
+        if kernels.fp8 == "off":
+            return None
+        r = kernels.fp8_recipe
+        return cls(mode=kernels.fp8, grad_dtype=r.grad_dtype, scaling=r.scaling, amax_history=r.amax_history)
+
+
+def delayed_rowwise_reason() -> str:
+    return (
+        "delayed scaling keeps one amax history per tensor; rowwise scales belong to rows of activations "
+        "that change every batch (use scaling: current with rowwise, or tensorwise with delayed)"
+    )
+
+
+def config_issues(cfg: Any, *, engine: str) -> list[Any]:
+    """What both engines refuse for ``kernels.fp8`` (without importing torch): fp32 compute, delayed
+    rowwise, no block left in FP8, and GEMM dims ``_scaled_mm`` cannot take (each named)."""
+    from primus.core.protocols import ConfigIssue
+
+    k, m, t = cfg.kernels, cfg.model, cfg.train
+    if k.fp8 == "off":
+        return []
+    r = k.fp8_recipe
+    out = []
+    if t.precision == "fp32":
+        out.append(
+            ConfigIssue(
+                "train.precision",
+                "kernels.fp8 casts the GEMM operands of a bf16 run; with fp32 compute there is no bf16 "
+                "baseline to speed up and the comparison is meaningless",
+                value="fp32",
+                allowed="bf16 (or kernels.fp8: off)",
+            )
+        )
+    if r.scaling == "delayed" and k.fp8 == "rowwise":
+        out.append(ConfigIssue("kernels.fp8_recipe.scaling", delayed_rowwise_reason(), value="delayed"))
+    if r.bf16_first_layers + r.bf16_last_layers >= m.num_layers:
+        out.append(
+            ConfigIssue(
+                "kernels.fp8_recipe.bf16_first_layers",
+                f"bf16_first_layers + bf16_last_layers = {r.bf16_first_layers + r.bf16_last_layers} leaves none of "
+                f"the {m.num_layers} blocks in FP8",
+                allowed=f"a sum below {m.num_layers}",
+            )
+        )
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    dims = {
+        "model.hidden_size (every linear's in or out features)": m.hidden_size,
+        "model.ffn_hidden_size (w1/w3 out, w2 in)": m.ffn_hidden_size,
+        "query projection width (num_attention_heads × head_dim)": m.num_attention_heads * head_dim,
+        "key/value projection width (num_kv_heads × head_dim)": m.num_kv_heads * head_dim,
+        "tokens per micro-batch (train.seq_len × train.micro_batch_size; the weight-gradient GEMM's reduction dim)": (
+            t.seq_len * t.micro_batch_size
+        ),
+    }
+    if not r.bf16_output_head:
+        dims["model.vocab_size (output head out features)"] = m.vocab_size
+    for what, dim in dims.items():
+        if dim % GEMM_ALIGN:
+            out.append(
+                ConfigIssue(
+                    "kernels.fp8",
+                    f"{engine}: {what} is {dim}, not a multiple of {GEMM_ALIGN} (torch._scaled_mm needs every "
+                    "FP8 GEMM dim to be)",
+                    value=k.fp8,
+                    allowed="off, or dims that are multiples of 16",
+                )
+            )
+    return out

@@ -1,0 +1,92 @@
+"""Every constant the planner's memory and step-time models are calibrated with, named, in one place.
+
+Where a number was measured, the line says where (``/work/shared/notes/h200-baseline.md``: one H200,
+torch 2.11, 2026-11-29; ``benchmarks/results/memory_validation.json``: predicted vs measured peak memory
+from ``benchmarks/memory_validation.py``). Where it was not, the line says so. To recalibrate, change the
+number here and re-run ``benchmarks/memory_validation.py`` (memory) or compare ``primus plan``'s MFU with a
+measured run (time); ``tests/test_planner.py`` pins the behaviour these numbers produce.
+"""
+
+from __future__ import annotations
+
+GIB = 2**30
+
+# ------------------------------------------------------------------------------------------------ memory
+# Outside the framework's caching allocator (not in torch.cuda.max_memory_reserved): the CUDA/HIP context
+# with its loaded kernels (torch 2.x lazy loading keeps it near 0.5-1 GiB on H100/H200) ...
+CONTEXT_BYTES = 1.0 * GIB
+# ... and NCCL/RCCL communicator buffers, only when there is another rank to talk to.
+COMM_BUFFER_BYTES = 1.0 * GIB
+# Inside the allocator: cuBLAS/cuDNN/hipBLASLt workspaces and small persistent buffers.
+WORKSPACE_BYTES = 0.5 * GIB
+# Allocator fragmentation: reserved − allocated at the peak, as a fraction of what the model counts.
+FRAGMENTATION = 0.05
+# Multiplier on the activation formula of memory.py, per engine (1.0 = the formula as derived).
+ACTIVATION_SCALE = {"megatron": 1.0, "torchtitan": 1.0}
+# Bytes per logit besides the logits themselves: the fp32 copy the loss works on and its gradient.
+LOGITS_EXTRA_BYTES = 8
+# A fused linear + cross-entropy (primus-turbo) holds one chunk of logits at a time (its CHUNK_BUDGET_BYTES).
+FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
+# Selective recompute: the share of a layer's saved activations that stays. Measured on the H200
+# (memory_validation.json, 2026-11-29, llama3.2-1b s4096 mbs2): TorchTitan's op-level policy (recompute all but
+# the matmuls' outputs, every other one kept) freed 7.0 of ~10.2 GiB -> 0.32; Megatron's selective recomputes
+# only core attention, and with flash/cuDNN attention (all our providers) that saves nothing measurable
+# (peak 31.5 GiB with and without) -> 1.0.
+SELECTIVE_KEPT = {"megatron": 1.0, "torchtitan": 0.32}
+# TorchTitan without FSDP trains fp32 weights under torch.autocast: the residual stream (layer input and the
+# attention block's output sum, both saved for the norms' backward) stays fp32; the norm outputs are saved
+# as the bf16 copies autocast makes for the next GEMM.
+AUTOCAST_RESIDUAL_BYTES = 4
+# FP8 (kernels.fp8 != off): an e4m3 copy of each weight of the layers that run in FP8, made in forward and
+# kept for backward; per-tensor / per-row scales are a few bytes per tensor and left out.
+FP8_WEIGHT_COPY_BYTES = 1
+
+# A run is refused before it starts when the estimate exceeds the device's memory by more than this (the
+# error benchmarks/memory_validation.py holds the model to), so a layout the model over-estimates still runs.
+FIT_TOLERANCE = 0.10
+
+# ------------------------------------------------------------------------------------------------ step time
+# Achieved fraction of the dense bf16 peak in large training GEMMs, per device. H200: median of the eight
+# bf16 GEMMs in h200-baseline.md (783, 693, 674, 691, 758, 656, 658, 696 TFLOP/s of 989) = 0.70. H100 shares
+# the chip; the others are not measured here (set from public vendor GEMM results, to be replaced).
+GEMM_FRACTION = {
+    "H100": 0.70,
+    "H200": 0.70,
+    "B200": 0.65,
+    "A100": 0.75,
+    "MI300X": 0.55,
+    "MI325X": 0.55,
+    "MI355X": 0.50,
+    "CPU": 0.70,
+}
+# Achieved fraction of the bf16 peak in causal attention forward + backward, counting causal FLOPs (half
+# of the full s×s product). H200: cuDNN SDPA 396 (b4 s2048), 517 (s8192), 548 (GQA s8192) TFLOP/s of 989 →
+# 0.45 at the sequence lengths trained most. Others: not measured here.
+ATTENTION_FRACTION = {
+    "H100": 0.45,
+    "H200": 0.45,
+    "B200": 0.40,
+    "A100": 0.50,
+    "MI300X": 0.35,
+    "MI325X": 0.35,
+    "MI355X": 0.30,
+    "CPU": 0.50,
+}
+# Memory-bound work per token and layer (norms, RoPE, SwiGLU, residual adds, casts, launch gaps), as passes of
+# 2 bytes over the layer's d + f activation elements at HBM bandwidth. Fitted (with the loss and optimizer
+# terms below in place) so that the model reproduces the three end-to-end TorchTitan eager runs of
+# h200-baseline.md: 1B-like s4096 mbs2 49.8% MFU (model 50.2%), 3B-like 55.7% (54.4%), 1B-like s8192
+# 53.2% (53.8%); tests/test_planner.py::test_step_time_reproduces_the_h200_baseline keeps them within 5%.
+MEMORY_BOUND_PASSES = 60
+# The loss on the logits: bf16 logits read, fp32 softmax written and read back, gradient written (bytes/logit).
+LOSS_BYTES_PER_LOGIT = 16
+# Fused AdamW per parameter and step: read fp32 param, grad, m, v; write param, m, v (and the bf16 copy).
+OPTIMIZER_BYTES_PER_PARAM = 30
+
+# FP8 GEMMs: rate relative to the device's FP8 dense peak, as a fraction of what bf16 GEMMs reach of the
+# bf16 peak. H200 (torch._scaled_mm, e4m3, h200-baseline.md): fp8/bf16 speed-up medians 1.98× tensorwise,
+# 1.90× rowwise against a 2.0× peak ratio → 0.99 and 0.95.
+FP8_RATE_VS_BF16 = {"tensorwise": 0.99, "rowwise": 0.95}
+# The casts FP8 adds (memory-bound; not measured): read bf16 + write e4m3 = 3 bytes per element of each
+# GEMM input in forward and each output gradient in backward, and of each weight (twice: the transposed copy).
+FP8_CAST_BYTES_PER_ELEMENT = 3

@@ -1,0 +1,170 @@
+"""FP8 linears in megatron-core's local layer spec (``kernels.fp8``, primus-turbo's FP8 linear).
+
+megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` run their GEMM through ``_forward_impl``
+(``linear_with_grad_accumulation_and_async_allreduce``); the subclasses here override only that method
+with :func:`primus.turbo.fp8.fp8_linear`, so the tensor-parallel communication stays megatron's:
+
+- Column: the input goes through ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce of
+  dgrad backward) instead of the async all-reduce overlapped inside megatron's autograd function: the
+  subclass sets ``allreduce_dgrad = False`` (what megatron itself does for explicit expert comm), so the
+  dgrad all-reduce is synchronous but correct.
+- Row: the local GEMM, then megatron's all-reduce of the output as before.
+
+Refused (:func:`issues`): sequence parallelism (its all-gather / reduce-scatter of the input and dgrad
+live inside megatron's autograd function), ``fp8_recipe.implementation: torchao`` (torchao swaps
+``nn.Linear``; these are megatron modules). Delayed-scaling histories are plain tensors on the module,
+never in its state dict. The recipe's first/last bf16 blocks are counted in global layer numbers
+(pipeline stages and virtual stages included); the output head is megatron's vocab-parallel linear and
+stays bf16 (``bf16_output_head: false`` is refused).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from primus.core.protocols import ConfigIssue
+
+log = logging.getLogger("primus.megatron")
+
+
+def fp8_layer_numbers(kernels: Any, num_layers: int) -> set[int]:
+    """0-based global block indices whose linears run in FP8 under the recipe."""
+    r = kernels.fp8_recipe
+    return set(range(r.bf16_first_layers, num_layers - r.bf16_last_layers))
+
+
+def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int) -> list[bool]:
+    """Per block of this model chunk (n blocks, pipeline offset from megatron): FP8 linears or not."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    in_fp8 = fp8_layer_numbers(kernels, config.num_layers)
+    flags = [offset + i in in_fp8 for i in range(n)]
+    blocks = [offset + i for i, on in enumerate(flags) if on]
+    log.info("fp8 (%s): FP8 linears in blocks %s of %d-%d", kernels.fp8, blocks, offset, offset + n - 1)
+    return flags
+
+
+def linear_classes(provider: Any) -> tuple[type, type]:
+    """(Fp8ColumnParallelLinear, Fp8RowParallelLinear) on ``provider``'s FP8 GEMM (the ``fp8`` kernel choice:
+    its impl carries ``fp8_linear`` and ``Fp8State``), built on first use (imports megatron and torch)."""
+    if provider.name not in _CLASSES:
+        _CLASSES[provider.name] = _build_classes(provider)
+    return _CLASSES[provider.name]
+
+
+_CLASSES: dict[str, tuple[type, type]] = {}
+
+
+def _build_classes(provider: Any) -> tuple[type, type]:
+    from primus.megatron import compat as mc
+
+    impl = provider.load()
+    if not hasattr(impl, "fp8_linear"):
+        raise RuntimeError(
+            f"FP8 provider {provider.name!r} swaps torch.nn.Linear modules only; megatron's tensor-parallel linears "
+            "need one that offers fp8_linear (set kernels.fp8_recipe.implementation=primus)"
+        )
+    Fp8State, fp8_linear = impl.Fp8State, impl.fp8_linear  # noqa: N806 (a class)
+
+    def setup(self: Any, fp8_recipe: Any) -> None:
+        self.fp8_recipe = fp8_recipe
+        self.fp8_state = Fp8State(fp8_recipe.amax_history)
+
+    def forward_impl(
+        self: Any,
+        input: Any,
+        weight: Any,
+        bias: Any = None,
+        gradient_accumulation_fusion: bool = False,
+        allreduce_dgrad: bool = False,
+        sequence_parallel: bool = False,
+        grad_output_buffer: Any = None,
+        wgrad_deferral_limit: Any = None,
+        tp_group: Any = None,
+        **_: Any,
+    ) -> Any:
+        if sequence_parallel or allreduce_dgrad or grad_output_buffer is not None:
+            raise RuntimeError(
+                "FP8 linear: sequence parallelism / in-GEMM dgrad all-reduce / deferred wgrad are megatron's "
+                "autograd-function features the FP8 linear does not implement (refused in config validation)"
+            )
+        return fp8_linear(input, weight, bias, recipe=self.fp8_recipe, state=self.fp8_state)
+
+    class Fp8ColumnParallelLinear(mc.ColumnParallelLinear):
+        """megatron's ColumnParallelLinear (same parameters and state dict) with FP8 GEMMs."""
+
+        def __init__(self, *args: Any, fp8_recipe: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            setup(self, fp8_recipe)
+            self.allreduce_dgrad = False  # the input's copy_to_tensor_model_parallel_region all-reduces dgrad
+
+        _forward_impl = forward_impl
+
+    class Fp8RowParallelLinear(mc.RowParallelLinear):
+        """megatron's RowParallelLinear (same parameters and state dict) with FP8 GEMMs."""
+
+        def __init__(self, *args: Any, fp8_recipe: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            setup(self, fp8_recipe)
+
+        _forward_impl = forward_impl
+
+    return Fp8ColumnParallelLinear, Fp8RowParallelLinear
+
+
+def linear_specs(kernels: Any, provider: Any) -> dict[str, Any]:
+    """The spec entries for one FP8 block: linear_qkv / linear_fc1 (column), linear_proj / linear_fc2 (row);
+    ``kernels`` the config's section, ``provider`` the run's ``fp8`` kernel choice."""
+    from primus.core.kernels.fp8_recipe import Fp8Recipe
+    from primus.megatron import compat as mc
+
+    recipe = Fp8Recipe.from_config(kernels)
+    column, row = linear_classes(provider)
+    col_spec = mc.ModuleSpec(module=column, params={"fp8_recipe": recipe})
+    row_spec = mc.ModuleSpec(module=row, params={"fp8_recipe": recipe})
+    return {"linear_qkv": col_spec, "linear_fc1": col_spec, "linear_proj": row_spec, "linear_fc2": row_spec}
+
+
+def issues(cfg: Any) -> list[ConfigIssue]:
+    """What the megatron backend refuses for ``kernels.fp8`` (empty when off)."""
+    k = cfg.kernels
+    if k.fp8 == "off":
+        return []
+    try:
+        from primus.core.kernels.fp8_recipe import config_issues
+    except ImportError:
+        return [ConfigIssue("kernels.fp8", "FP8 linears come from primus-turbo, which is not installed", allowed="off")]
+    out = config_issues(cfg, engine="megatron")
+    if cfg.parallel.sequence_parallel:
+        out.append(
+            ConfigIssue(
+                "parallel.sequence_parallel",
+                "with kernels.fp8 the linears' all-gather / reduce-scatter (inside megatron's autograd GEMM "
+                "function) are not reproduced by the FP8 linear",
+                value=True,
+                allowed="false (tensor parallelism without sequence parallelism works)",
+            )
+        )
+    if k.fp8_recipe.implementation == "torchao":
+        out.append(
+            ConfigIssue(
+                "kernels.fp8_recipe.implementation",
+                "torchao swaps torch.nn.Linear; megatron's tensor-parallel linears are not, so the megatron backend "
+                "uses primus-turbo's FP8 linear",
+                value="torchao",
+                allowed="auto, primus",
+            )
+        )
+    if not k.fp8_recipe.bf16_output_head:
+        out.append(
+            ConfigIssue(
+                "kernels.fp8_recipe.bf16_output_head",
+                "the megatron backend keeps the output head (a vocab-parallel linear feeding the fused "
+                "cross-entropy) in bf16",
+                value=False,
+                allowed="true",
+            )
+        )
+    return out

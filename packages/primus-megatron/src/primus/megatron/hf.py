@@ -1,0 +1,273 @@
+"""Hugging Face <-> megatron-core GPTModel built with :mod:`primus.megatron.layer_spec`.
+
+Layout (the local spec: norms are their own modules, not fused into the linears):
+
+- ``self_attention.linear_qkv`` is q, k and v fused along the output dim, grouped per KV head:
+  ``[group 0: its q heads, k, v | group 1: ... ]`` (the same for the qkv bias);
+- ``mlp.linear_fc1`` is ``[gate; up]`` (megatron's SwiGLU halves: gate first);
+- ``input_layernorm``, ``pre_mlp_layernorm``, ``q_layernorm`` / ``k_layernorm`` (per head),
+  ``decoder.final_layernorm``, ``embedding.word_embeddings``, ``output_layer`` (absent when tied).
+
+Megatron's RoPE is rotate-half, as HF's: q and k need no permutation.
+
+Layout across ranks is megatron's own: each rank's ``sharded_state_dict()`` says which slice of which global
+tensor (key, layer offset, TP offset; the SwiGLU factory splits fc1 into its gate and up parts) each local
+tensor is, so the same code fills a TP/PP-sharded model from HF tensors and reads the whole model back out.
+Checkpoints are ``dist_checkpointing`` folders, loadable under any layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from primus.core.config.schema import ModelConfig, PrimusConfig
+from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, layer_names
+
+log = logging.getLogger("primus.megatron.hf")
+
+_LAYER = "decoder.layers."
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) -> torch.Tensor:
+    """HF q [nq·d, ...], k/v [ng·d, ...] -> megatron's grouped ``[q heads of g, k_g, v_g]`` per KV group."""
+    ng, d = m.num_kv_heads, m.kv_channels
+    rest = q.shape[1:]
+    parts = (q.reshape(ng, -1, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(fused: torch.Tensor, m: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ng, d = m.num_kv_heads, m.kv_channels
+    qd = m.num_attention_heads // ng * d
+    rest = fused.shape[1:]
+    grouped = fused.reshape(ng, qd + 2 * d, *rest)
+    q, k, v = grouped.split([qd, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+# megatron layer key suffix -> (HF roles it is made of)
+_LAYER_ROLES = {
+    "input_layernorm.weight": ("input_norm",),
+    "pre_mlp_layernorm.weight": ("post_norm",),
+    "self_attention.linear_qkv.weight": ("q", "k", "v"),
+    "self_attention.linear_qkv.bias": ("q_bias", "k_bias", "v_bias"),
+    "self_attention.linear_proj.weight": ("o",),
+    "self_attention.q_layernorm.weight": ("q_norm",),
+    "self_attention.k_layernorm.weight": ("k_norm",),
+    "mlp.linear_fc1.weight": ("gate", "up"),
+    "mlp.linear_fc2.weight": ("down",),
+}
+_GLOBAL = {"embedding.word_embeddings.weight": EMBED, "decoder.final_layernorm.weight": FINAL_NORM}
+
+
+def megatron_tensor(key: str, layer: int | None, get: Callable[[str], torch.Tensor], m: ModelConfig) -> torch.Tensor:
+    """The whole (unsharded) megatron tensor ``key`` (of ``layer``, for layer keys) from HF tensors."""
+    if key in _GLOBAL:
+        return get(_GLOBAL[key])
+    if key == "output_layer.weight":
+        return get(EMBED if m.tie_word_embeddings else LM_HEAD)
+    suffix = key.removeprefix(_LAYER)
+    if suffix not in _LAYER_ROLES or layer is None:
+        raise KeyError(f"no HF counterpart of megatron tensor {key!r}")
+    names = layer_names(m, layer)
+    parts = [get(names[role]) for role in _LAYER_ROLES[suffix]]
+    if len(parts) == 3:
+        return fuse_qkv(*parts, m)
+    return torch.cat(parts, dim=0) if len(parts) == 2 else parts[0]
+
+
+def hf_tensors(key: str, layer: int | None, full: torch.Tensor, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """The HF tensors a whole megatron tensor holds (the inverse of :func:`megatron_tensor`)."""
+    if key in _GLOBAL:
+        return {_GLOBAL[key]: full}
+    if key == "output_layer.weight":
+        return {} if m.tie_word_embeddings else {LM_HEAD: full}
+    suffix = key.removeprefix(_LAYER)
+    names = layer_names(m, layer)
+    roles = _LAYER_ROLES[suffix]
+    if len(roles) == 3:
+        parts = split_qkv(full, m)
+    elif len(roles) == 2:
+        parts = full.chunk(2, dim=0)
+    else:
+        parts = (full,)
+    return {names[r]: p.clone() for r, p in zip(roles, parts, strict=True)}
+
+
+def _sharded_tensors(chunk: Any) -> Iterator[Any]:
+    """Every ShardedTensor of a chunk's sharded state dict (SwiGLU factories built into their halves);
+    their ``data`` are views of the chunk's parameters."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def walk(obj: Any) -> Iterator[Any]:
+        if isinstance(obj, ShardedTensor):
+            yield obj
+        elif isinstance(obj, ShardedTensorFactory):
+            built = obj.build()
+            yield from walk(list(nested_values(built)) if isinstance(built, dict) else built)
+        elif isinstance(obj, list | tuple):
+            for item in obj:
+                yield from walk(item)
+
+    for value in nested_values(chunk.sharded_state_dict()):
+        yield from walk(value)
+
+
+def _place(st: Any) -> tuple[int | None, tuple[slice, ...]]:
+    """(global layer, slices of the whole per-layer tensor) that a ShardedTensor's local data covers."""
+    n = st.prepend_axis_num
+    layer = int(st.global_offset[0]) if n else None
+    offsets = st.global_offset[n:]
+    return layer, tuple(slice(o, o + s) for o, s in zip(offsets, st.data.shape, strict=True))
+
+
+@torch.no_grad()
+def fill_from_hf(chunks: list[Any], get: Callable[[str], torch.Tensor], m: ModelConfig) -> int:
+    """Copy HF weights into this rank's model chunks (any TP/PP/VPP layout); returns tensors filled."""
+    cache: dict[tuple[str, int | None], torch.Tensor] = {}
+    filled = 0
+    for chunk in chunks:
+        for st in _sharded_tensors(chunk):
+            layer, where = _place(st)
+            if (st.key, layer) not in cache:
+                cache[(st.key, layer)] = megatron_tensor(st.key, layer, get, m)
+            full = cache[(st.key, layer)]
+            if full.dim() != len(where):
+                raise ValueError(f"{st.key}: HF gives shape {tuple(full.shape)}, megatron slices {where}")
+            st.data.copy_(full[where].to(st.data.dtype))
+            filled += 1
+    return filled
+
+
+@torch.no_grad()
+def gather_to_hf(chunks: list[Any], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """The whole model as HF tensors, from chunks that hold all of it (one rank, tp = pp = 1)."""
+    whole: dict[tuple[str, int | None], torch.Tensor] = {}
+    for chunk in chunks:
+        for st in _sharded_tensors(chunk):
+            layer, where = _place(st)
+            shape = st.global_shape[st.prepend_axis_num :]
+            buf = whole.setdefault((st.key, layer), torch.zeros(shape, dtype=st.data.dtype))
+            buf[where] = st.data.detach().cpu()
+    out: dict[str, torch.Tensor] = {}
+    for (key, layer), full in whole.items():
+        out.update(hf_tensors(key, layer, full, m))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ engine setup
+
+
+class _Engine:
+    """Process group + megatron parallel state + this rank's chunks, for import / export / tests."""
+
+    def __init__(self, cfg: PrimusConfig, single: bool):
+        from primus.core.kernels import detect_device, select_kernels
+        from primus.core.plugins import get_registry
+        from primus.megatron import compat as mc
+        from primus.megatron.model import build_chunks, transformer_config
+        from primus.megatron.runner import _init_distributed
+
+        self.rank, world, _ = _init_distributed(timedelta(minutes=10))
+        if single or world == 1:  # a dist checkpoint loads under any layout: one process builds the whole model
+            parallel = cfg.parallel.model_copy(update={"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "sequence_parallel": False})
+            cfg = cfg.model_copy(update={"parallel": parallel})
+        self.cfg = cfg
+        p = cfg.parallel
+        mc.init_parallel(p.tp, p.pp, p.vpp, p.cp)
+        mc.seed(cfg.train.seed)
+        kernels = select_kernels(
+            type(cfg.kernels)(), get_registry(), detect_device(), head_dim=cfg.model.kv_channels, dtype="fp32"
+        )
+        self.chunks = build_chunks(cfg, transformer_config(cfg), kernels)
+        self.layout = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "world": world}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        from primus.megatron import compat as mc
+
+        mc.destroy_parallel()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def load_hf_into_chunks(chunks: list[Any], cfg: PrimusConfig, hf_dir: str | Path) -> None:
+    """``train.init_from_hf``: this rank's chunks take the HF folder's weights (checked to match the model)."""
+    from primus.core.hf.config import check_matches
+    from primus.core.hf.safetensors_io import HFReader
+
+    reader = HFReader(hf_dir)
+    check_matches(cfg.model, reader.config, f"train.init_from_hf {hf_dir}")
+    n = fill_from_hf(chunks, reader.get, cfg.model)
+    log.info("initialised %d tensors from Hugging Face weights in %s", n, hf_dir)
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint folder (``step_N`` or a seed/imported one), or a checkpoints root (its newest complete one)."""
+    from primus.core.errors import UserError
+    from primus.megatron import checkpoint as ckpt
+
+    if ckpt.read_manifest(path) is not None:
+        return path
+    found = ckpt.latest(path)
+    if found is None:
+        raise UserError(f"{path} is neither a primus-megatron checkpoint (no manifest.json) nor a folder holding one")
+    return found[1]
+
+
+def load_checkpoint_chunks(cfg: PrimusConfig, checkpoint: Path) -> _Engine:
+    """One process, the whole model, loaded from a dist checkpoint (model part only) of any layout."""
+    from primus.megatron import checkpoint as ckpt
+    from primus.megatron import compat as mc
+
+    path = resolve_checkpoint(checkpoint)
+    engine = _Engine(cfg, single=True)
+    ckpt.check_compatible(path, engine.cfg)
+    model_sd = {f"chunk{i}": mc.model_sharded_state_dict(c) for i, c in enumerate(engine.chunks)}
+    state = mc.dist_checkpointing.load({"model": model_sd}, str(path))
+    for i, chunk in enumerate(engine.chunks):
+        chunk.load_state_dict(state["model"][f"chunk{i}"])
+    return engine
+
+
+class MegatronHF:
+    """``BackendSpec.hf`` of the megatron backend (:class:`primus.core.hf.contract.HFInterop`)."""
+
+    def import_hf(self, cfg: PrimusConfig, hf_dir: Path, out: Path) -> Path:
+        """A seed checkpoint (model only, step 0) at ``out``: start a run from it with
+        ``backend.extra.seed_checkpoint=OUT``. One process builds the whole model; under torchrun with the
+        config's world size each rank fills its TP/PP shard."""
+        import yaml
+
+        from primus.core.hf.safetensors_io import HFReader
+        from primus.megatron import checkpoint as ckpt
+
+        engine = _Engine(cfg, single=False)
+        try:
+            n = fill_from_hf(engine.chunks, HFReader(hf_dir).get, engine.cfg.model)
+            log.info("filled %d tensors from %s (layout %s)", n, hf_dir, engine.layout)
+            ckpt.save_seed(out, engine.chunks, engine.rank, ckpt.manifest(engine.cfg, 0, engine.layout))
+            if engine.rank == 0:
+                (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        finally:
+            engine.close()
+        return out
+
+    def export_hf(self, cfg: PrimusConfig, checkpoint: Path) -> dict[str, Any]:
+        engine = load_checkpoint_chunks(cfg, checkpoint)
+        try:
+            return gather_to_hf(engine.chunks, engine.cfg.model)
+        finally:
+            engine.close()
+
+
+INTEROP = MegatronHF()

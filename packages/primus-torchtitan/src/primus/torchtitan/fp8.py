@@ -1,0 +1,90 @@
+"""FP8 linears in torchtitan's model (``kernels.fp8``): the block linears swapped for the selected FP8
+provider's (primus-turbo's ``Float8Linear`` or torchao's), before TP / FSDP / AC / compile are applied.
+
+Swapped: ``layers.<i>.attention.{wq,wk,wv,wo}`` and ``layers.<i>.feed_forward.{w1,w2,w3}`` of blocks
+outside the recipe's first/last ``bf16_*_layers``; the output head only with ``bf16_output_head: false``.
+Under FSDP the parameters are all-gathered in bf16 as usual and cast to fp8 inside each GEMM (no FP8
+all-gather). Tensor parallelism is refused in :func:`issues` (its linears run on DTensors).
+
+This module imports torch only inside the functions that swap (``issues`` runs in config validation).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+from primus.core.protocols import ConfigIssue
+
+log = logging.getLogger("primus.torchtitan")
+
+BLOCK_LINEAR = re.compile(r"^layers\.(\d+)\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))$")
+OUTPUT_HEAD = "output"
+
+
+def keeps_bf16(name: str, *, num_layers: int, recipe: Any) -> bool:
+    """Whether the linear ``name`` (a torchtitan model FQN) stays in bf16 under ``recipe`` (Fp8Recipe
+    config section: bf16_first_layers / bf16_last_layers / bf16_output_head)."""
+    if name == OUTPUT_HEAD:
+        return recipe.bf16_output_head
+    match = BLOCK_LINEAR.match(name)
+    if match is None:
+        return True  # not a dense block linear (e.g. an MoE router): left alone
+    block = int(match.group(1))
+    return block < recipe.bf16_first_layers or block >= num_layers - recipe.bf16_last_layers
+
+
+def skip_rule(kernels: Any, num_layers: int) -> Callable[[str, Any], bool]:
+    return lambda name, module: keeps_bf16(name, num_layers=num_layers, recipe=kernels.fp8_recipe)
+
+
+def fp8_swap(cfg: Any, provider: Any) -> Callable[[Any], list[str]]:
+    """``model -> names swapped``: the provider's ``convert_to_fp8`` with this run's recipe and skip rule."""
+    from primus.core.kernels.fp8_recipe import Fp8Recipe
+
+    recipe = Fp8Recipe.from_config(cfg.kernels)
+    convert = provider.load()
+    skip = skip_rule(cfg.kernels, cfg.model.num_layers)
+
+    def swap(model: Any) -> list[str]:
+        names = convert(model, recipe, skip)
+        log.info("fp8 (%s, %s): %d linears swapped", provider.name, recipe.mode, len(names))
+        return names
+
+    return swap
+
+
+def choice(cfg: Any, provider: Any) -> Any:
+    """The ``fp8`` entry of the run's kernel plan (:class:`primus.torchtitan.kernels.Choice`)."""
+    from primus.torchtitan.kernels import Choice
+
+    r = cfg.kernels.fp8_recipe
+    note = (
+        f"{cfg.kernels.fp8}, grads {r.grad_dtype}, {r.scaling} scaling; bf16 first {r.bf16_first_layers} / last "
+        f"{r.bf16_last_layers} blocks{', output head bf16' if r.bf16_output_head else ''}; bf16 FSDP all-gather"
+    )
+    return Choice("fp8", provider.name, fp8_swap(cfg, provider), note)
+
+
+def issues(cfg: Any) -> list[ConfigIssue]:
+    """What the torchtitan backend refuses for ``kernels.fp8`` (empty when off)."""
+    if cfg.kernels.fp8 == "off":
+        return []
+    try:
+        from primus.core.kernels.fp8_recipe import config_issues
+    except ImportError:
+        return [ConfigIssue("kernels.fp8", "FP8 linears come from primus-turbo, which is not installed", allowed="off")]
+    out = config_issues(cfg, engine="torchtitan")
+    if cfg.parallel.tp > 1:
+        out.append(
+            ConfigIssue(
+                "kernels.fp8",
+                "torchtitan's tensor parallelism runs the block linears on DTensors; the FP8 linears take plain "
+                "tensors (FSDP, which all-gathers plain weights, works)",
+                value=cfg.kernels.fp8,
+                allowed="off, or parallel.tp: 1",
+            )
+        )
+    return out

@@ -1,0 +1,183 @@
+"""Hugging Face <-> torchtitan models, through torchtitan's own state-dict adapters.
+
+- ``llama3`` (Llama 3.x, Mistral): torchtitan's ``Llama3StateDictAdapter``. torchtitan's llama3 applies RoPE to
+  interleaved (complex) pairs, HF to rotate-half halves: the adapter permutes the rows of ``wq`` / ``wk``.
+- ``qwen3``: torchtitan's ``Qwen3StateDictAdapter`` (its RoPE is rotate-half already: no permutation; it ties
+  the head to the embedding when the HF folder has no ``lm_head``).
+- ``dense`` (Primus's llama3 with qkv bias / tied embeddings, :mod:`primus.torchtitan.dense`):
+  :class:`DenseStateDictAdapter`, the llama3 adapter plus the q/k/v biases (q and k biases permuted like their
+  weights) and the tied head.
+
+``train.init_from_hf`` uses torchtitan's checkpointer path for HF weights (``checkpoint.initial_load_in_hf``):
+DCP's ``HuggingFaceStorageReader`` reads each rank's FSDP/TP shards and the adapter maps names. Checkpoints
+written by ``primus checkpoint import`` are DCP folders ``OUT/step-0`` holding the model only (the layout of
+torchtitan's own seed checkpoint), loadable under any parallel layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from primus.core.config.schema import PrimusConfig
+from primus.torchtitan import compat
+
+compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
+from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter  # noqa: E402
+from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
+
+log = logging.getLogger("primus.torchtitan.hf")
+
+_QK_BIAS = re.compile(r"^layers\.(\d+)\.attention\.w([qk])\.bias$")
+_HF_QK_BIAS = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qk])_proj\.bias$")
+
+
+class DenseStateDictAdapter(Llama3StateDictAdapter):
+    """Llama3's adapter for :class:`primus.torchtitan.dense.DenseTransformer`: plus q/k/v biases and tying."""
+
+    def __init__(self, model_args: Any, hf_assets_path: str | None):
+        super().__init__(model_args, hf_assets_path)
+        for p in "qkv":
+            self.from_hf_map[f"model.layers.{{}}.self_attn.{p}_proj.bias"] = f"layers.{{}}.attention.w{p}.bias"
+
+    def _bias_heads(self, which: str) -> int:
+        a = self.model_args
+        return a.n_heads if which == "q" else (a.n_kv_heads or a.n_heads)
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        sd = dict(state_dict)
+        if self.model_args.tie_word_embeddings:
+            sd.pop("output.weight", None)
+        biases = {k: sd.pop(k) for k in list(sd) if _QK_BIAS.match(k)}
+        out = super().to_hf(sd)
+        for key, b in biases.items():
+            layer, which = _QK_BIAS.match(key).groups()
+            permuted = self._permute(b.unsqueeze(-1), self._bias_heads(which), b.shape[0], 1).squeeze(-1)
+            out[f"model.layers.{layer}.self_attn.{which}_proj.bias"] = permuted
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        sd = dict(hf_state_dict)
+        biases = {k: sd.pop(k) for k in list(sd) if _HF_QK_BIAS.match(k)}
+        out = super().from_hf(sd)
+        for key, b in biases.items():
+            layer, which = _HF_QK_BIAS.match(key).groups()
+            permuted = self._reverse_permute(b.unsqueeze(-1), self._bias_heads(which), b.shape[0], 1).squeeze(-1)
+            out[f"layers.{layer}.attention.w{which}.bias"] = permuted
+        if self.model_args.tie_word_embeddings:
+            out["output.weight"] = out["tok_embeddings.weight"]
+        return out
+
+
+ADAPTERS = {"llama3": Llama3StateDictAdapter, "qwen3": Qwen3StateDictAdapter, "dense": DenseStateDictAdapter}
+
+
+def adapter_cls(m: Any) -> type:
+    from primus.torchtitan.models import engine_model
+
+    return ADAPTERS[engine_model(m)]
+
+
+def adapter(cfg: PrimusConfig, hf_dir: str | Path | None = None) -> Any:
+    from primus.torchtitan.models import model_args
+
+    return adapter_cls(cfg.model)(model_args(cfg.model, cfg.train.seq_len), str(hf_dir) if hf_dir else None)
+
+
+def init_from_hf(job_config: Any, cfg: PrimusConfig) -> None:
+    """``train.init_from_hf``: torchtitan's checkpointer loads the HF folder (model only) when the run has no
+    checkpoint of its own yet; with ``checkpoint.enabled: false`` it loads and saves nothing."""
+    from primus.core.hf.config import check_matches
+    from primus.core.hf.safetensors_io import HFReader
+
+    hf_dir = Path(cfg.train.init_from_hf).expanduser().absolute()
+    check_matches(cfg.model, HFReader(hf_dir).config, f"train.init_from_hf {hf_dir}")
+    job_config.model.hf_assets_path = str(hf_dir)  # the adapter reads the HF shard index from here
+    ck = job_config.checkpoint
+    ck.initial_load_path = str(hf_dir)
+    ck.initial_load_in_hf = True
+    ck.initial_load_model_only = True
+    if not cfg.checkpoint.enabled:
+        ck.enable, ck.load_only = True, True
+
+
+def build_model(cfg: PrimusConfig, device: str = "cpu") -> torch.nn.Module:
+    """The single-device torchtitan model of ``cfg.model`` (fp32), unparallelised: for export and tests."""
+    from primus.torchtitan.models import base_train_spec, model_args
+
+    with torch.device(device):
+        return base_train_spec(cfg.model).model_cls(model_args(cfg.model, cfg.train.seq_len))
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A DCP checkpoint folder (``step-N``), or a folder holding some (the newest complete one)."""
+    from primus.core import checkpoints
+    from primus.core.errors import UserError
+    from primus.torchtitan.checkpoint import NAMING
+
+    if (path / ".metadata").is_file():
+        return path
+    found = checkpoints.latest(path, NAMING)  # complete ones only (manifest; never a partial .tmp)
+    if found is None:
+        raise UserError(f"{path} is neither a torchtitan checkpoint (no .metadata) nor a folder holding step-N ones")
+    return found[1]
+
+
+def load_model_state(cfg: PrimusConfig, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model weights (torchtitan names, whole tensors, fp32) of a checkpoint of any layout, one process."""
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve_checkpoint(checkpoint)
+    meta = build_model(cfg, device="meta")
+    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in meta.state_dict().items()}
+    if cfg.model.tie_word_embeddings:
+        sd.pop("output.weight", None)  # the same parameter as tok_embeddings.weight
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    if cfg.model.tie_word_embeddings:
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    return sd
+
+
+class TorchtitanHF:
+    """``BackendSpec.hf`` of the torchtitan backend (:class:`primus.core.hf.contract.HFInterop`)."""
+
+    def import_hf(self, cfg: PrimusConfig, hf_dir: Path, out: Path) -> Path:
+        """``OUT/step-0``: the model only, in DCP format. Start a run from it with ``checkpoint.dir=OUT
+        --resume`` or ``backend.extra.checkpoint.initial_load_path=OUT/step-0``."""
+        import torch.distributed.checkpoint as dcp
+        import yaml
+
+        from primus.core.hf.contract import hf_names
+        from primus.core.hf.safetensors_io import HFReader
+        from primus.torchtitan.checkpoint import save_one_process
+
+        reader = HFReader(hf_dir)
+        hf = {name: reader.get(name).float() for name in hf_names(cfg.model)}
+        sd = adapter(cfg).from_hf(hf)
+        if cfg.model.tie_word_embeddings:
+            sd.pop("output.weight", None)  # saved once, as torchtitan saves a tied model
+        expected = set(build_model(cfg, device="meta").state_dict()) - (
+            {"output.weight"} if cfg.model.tie_word_embeddings else set()
+        )
+        if set(sd) != expected:
+            raise RuntimeError(f"HF -> torchtitan names differ from the model's: {sorted(set(sd) ^ expected)[:6]}")
+        target = out / "step-0"
+        state = {k: v.contiguous() for k, v in sd.items()}
+        save_one_process(target, cfg, lambda tmp: dcp.save(state, checkpoint_id=str(tmp), no_dist=True))
+        (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        log.info("wrote %d tensors to %s", len(sd), target)
+        return target
+
+    def export_hf(self, cfg: PrimusConfig, checkpoint: Path) -> dict[str, Any]:
+        sd = load_model_state(cfg, checkpoint)
+        hf = adapter(cfg).to_hf(sd)
+        if cfg.model.tie_word_embeddings:
+            hf.pop("lm_head.weight", None)
+        return {k: v.contiguous() for k, v in hf.items()}
+
+
+INTEROP = TorchtitanHF()

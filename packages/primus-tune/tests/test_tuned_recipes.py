@@ -1,0 +1,55 @@
+"""Tuned recipes per GPU (issue #11): each is a valid config at its target's world size and fits that GPU by the
+planner's memory model; the single-node 70B one is the layout the planner itself ranks first there.
+
+A recipe's file name says its target: ``<model>-<gpu>-<nodes>x<gpus per node>.yaml`` (``llama3.2-1b-h200`` is one
+GPU, measured on the H200)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from primus.core.planner import Cluster, candidates, device
+from primus.core.planner.memory import GIB
+from primus.core.strategies import estimate_memory, fused_loss
+from primus.core.train import resolve
+
+RECIPES = Path(__file__).parents[1] / "src" / "primus" / "tune" / "presets" / "recipes"
+TARGET = re.compile(r"-(?P<gpu>h200|mi300x|mi325x|mi355x)(?:-(?P<nodes>\d+)x(?P<gpn>\d+))?$")
+
+
+def targets() -> list[tuple[str, str, int, int]]:
+    out = []
+    for path in sorted(RECIPES.glob("*.yaml")):
+        m = TARGET.search(path.stem)
+        assert m, f"{path.name}: name does not say its target GPU"
+        out.append((path.stem, m["gpu"].upper(), int(m["nodes"] or 1), int(m["gpn"] or 1)))
+    return out
+
+
+@pytest.mark.parametrize(("name", "gpu", "nodes", "gpn"), targets())
+def test_recipe_is_valid_and_fits_its_gpu(name, gpu, nodes, gpn):
+    cfg = resolve(name, [], world_size=nodes * gpn).config
+    need = estimate_memory(cfg, nodes * gpn).total
+    have = device(gpu).memory_gib * GIB
+    assert need <= have, f"{name}: {need / GIB:.1f} GiB estimated on a {have / GIB:.0f} GiB {gpu}"
+
+
+def test_single_node_70b_recipe_is_the_planners_pick():
+    cfg = resolve("llama3.1-70b-mi300x-1x8", [], world_size=8).config
+    t = cfg.train
+    cands = candidates(
+        cfg.model,
+        Cluster(device("MI300X"), 1, 8),
+        t.seq_len,
+        t.micro_batch_size,
+        t.global_batch_size,
+        "torchtitan",
+        t.precision,
+        fused_loss=fused_loss(cfg),
+    )
+    best = next(c for c in cands if c.fits).layout
+    assert (best.dp_mode, best.dp, best.tp, best.pp, best.recompute) == ("fsdp", 8, 1, 1, "full")
+    assert (cfg.parallel.dp_shard, cfg.parallel.recompute) == (8, "full")

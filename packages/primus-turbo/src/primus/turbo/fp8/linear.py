@@ -1,0 +1,199 @@
+"""The FP8 linear: ``y = x · Wᵀ (+ b)`` with three ``torch._scaled_mm`` GEMMs.
+
+Forward ``y = x·Wᵀ``: x and W in e4m3. Backward ``dx = dy·W`` and ``dW = dyᵀ·x``: dy in the recipe's
+grad dtype (e5m2 by default: more range for gradients), the other operand in e4m3. ``_scaled_mm`` wants
+its first operand row-major and its second column-major (and on CUDA every dim a multiple of 16), and
+scales along the reduction dim:
+
+- tensorwise: one fp32 scale per operand; the forward's fp8 x and W are kept for backward and transposed
+  there (an fp8 copy), so the saved activation is 1 byte per element instead of 2.
+- rowwise: x scaled per row (token) and W per output row in the forward; backward re-quantizes along the
+  other dim (dy per token for dgrad, W per input column; dyᵀ and xᵀ per column for wgrad), so x and W are
+  saved in their own dtype. Output in bf16 (``_scaled_mm`` rowwise on CUDA requires it), cast after.
+
+Master weights stay what they are (fp32 or bf16) and get their gradient in their own dtype; only the GEMM
+operands are cast. Delayed scaling (tensorwise) keeps amax histories in :class:`Fp8State`, plain tensors
+made on first use (not buffers: they are not model weights and never enter a checkpoint).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from primus.turbo.fp8.quantize import Impl, Quantized, quantize
+from primus.turbo.fp8.recipe import GEMM_ALIGN, Fp8Recipe
+
+
+class Fp8State:
+    """Delayed scaling's amax histories of one linear (x, W, dy), newest first."""
+
+    ROLES = ("x", "w", "dy")
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.history: dict[str, torch.Tensor] = {}
+
+    def scale_amax(self, role: str, device: torch.device) -> torch.Tensor | None:
+        """The amax to scale with: the history's max, or None until the history has a step in it."""
+        hist = self.history.get(role)
+        if hist is None:
+            self.history[role] = torch.zeros(self.length, device=device, dtype=torch.float32)
+            return None
+        return hist.amax()
+
+    def record(self, role: str, amax: torch.Tensor) -> None:
+        hist = self.history[role]
+        hist.copy_(torch.roll(hist, 1))
+        hist[0] = amax.reshape(())
+
+
+def _quantize(t: torch.Tensor, fmt: str, role: str, recipe: Fp8Recipe, state: Fp8State | None, impl: Impl) -> Quantized:
+    rowwise = recipe.mode == "rowwise"
+    if recipe.scaling != "delayed" or state is None:
+        return quantize(t, fmt, rowwise=rowwise, impl=impl)
+    scale_amax = state.scale_amax(role, t.device)
+    q = quantize(t, fmt, rowwise=False, amax=scale_amax, impl=impl)
+    state.record(role, q.amax)
+    return q
+
+
+def _mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, rowwise: bool, fast_accum: bool) -> torch.Tensor:
+    """``a.data [m, k] · b.dataᵀ`` where ``b.data`` is [n, k] row-major (so ``.t()`` is the column-major
+    second operand ``_scaled_mm`` wants); scales (m, 1) and (1, n) rowwise, scalars tensorwise."""
+    scale_b = b.scale_inv.reshape(1, -1) if rowwise else b.scale_inv
+    dtype = torch.bfloat16 if rowwise else out_dtype
+    out = torch._scaled_mm(
+        a.data, b.data.t(), scale_a=a.scale_inv, scale_b=scale_b, out_dtype=dtype, use_fast_accum=fast_accum
+    )
+    return out.to(out_dtype)
+
+
+def _transposed(q: Quantized) -> Quantized:
+    """The same tensorwise-scaled fp8 tensor, transposed into a contiguous copy."""
+    return Quantized(q.data.t().contiguous(), q.scale_inv, q.amax)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, recipe: Fp8Recipe, state: Fp8State | None, impl: Impl, out_dtype: torch.dtype):
+        rowwise = recipe.mode == "rowwise"
+        xq = _quantize(x, "e4m3", "x", recipe, state, impl)
+        wq = _quantize(weight, "e4m3", "w", recipe, state, impl)
+        y = _mm(xq, wq, out_dtype, rowwise=rowwise, fast_accum=True)
+        ctx.recipe, ctx.state, ctx.impl = recipe, state, impl
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        if rowwise:
+            ctx.save_for_backward(x, weight)
+        else:
+            ctx.save_for_backward(xq.data, xq.scale_inv, wq.data, wq.scale_inv)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        recipe, state, impl = ctx.recipe, ctx.state, ctx.impl
+        g = recipe.grad_dtype
+        dy = dy.contiguous()
+        if recipe.mode == "rowwise":
+            x, weight = ctx.saved_tensors
+            dyq = quantize(dy, g, rowwise=True, impl=impl)
+            wtq = quantize(weight.t().contiguous(), "e4m3", rowwise=True, impl=impl)  # per input column of W
+            dx = _mm(dyq, wtq, ctx.x_dtype, rowwise=True, fast_accum=False)
+            dytq = quantize(dy.t().contiguous(), g, rowwise=True, impl=impl)  # per output feature, over tokens
+            xtq = quantize(x.t().contiguous(), "e4m3", rowwise=True, impl=impl)  # per input feature, over tokens
+            dw = _mm(dytq, xtq, ctx.w_dtype, rowwise=True, fast_accum=False)
+            return dx, dw, None, None, None, None
+        xd, xs, wd, ws = ctx.saved_tensors
+        dyq = _quantize(dy, g, "dy", recipe, state, impl)
+        wt = _transposed(Quantized(wd, ws, ws))  # W [n, k] → [k, n]: dx = dy · W
+        dx = _mm(dyq, wt, ctx.x_dtype, rowwise=False, fast_accum=False)
+        dw = _mm(_transposed(dyq), _transposed(Quantized(xd, xs, xs)), ctx.w_dtype, rowwise=False, fast_accum=False)
+        return dx, dw, None, None, None, None
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an ``nn.Linear`` would produce here: autocast's when it is on, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    recipe: Fp8Recipe,
+    state: Fp8State | None = None,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with FP8 GEMMs (x [..., k], weight [n, k]); output and grads in the
+    dtypes a bf16/fp32 linear would give."""
+    out_dtype = compute_dtype(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    with torch.autocast(x.device.type, enabled=False):
+        y = _Fp8Linear.apply(x2.to(out_dtype), weight, recipe, state, impl, out_dtype)
+    y = y.view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias.to(out_dtype)
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state-dict keys) whose GEMMs run in FP8."""
+
+    fp8_recipe: Fp8Recipe
+    fp8_state: Fp8State
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, recipe=self.fp8_recipe, state=self.fp8_state)
+
+    def extra_repr(self) -> str:
+        r = self.fp8_recipe
+        return f"{super().extra_repr()}, fp8={r.mode}, grad={r.grad_dtype}, scaling={r.scaling}"
+
+
+def make_fp8(module: nn.Linear, recipe: Fp8Recipe) -> None:
+    """Retype one ``nn.Linear`` in place (its parameters, hooks and name stay)."""
+    module.__class__ = Float8Linear
+    module.fp8_recipe = recipe
+    module.fp8_state = Fp8State(recipe.amax_history)
+
+
+def misaligned(module: nn.Linear) -> str:
+    """Why ``_scaled_mm`` on CUDA cannot take this layer's dims ("" when it can)."""
+    dims = (module.in_features, module.out_features)
+    if any(d % GEMM_ALIGN for d in dims):
+        return f"in/out features {dims} are not multiples of {GEMM_ALIGN}"
+    return ""
+
+
+Skip = Callable[[str, nn.Module], bool] | Iterable[str] | None
+
+
+def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, skip: Skip = None) -> list[str]:
+    """Swap every plain ``nn.Linear`` of ``model`` for :class:`Float8Linear` except those ``skip`` names
+    (a set of qualified names, or a ``(name, module) -> bool`` predicate). Returns the names swapped.
+    A layer whose dims ``_scaled_mm`` cannot take raises ValueError naming it."""
+    if skip is None:
+        skipped: Callable[[str, nn.Module], bool] = lambda name, module: False  # noqa: E731
+    elif callable(skip):
+        skipped = skip
+    else:
+        names = set(skip)
+        skipped = lambda name, module: name in names  # noqa: E731
+    swapped = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or skipped(name, module):
+            continue
+        if why := misaligned(module):
+            raise ValueError(f"fp8: linear {name!r}: {why}")
+        make_fp8(module, recipe)
+        swapped.append(name)
+    return swapped
+
+
+# What an engine that keeps its own linear modules (megatron's tensor-parallel ones) takes from this provider:
+# the provider's impl is convert_to_fp8, and the function and state it is built on ride along with it.
+convert_to_fp8.fp8_linear = fp8_linear
+convert_to_fp8.Fp8State = Fp8State

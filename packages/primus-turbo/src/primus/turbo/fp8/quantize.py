@@ -1,0 +1,80 @@
+"""Quantize a 2-D tensor to fp8: amax → scale → saturating cast, one scale per tensor or per row.
+
+``scale = fp8_max / amax`` maps the largest magnitude onto the format's largest finite value; the GEMM
+gets ``scale_inv = amax / fp8_max`` (``torch._scaled_mm`` multiplies its result by both operands'
+``scale_inv``). An all-zero tensor or row takes amax = :data:`AMAX_EPS` (zeros stay zeros).
+
+Non-finite input: an inf or NaN makes the amax non-finite, and its ``scale_inv`` is set to NaN, so every
+product that uses it is NaN. The alternative (a scale of 0 or a clamp to fp8_max) would give a finite,
+wrong result that training would silently continue with; NaN reaches the loss / grad norm, where the
+health checks see it.
+
+Two implementations with the same arithmetic: PyTorch ops (anywhere) and Triton (CUDA): rowwise is one
+kernel per row block (amax, scale and cast in one program, the row read twice from cache); tensorwise
+needs the global amax first, so current scaling is an amax kernel then a cast kernel, and delayed scaling
+(amax known from the history) a single cast kernel that also reduces this step's amax.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+from primus.turbo.fp8.recipe import FP8_MAX
+
+AMAX_EPS = 1e-12
+DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+Impl = Literal["auto", "torch", "triton"]
+
+
+class Quantized(NamedTuple):
+    data: torch.Tensor  # fp8, same shape as the input
+    scale_inv: torch.Tensor  # fp32: () tensorwise, (rows, 1) rowwise
+    amax: torch.Tensor  # fp32 amax of this input (() or (rows, 1)); for delayed scaling's history
+
+
+def scale_inv_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``amax / fp8_max`` in fp32, NaN where amax is not finite (see the module doc)."""
+    amax = amax.float()
+    return torch.where(torch.isfinite(amax), amax.clamp(min=AMAX_EPS) / FP8_MAX[fmt], torch.nan)
+
+
+def use_triton(x: torch.Tensor, impl: Impl) -> bool:
+    if impl == "torch":
+        return False
+    if impl == "triton":
+        return True
+    return x.is_cuda
+
+
+def quantize(
+    x: torch.Tensor, fmt: str, *, rowwise: bool, amax: torch.Tensor | None = None, impl: Impl = "auto"
+) -> Quantized:
+    """``x`` [rows, cols] to fp8 ``fmt`` ("e4m3"/"e5m2"). ``amax`` (tensorwise only) scales with a given
+    amax (delayed scaling) instead of this tensor's own; values beyond it saturate at fp8_max."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize takes a 2-D tensor (got shape {tuple(x.shape)})")
+    if rowwise and amax is not None:
+        raise ValueError("a given amax (delayed scaling) is per tensor; rowwise computes its own")
+    if use_triton(x, impl):
+        from primus.turbo.fp8 import triton_quantize
+
+        return triton_quantize.quantize(x.contiguous(), fmt, rowwise=rowwise, amax=amax)
+    return quantize_torch(x, fmt, rowwise=rowwise, amax=amax)
+
+
+def quantize_torch(x: torch.Tensor, fmt: str, *, rowwise: bool, amax: torch.Tensor | None = None) -> Quantized:
+    xf = x.float()
+    own = xf.abs().amax(dim=-1, keepdim=True) if rowwise else xf.abs().amax()
+    scale_amax = own if amax is None else amax.float()
+    fmax = FP8_MAX[fmt]
+    finite = torch.isfinite(scale_amax)
+    scale = torch.where(finite, fmax / scale_amax.clamp(min=AMAX_EPS), 1.0)
+    data = (xf * scale).clamp(-fmax, fmax).to(DTYPES[fmt])
+    return Quantized(data, scale_inv_from_amax(scale_amax, fmt), own)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    """fp32 values the fp8 tensor stands for (``data * scale_inv``): the emulation / test reference."""
+    return q.data.float() * q.scale_inv

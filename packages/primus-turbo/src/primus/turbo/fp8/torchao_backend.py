@@ -1,0 +1,51 @@
+"""The FP8 swap through ``torchao.float8`` (torchao 0.1x API), for ``fp8_recipe.implementation`` torchao
+(or auto, where torchao is installed): ``convert_to_float8_training(module, module_filter_fn=...,
+config=Float8LinearConfig)``, the filter called as ``(module, fqn)``.
+
+What torchao's float8 training does not offer is refused here with the reason (:func:`unsupported`):
+delayed scaling (torchao keeps only dynamic scaling), and rowwise with e5m2 gradients (its rowwise recipe
+casts gradients to e4m3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from primus.turbo.fp8.recipe import Fp8Recipe
+
+
+def unsupported(recipe: Fp8Recipe) -> str:
+    """Why torchao's float8 training cannot run ``recipe`` ("" when it can)."""
+    if recipe.scaling == "delayed":
+        return "torchao.float8 has only dynamic (current) scaling"
+    if recipe.mode == "rowwise" and recipe.grad_dtype != "e4m3":
+        return "torchao.float8's rowwise recipe casts gradients to e4m3 (set fp8_recipe.grad_dtype: e4m3)"
+    return ""
+
+
+def float8_config(recipe: Fp8Recipe):
+    import torch
+    from torchao.float8 import CastConfig, Float8LinearConfig
+
+    if why := unsupported(recipe):
+        raise ValueError(f"kernels.fp8_recipe: {why}")
+    if recipe.mode == "rowwise":
+        return Float8LinearConfig.from_recipe_name("rowwise")
+    grad = torch.float8_e5m2 if recipe.grad_dtype == "e5m2" else torch.float8_e4m3fn
+    return Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=grad))
+
+
+def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, skip: Callable[[str, nn.Module], bool] | None = None):
+    """Swap ``model``'s linears for torchao's Float8Linear (except where ``skip(name, module)``); returns
+    the names swapped."""
+    from torchao.float8 import convert_to_float8_training
+
+    before = {name for name, m in model.named_modules() if type(m) is nn.Linear}
+    convert_to_float8_training(
+        model,
+        module_filter_fn=lambda module, fqn: not (skip and skip(fqn, module)),
+        config=float8_config(recipe),
+    )
+    return sorted(before - {name for name, m in model.named_modules() if type(m) is nn.Linear})

@@ -1,0 +1,105 @@
+"""Triton fp8 quantization (CUDA): the kernels behind :func:`primus.turbo.fp8.quantize.quantize`.
+
+Same arithmetic as the PyTorch path: ``scale = fp8_max / max(amax, eps)``, saturating cast with
+round-to-nearest-even, NaN inputs counted as an infinite amax (so ``scale_inv`` becomes NaN; the
+atomic max that reduces tensorwise amax is not defined for NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from primus.turbo.fp8.quantize import AMAX_EPS, DTYPES, Quantized, scale_inv_from_amax
+from primus.turbo.fp8.recipe import FP8_MAX
+
+ROW_BLOCK = 1024  # columns per loop step of the rowwise kernel
+FLAT_BLOCK = 4096  # elements per program of the tensorwise kernels
+
+
+@triton.jit
+def _abs_nan_as_inf(x):
+    return tl.where(x != x, float("inf"), tl.abs(x))
+
+
+@triton.jit
+def _rowwise_kernel(x_ptr, q_ptr, amax_ptr, n_cols, FMAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * n_cols
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, _abs_nan_as_inf(x))
+    a = tl.max(amax, axis=0)
+    scale = tl.where(a < float("inf"), FMAX / tl.maximum(a, EPS), 1.0)
+    tl.store(amax_ptr + row, a)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + base + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        q = tl.clamp(x * scale, -FMAX, FMAX)
+        tl.store(q_ptr + base + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr, tl.max(_abs_nan_as_inf(x), axis=0))
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr,
+    q_ptr,
+    scale_amax_ptr,
+    own_amax_ptr,
+    n,
+    FMAX: tl.constexpr,
+    EPS: tl.constexpr,
+    REDUCE_OWN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    a = tl.load(scale_amax_ptr)
+    scale = tl.where(a < float("inf"), FMAX / tl.maximum(a, EPS), 1.0)
+    q = tl.clamp(x * scale, -FMAX, FMAX)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=offs < n)
+    if REDUCE_OWN:  # delayed scaling: this step's amax for the history, in the same pass
+        tl.atomic_max(own_amax_ptr, tl.max(_abs_nan_as_inf(x), axis=0))
+
+
+def quantize(x: torch.Tensor, fmt: str, *, rowwise: bool, amax: torch.Tensor | None = None) -> Quantized:
+    rows, cols = x.shape
+    q = torch.empty_like(x, dtype=DTYPES[fmt])
+    fmax = FP8_MAX[fmt]
+    if rowwise:
+        own = torch.empty(rows, 1, device=x.device, dtype=torch.float32)
+        if x.numel():
+            _rowwise_kernel[(rows,)](x, q, own, cols, FMAX=fmax, EPS=AMAX_EPS, BLOCK=ROW_BLOCK, num_warps=4)
+        return Quantized(q, scale_inv_from_amax(own, fmt), own)
+    n = x.numel()
+    grid = (triton.cdiv(n, FLAT_BLOCK),)
+    own = torch.zeros((), device=x.device, dtype=torch.float32)
+    if amax is None:
+        if n:
+            _amax_kernel[grid](x, own, n, BLOCK=FLAT_BLOCK, num_warps=8)
+        scale_amax = own
+    else:
+        scale_amax = amax.float().reshape(())
+    if n:
+        _cast_kernel[grid](
+            x,
+            q,
+            scale_amax,
+            own,
+            n,
+            FMAX=fmax,
+            EPS=AMAX_EPS,
+            REDUCE_OWN=amax is not None,
+            BLOCK=FLAT_BLOCK,
+            num_warps=8,
+        )
+    return Quantized(q, scale_inv_from_amax(scale_amax, fmt), own)

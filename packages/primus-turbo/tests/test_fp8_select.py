@@ -1,0 +1,68 @@
+"""FP8 provider selection (kernels.fp8 / fp8_recipe.implementation) and the Triton quantizer (interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus.core.config.schema import KernelsConfig
+from primus.core.kernels import KernelUnavailable, select_fp8, select_kernels
+from primus.turbo import availability
+from primus.turbo.fp8.quantize import quantize_torch
+from primus.turbo.fp8.recipe import Fp8Recipe
+from primus.turbo.fp8.torchao_backend import unsupported
+
+
+def test_off_selects_nothing(registry):
+    assert "fp8" not in select_kernels(KernelsConfig(), registry, "cpu")
+
+
+def test_cpu_selects_primus_fp8(registry):
+    assert select_fp8(KernelsConfig(fp8="rowwise"), registry, "cpu").name == "fp8"
+
+
+def test_torchao_asked_for_on_cpu_names_why(registry):
+    cfg = KernelsConfig(fp8="tensorwise", fp8_recipe={"implementation": "torchao"})
+    with pytest.raises(KernelUnavailable, match=r"kernels.fp8=tensorwise: cannot run on cpu \(torchao: .*CUDA"):
+        select_fp8(cfg, registry, "cpu")
+
+
+def test_delayed_rowwise_refused_with_reason(registry):
+    cfg = KernelsConfig(fp8="rowwise", fp8_recipe={"scaling": "delayed", "implementation": "primus"})
+    with pytest.raises(KernelUnavailable, match="amax history per tensor"):
+        select_fp8(cfg, registry, "cpu")
+
+
+def test_availability_reasons():
+    assert not availability.fp8("rocm") and "fnuz" in availability.fp8("rocm").reason
+    assert availability.fp8("cpu")  # torch 2.13 runs _scaled_mm on CPU
+    assert "rowwise recipe casts gradients to e4m3" in unsupported(Fp8Recipe(mode="rowwise"))
+    assert "dynamic" in unsupported(Fp8Recipe(scaling="delayed"))
+    assert unsupported(Fp8Recipe()) == ""
+
+
+@pytest.mark.parametrize("rowwise,delayed", [(False, False), (True, False), (False, True)])  # delayed: tensorwise
+def test_triton_quantizer_matches_torch(rowwise, delayed):
+    """Scales exact; fp8 bytes: Triton's *interpreter* mis-rounds values that carry into the next binade
+    (e.g. 126 → 64 instead of 128), so on CPU only ≥ 90% of the bytes are checked equal. The GPU benchmark
+    (benchmarks/fp8_training.py) checks the compiled kernel byte for byte."""
+    from primus.turbo.fp8 import triton_quantize
+
+    x = (torch.randn(24, 300) * 3).to(torch.bfloat16)
+    x[2, 7] = 0.0
+    amax = torch.tensor(20.0) if delayed else None
+    got = triton_quantize.quantize(x, "e4m3", rowwise=rowwise, amax=amax)
+    ref = quantize_torch(x, "e4m3", rowwise=rowwise, amax=amax)
+    torch.testing.assert_close(got.scale_inv, ref.scale_inv, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.amax, ref.amax)
+    assert (got.data.view(torch.uint8) == ref.data.view(torch.uint8)).float().mean() > 0.9
+
+
+def test_triton_quantizer_nan_makes_nan_scale():
+    from primus.turbo.fp8 import triton_quantize
+
+    x = torch.randn(4, 64)
+    x[1, 3] = float("nan")
+    assert torch.isnan(triton_quantize.quantize(x, "e4m3", rowwise=False).scale_inv)
+    row = triton_quantize.quantize(x, "e4m3", rowwise=True).scale_inv
+    assert torch.isnan(row[1]).all() and torch.isfinite(row[[0, 2, 3]]).all()
