@@ -10,6 +10,36 @@ from typing import Any
 PEAK_BF16 = 989e12  # H200 dense bf16, the MFU denominator
 
 
+def run_overrides(out: Path | str, seq: int, micro: int, steps: int) -> list[str]:
+    """What every benchmark's ``primus train`` sets: shape of the run, random tokens, no checkpoints, metrics of
+    every step in ``out``/metrics.jsonl and nothing else written."""
+    return [
+        f"train.seq_len={seq}",
+        f"train.micro_batch_size={micro}",
+        f"train.steps={steps}",
+        "data.source=mock",
+        "checkpoint.enabled=false",
+        "logging.interval=1",
+        "logging.tensorboard=false",
+        "logging.progress=false",
+        f"logging.output_dir={out}",
+    ]
+
+
+def release() -> None:
+    """Between in-process runs: the process group, the cached GPU memory and the peak counter go."""
+    import gc
+
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

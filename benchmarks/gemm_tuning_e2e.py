@@ -34,6 +34,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import run_overrides  # noqa: E402
+
 MODES = ("off", "offline", "online")
 
 
@@ -41,18 +44,10 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path, online_file: Path) 
     from primus.core.train import resolve, run_rank
 
     overrides = [
-        f"train.seq_len={args.seq}",
-        f"train.micro_batch_size={args.micro_batch}",
-        f"train.steps={args.steps}",
+        *run_overrides(out, args.seq, args.micro_batch, args.steps),
         "train.schedule.warmup_steps=2",
         "train.precision=bf16",
         "train.compile=false",
-        "data.source=mock",
-        "checkpoint.enabled=false",
-        "logging.interval=1",
-        "logging.tensorboard=false",
-        "logging.progress=false",
-        f"logging.output_dir={out}",
         "backend.name=torchtitan",
         f"kernels.gemm_tuning={mode}",
         f"kernels.gemm_tuning_online_steps={args.online_steps}",

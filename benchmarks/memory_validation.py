@@ -38,6 +38,9 @@ import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import run_overrides  # noqa: E402
+
 GIB = 2**30
 
 # (engine, preset, seq, micro-batch, recompute): ~10-20 s each on an H200, startup included
@@ -64,19 +67,11 @@ KEPT_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", 
 def overrides(engine: str, seq: int, micro: int, recompute: str, steps: int, out: Path, gpu: bool) -> list[str]:
     return [
         f"backend.name={engine}",
-        f"train.seq_len={seq}",
-        f"train.micro_batch_size={micro}",
+        *run_overrides(out, seq, micro, steps),
         f"train.global_batch_size={micro}",
-        f"train.steps={steps}",
         f"train.precision={'bf16' if gpu else 'fp32'}",
         "train.schedule.warmup_steps=1",
         f"parallel.recompute={recompute}",
-        "data.source=mock",
-        "checkpoint.enabled=false",
-        "logging.interval=1",
-        "logging.tensorboard=false",
-        "logging.progress=false",
-        f"logging.output_dir={out}",
     ]
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import shlex
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import free_port, steady  # noqa: E402
+from _common import free_port, release, run_overrides, steady  # noqa: E402
 
 # --model: the Primus preset and the same shape as a plain llama3 flavor ("tiny" is a CPU smoke test of this script)
 MODELS = {
@@ -96,15 +95,6 @@ def one_process_env() -> None:
         ("MASTER_PORT", str(free_port())),
     ):
         os.environ[key] = value
-
-
-def release() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 # ------------------------------------------------------------------------------------------------ plain torchtitan
@@ -235,21 +225,13 @@ def run_primus(
 
     overrides = [
         "model.tie_word_embeddings=false",
-        f"train.seq_len={seq}",
-        f"train.micro_batch_size={micro}",
-        f"train.steps={steps}",
+        *run_overrides(out, seq, micro, steps),
         "train.precision=bf16",
         f"train.compile={str(compile_).lower()}",
         "train.optimizer.lr=3.0e-4",
         "train.optimizer.min_lr=3.0e-5",
         "train.schedule.warmup_steps=2",
         "parallel.recompute=none",
-        "data.source=mock",
-        "checkpoint.enabled=false",
-        "logging.interval=1",
-        "logging.tensorboard=false",
-        "logging.progress=false",
-        f"logging.output_dir={out}",
         "backend.name=torchtitan",
         *extra,
     ]

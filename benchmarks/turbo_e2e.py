@@ -47,7 +47,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import PEAK_BF16, breakdown, flops_per_token, steady, versions  # noqa: E402
+from _common import PEAK_BF16, breakdown, flops_per_token, release, steady, versions  # noqa: E402
 
 # model config -> (model key in the engine benchmarks, seq, base micro-batch, turbo micro-batch)
 MODELS = {
@@ -128,7 +128,7 @@ def measure(case: str, config: str, steps: int, warmup: int, out: Path) -> dict:
             if "out of memory" not in str(exc).lower() or micro == tries[-1]:
                 raise
             oom = f"micro-batch {micro}: {str(exc).splitlines()[0][:200]}"
-            _release()
+            release()
             continue
         last = steps - PROFILED
         tps = steady(r["tps"], warmup, r.get("steps"), last=last)
@@ -147,19 +147,6 @@ def measure(case: str, config: str, steps: int, warmup: int, out: Path) -> dict:
             **({"retried_after": oom} if oom else {}),
         }
     raise AssertionError("unreachable")
-
-
-def _release() -> None:
-    import gc
-
-    import torch
-
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -181,7 +168,7 @@ def worker(args: argparse.Namespace) -> None:
                     row = measure(case, args.config, args.steps, args.warmup, Path(tmp) / f"{case}{r}")
                 except Exception:  # noqa: BLE001 - record and go on with the other cases
                     row = {"error": traceback.format_exc()[-3000:]}
-                    _release()
+                    release()
                 runs.append({"case": case, "round": r + 1, **row})
                 print(json.dumps({k: v for k, v in runs[-1].items() if k not in ("profile", "command")}), flush=True)
                 result.write_text(json.dumps(runs))

@@ -157,10 +157,10 @@ def config_show(
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     labels = set(res.layers.sources.values()) | {"default", "resolved (world size)"}
     table.add_column("key", no_wrap=True)
-    table.add_column("value", overflow="fold", min_width=10)
+    table.add_column("value", no_wrap=True)  # a value is never cut; the description gives way
     if sources:
         table.add_column("from", style="cyan", no_wrap=True, min_width=max(map(len, labels)))
-    table.add_column("description", style="dim", no_wrap=True, overflow="ellipsis")
+    table.add_column("description", style="dim", overflow="ellipsis")
     for key, value in _flatten(data):
         src = res.layers.sources.get(key) or next(
             (s for p, s in res.layers.sources.items() if key.startswith(p + ".")), None

@@ -67,10 +67,13 @@ def import_(
     from primus.core.config.errors import ConfigError
     from primus.core.errors import UserError
     from primus.core.hf.contract import import_checkpoint
+    from primus.core.hf.safetensors_io import folder_problem
     from primus.core.train import output_dir
 
     if not from_hf:
         raise _fail(ValueError("--from-hf DIR is required"))
+    if problem := folder_problem(Path(from_hf)):  # before the config: the cheapest thing to get wrong
+        raise _fail(ValueError(f"--from-hf {from_hf}: {problem}"))
     try:
         cfg = config_with_hf_model(config, overrides or [], from_hf)
         target = Path(out) if out else output_dir(cfg) / "hf_import"

@@ -14,14 +14,14 @@ real multi-rank run, so tests can show what the run does about them:
 from __future__ import annotations
 
 import logging
-import os
-import signal
 from dataclasses import dataclass
 from typing import Any
 
+from primus.core import faults
+
 log = logging.getLogger("primus.megatron.faults")
 
-KEYS = {"nan_at_step": int, "kill_during_save_at_step": int, "kill_rank": int}
+KEYS = {"nan_at_step": int, **faults.KEYS}
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class FaultInjection:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> FaultInjection:
-        return cls(**extra.get("fault_injection", {}))
+        return cls(**extra.get(faults.EXTRA_KEY, {}))
 
     def poison_loss(self, step: int, loss: Any) -> Any:
         if step == self.nan_at_step:
@@ -41,17 +41,9 @@ class FaultInjection:
         return loss
 
     def during_save(self, step: int, rank: int) -> None:
-        if step == self.kill_during_save_at_step and rank == self.kill_rank:
-            log.warning("fault injection: rank %d killed while writing the step-%d checkpoint", rank, step)
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.kill_during_save(step, rank, self.kill_during_save_at_step, self.kill_rank)
 
 
 def issues(extra: dict[str, Any]) -> list[str]:
     """What is wrong with ``backend.extra.fault_injection`` (for validate)."""
-    spec = extra.get("fault_injection", {})
-    if not isinstance(spec, dict):
-        return ["must be a mapping"]
-    out = [f"unknown key {k}" for k in spec if k not in KEYS]
-    out += [f"{k} must be an integer" for k, v in spec.items() if k in KEYS and type(v) is not int]
-    return out
+    return faults.issues(extra, KEYS)

@@ -10,16 +10,13 @@ This module imports neither torch nor torchtitan (validate uses it).
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("primus.torchtitan.faults")
+from primus.core import faults
+from primus.core.faults import EXTRA_KEY, KEYS, issues
 
-EXTRA_KEY = "fault_injection"  # backend.extra.fault_injection
-KEYS = {"kill_during_save_at_step": int, "kill_rank": int}
+__all__ = ["EXTRA_KEY", "KEYS", "FaultInjection", "issues"]
 
 
 @dataclass(frozen=True)
@@ -32,17 +29,4 @@ class FaultInjection:
         return cls(**extra.get(EXTRA_KEY, {}))
 
     def during_save(self, step: int, rank: int) -> None:
-        if step == self.kill_during_save_at_step and rank == self.kill_rank:
-            log.warning("fault injection: rank %d killed while writing the step-%d checkpoint", rank, step)
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def issues(extra: dict[str, Any]) -> list[str]:
-    """What is wrong with ``backend.extra.fault_injection`` (for validate)."""
-    spec = extra.get(EXTRA_KEY, {})
-    if not isinstance(spec, dict):
-        return ["must be a mapping"]
-    out = [f"unknown key {k}" for k in spec if k not in KEYS]
-    out += [f"{k} must be an integer" for k, v in spec.items() if k in KEYS and type(v) is not int]
-    return out
+        faults.kill_during_save(step, rank, self.kill_during_save_at_step, self.kill_rank)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from primus.core.checkpoints import SHAPE_KEYS
 from primus.core.config.schema import ModelConfig
 from primus.core.errors import UserError
 
@@ -145,21 +146,7 @@ def hf_config(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 
 
 # What must agree between a run's model and a HF folder it starts from (the weights' shapes and meaning).
-ARCH_KEYS = (
-    "hidden_size",
-    "num_layers",
-    "num_attention_heads",
-    "num_kv_heads",
-    "kv_channels",
-    "ffn_hidden_size",
-    "vocab_size",
-    "tie_word_embeddings",
-    "qkv_bias",
-    "qk_norm",
-    "rope_theta",
-    "rope_scaling",
-    "norm_eps",
-)
+ARCH_KEYS = (*SHAPE_KEYS, "rope_theta", "rope_scaling", "norm_eps")
 
 
 def check_matches(m: ModelConfig, hf: dict[str, Any], where: str) -> None:
