@@ -38,7 +38,7 @@ INTEGRATION_DEPS = ["pytest>=8", "hatchling>=1.24"]
 # Extras that only do something on a GPU (e.g. primus-tune[cuda] = nvmath-python): not installed on CPU CI.
 GPU_ONLY_EXTRAS = {"cuda"}
 # In-tree packages a package's tests use besides itself (installed from packages/, with their extras).
-TEST_PACKAGES = {"torchtitan": ["turbo"]}
+TEST_PACKAGES = {"torchtitan": ["turbo"], "megatron": ["turbo"]}
 
 
 def list_packages() -> dict[str, Path]:

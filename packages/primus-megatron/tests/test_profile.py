@@ -28,7 +28,9 @@ def _category_shares(report: str) -> dict[str, float]:
     table = [line for line in section.splitlines() if line.startswith("|")]  # header, ---, rank 0
     names = [c.strip() for c in table[0].strip("|").split("|")][1:]
     values = [float(c.strip().rstrip("%")) for c in table[2].strip("|").split("|")[1:]]
-    return dict(zip(names, values, strict=True))
+    shares = dict(zip(names, values, strict=True))
+    shares.pop("kernel ms", None)  # the table's total, not a category
+    return shares
 
 
 def test_primus_profile_writes_trace_and_report(profiled):
