@@ -84,6 +84,39 @@ def test_optimizer_step_runs_norm_then_update():
     assert "return update_successful, grad_norm, num_zeros_in_grad" in step
 
 
+def test_fused_adam_switch_reaches_megatrons_torch_adam():
+    """compat.fuse_torch_adam relies on megatron-core building torch's Adam(W) itself when neither Transformer
+    Engine nor apex is installed, and on the wrappers' ``chained_optimizers`` / ``.optimizer``; the fused update
+    must equal the default (foreach) one."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core import optimizer
+
+    from primus.megatron import compat
+
+    src = inspect.getsource(optimizer._get_megatron_optimizer_based_on_param_groups)
+    assert "adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam" in src
+    assert optimizer.USING_PYTORCH_OPTIMIZER  # this environment has neither TE nor apex
+    assert "self.chained_optimizers = chained_optimizers" in inspect.getsource(optimizer.ChainedOptimizer.__init__)
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(2)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fused = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.AdamW(copies, lr=1e-2, weight_decay=0.1, foreach=True)
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=fused), SimpleNamespace(optimizer=None)])
+    assert compat.fuse_torch_adam(chained) == 1 and fused.param_groups[0]["fused"]
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in params]
+        for p, c, g in zip(params, copies, grads, strict=True):
+            p.grad, c.grad = g.clone(), g.clone()
+        fused.step()
+        plain.step()
+    for p, c in zip(params, copies, strict=True):
+        torch.testing.assert_close(p, c, rtol=1e-5, atol=1e-6)
+
+
 def test_checkpoint_writer_results_queue_is_a_module_global():
     """compat.checkpoint_writer_dies_with_rank pre-fills the global megatron's save reuses."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async

@@ -31,14 +31,14 @@ def targets() -> list[tuple[str, str, int, int]]:
 
 @pytest.mark.parametrize(("name", "gpu", "nodes", "gpn"), targets())
 def test_recipe_is_valid_and_fits_its_gpu(name, gpu, nodes, gpn):
-    cfg = resolve(name, [], world_size=nodes * gpn).config
+    cfg = resolve(name, [], world_size=nodes * gpn, check_plugins=False).config  # the backends may be absent
     need = estimate_memory(cfg, nodes * gpn).total
     have = device(gpu).memory_gib * GIB
     assert need <= have, f"{name}: {need / GIB:.1f} GiB estimated on a {have / GIB:.0f} GiB {gpu}"
 
 
 def test_single_node_70b_recipe_is_the_planners_pick():
-    cfg = resolve("llama3.1-70b-mi300x-1x8", [], world_size=8).config
+    cfg = resolve("llama3.1-70b-mi300x-1x8", [], world_size=8, check_plugins=False).config
     t = cfg.train
     cands = candidates(
         cfg.model,

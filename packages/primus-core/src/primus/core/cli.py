@@ -43,7 +43,7 @@ app.command("preflight")(preflight)
 app.command("profile")(profile)
 
 # Wide enough for the preset tables when output is piped (rich assumes 80 columns then).
-out = Console(width=None if sys.stdout.isatty() else 200)
+out = Console(width=None if sys.stdout.isatty() else 320)  # piped: wide, so a row is never cut
 err = Console(stderr=True, soft_wrap=True)
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides, applied last")]

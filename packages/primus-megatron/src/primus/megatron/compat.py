@@ -225,6 +225,36 @@ def optimizer_step(optimizer: Any, gate: Callable[[float | None], bool] | None =
     return bool(ok), grad_norm
 
 
+def torch_adams(optimizer: Any) -> list[Any]:
+    """The torch ``Adam``/``AdamW`` instances inside 0.16's optimizer wrappers (``ChainedOptimizer`` ->
+    ``chained_optimizers`` -> Float16/Distributed optimizer -> ``.optimizer``). Without Transformer Engine or apex,
+    megatron-core builds them itself (``USING_PYTORCH_OPTIMIZER``), with torch's default implementation."""
+    inner = [getattr(o, "optimizer", None) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    return [o for o in inner if isinstance(o, torch.optim.Adam | torch.optim.AdamW)]
+
+
+def fuse_torch_adam(optimizer: Any) -> int:
+    """Switch megatron's torch Adam(W) to torch's fused kernels (one launch for all parameters; torch picks
+    ``foreach`` by default, which the H200 profiles put at a third of a Llama 3.2 1B step). The update is the
+    same Adam(W); only the implementation changes. Returns the number of parameter groups switched."""
+    switched = 0
+    for adam in torch_adams(optimizer):
+        for group in adam.param_groups:
+            group["fused"], group["foreach"] = True, False
+            switched += 1
+        adam.register_step_pre_hook(_steps_on_param_device)
+    return switched
+
+
+def _steps_on_param_device(adam: Any, args: Any, kwargs: Any) -> None:
+    # the fused kernels want each parameter's step count on its device; states megatron's distributed optimizer
+    # restores from a checkpoint (or foreach made) keep it on the CPU
+    for param, state in adam.state.items():
+        step = state.get("step")
+        if step is not None and step.device != param.device:
+            state["step"] = step.to(param.device, dtype=torch.float32)
+
+
 def model_sharded_state_dict(chunk: Any) -> dict:
     return chunk.sharded_state_dict()
 

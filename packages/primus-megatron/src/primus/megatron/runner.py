@@ -205,6 +205,8 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
             m.broadcast_params()
         ctx.model_ready(chunks)
         optimizer = mc.get_megatron_optimizer(_optimizer_config(cfg, mc), model)
+        if device != "cpu" and cfg.train.optimizer.name in ("adam", "adamw"):
+            mc.fuse_torch_adam(optimizer)
         scheduler = _scheduler(cfg, optimizer, mc)
 
         def one_or_list(items: list[Any]) -> Any:
