@@ -9,8 +9,8 @@
 - a run started from a ``primus checkpoint import`` checkpoint trains exactly as one started with init_from_hf;
 - the trained checkpoints export to HF folders whose ``transformers`` logits equal the engine's own forward.
 
-The data order is each engine's own: both take global batch ``k`` of the same packed samples in an order
-seeded by ``train.seed``; within the first epoch (all these runs) the two orders are the same.
+The data order is the same on both engines by construction: both read global batch ``k`` of the same packed
+samples through core's ``GlobalOrder`` (seeded by ``train.seed``, reshuffled each epoch).
 """
 
 from __future__ import annotations

@@ -55,3 +55,18 @@ def test_torch_dataloader_collates_batches():
     assert inputs.dtype == torch.int64 and inputs.shape == (3, 4)
     assert torch.equal(labels, inputs + 1)
     assert inputs[2].tolist() == [8, 9, 10, 11]
+
+
+def test_global_order_is_a_fresh_seeded_permutation_each_epoch():
+    from primus.core.data import GlobalOrder
+
+    order = GlobalOrder(7, seed=3)
+    epochs = [[order[e * 7 + i] for i in range(7)] for e in range(3)]
+    assert all(sorted(e) == list(range(7)) for e in epochs)  # every sample once per epoch
+    assert epochs[0] != epochs[1]  # reshuffled
+    again = GlobalOrder(7, seed=3)
+    assert [again[k] for k in range(21)] == [x for e in epochs for x in e]  # seeded: both engines read this order
+    assert [again[k] for k in range(7)] != [GlobalOrder(7, seed=4)[k] for k in range(7)]
+    assert [GlobalOrder(5, seed=3, shuffle=False)[k] for k in range(7)] == [0, 1, 2, 3, 4, 0, 1]
+    with pytest.raises(ValueError, match="no complete sample"):
+        GlobalOrder(0, seed=1)

@@ -21,22 +21,7 @@ import numpy as np
 import torch
 
 from primus.core.config.schema import PrimusConfig
-
-
-class GlobalOrder:
-    """Sample index at global position k: a seeded permutation of the dataset per epoch."""
-
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
-        if n <= 0:
-            raise ValueError("the dataset has no complete sample of train.seq_len + 1 tokens")
-        self.n, self.seed, self.shuffle = n, seed, shuffle
-        self._epoch, self._perm = -1, np.arange(n)
-
-    def __getitem__(self, k: int) -> int:
-        epoch, i = divmod(k, self.n)
-        if self.shuffle and epoch != self._epoch:
-            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return int(self._perm[i])
+from primus.core.data import GlobalOrder
 
 
 class Batches:

@@ -16,26 +16,11 @@ import numpy as np
 import torch
 
 from primus.core.config.schema import PrimusConfig
+from primus.core.data import GlobalOrder
 from primus.torchtitan import compat
 
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
-
-
-class GlobalBatchOrder:
-    """Sample index at each global position: epoch ``e`` is ``permutation(n)`` seeded with ``seed + e``."""
-
-    def __init__(self, num_samples: int, seed: int) -> None:
-        if num_samples <= 0:
-            raise ValueError("the dataset holds no complete sample; use more data or a shorter train.seq_len")
-        self.n, self.seed = num_samples, seed
-        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
-
-    def __getitem__(self, position: int) -> int:
-        epoch, offset = divmod(position, self.n)
-        if epoch != self._epoch:
-            self._epoch, self._perm = epoch, np.random.default_rng(self.seed + epoch).permutation(self.n)
-        return int(self._perm[offset])
 
 
 class PrimusDataLoader(BaseDataLoader):
@@ -58,7 +43,7 @@ class PrimusDataLoader(BaseDataLoader):
         self.dataset, self.dp_rank, self.dp_world_size = dataset, dp_rank, dp_world_size
         self.batch_size, self.global_batch_size = batch_size, global_batch_size
         self.local_batch = global_batch_size // dp_world_size
-        self.order = GlobalBatchOrder(len(dataset), seed)
+        self.order = GlobalOrder(len(dataset), seed)
         self.consumed = 0  # samples of this rank already yielded
 
     def position(self, local_index: int) -> int:

@@ -33,3 +33,22 @@ class PackedDataset:
         inputs = self.tokens[start : start + self.seq_len].astype(np.int64)
         labels = self.tokens[start + 1 : start + self.seq_len + 1].astype(np.int64)
         return inputs, labels
+
+
+class GlobalOrder:
+    """Which sample sits at global position ``k`` of a run: epoch ``e = k // n`` is a permutation of the ``n``
+    samples seeded with ``[seed, e]`` (or the identity without ``shuffle``). Both backends read their batches
+    through it, so the same config gives the same samples in the same order on either engine, in every epoch,
+    and at any data-parallel size (each rank takes its slice of the positions of a global batch)."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
+        if n <= 0:
+            raise ValueError("the dataset holds no complete sample of train.seq_len + 1 tokens")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._epoch, self._perm = -1, np.arange(n)
+
+    def __getitem__(self, k: int) -> int:
+        epoch, i = divmod(k, self.n)
+        if self.shuffle and epoch != self._epoch:
+            self._epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return int(self._perm[i])
