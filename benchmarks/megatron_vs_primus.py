@@ -40,56 +40,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import LastStepsProfiler, free_port, steady  # noqa: E402
 
-# --model: the Primus preset, and the same shape for plain megatron-core ("tiny" checks this script on a CPU)
+# plain megatron-core's argument -> the preset's ModelConfig field it takes
+PLAIN_FROM_PRESET = {"num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+                     "num_query_groups": "num_kv_heads", "kv_channels": "kv_channels", "ffn_hidden_size": "ffn_hidden_size",
+                     "vocab": "vocab_size", "tied": "tie_word_embeddings", "theta": "rope_theta", "eps": "norm_eps"}  # fmt: skip
+
+
+def plain_shape(preset: str) -> dict:
+    """The preset's model as the plain megatron-core side builds it (read from the preset, so both sides agree)."""
+    from primus.core.train import resolve
+
+    m = resolve(preset, [], world_size=1, check_plugins=False).config.model
+    shape = {arg: getattr(m, field) for arg, field in PLAIN_FROM_PRESET.items()}
+    return {**shape, "rope_scaling_factor": m.rope_scaling.factor if m.rope_scaling else None}
+
+
+# --model: the Primus preset, and its shape for plain megatron-core ("tiny" checks this script on a CPU)
 MODELS = {
-    "1b": (
-        "llama3.2-1b",
-        dict(
-            num_layers=16,
-            hidden_size=2048,
-            num_attention_heads=32,
-            num_query_groups=8,
-            kv_channels=64,
-            ffn_hidden_size=8192,
-            vocab=128256,
-            tied=True,
-            theta=500000,
-            rope_scaling_factor=32.0,
-            eps=1e-5,
-        ),
-    ),
-    "3b": (
-        "llama3.2-3b",
-        dict(
-            num_layers=28,
-            hidden_size=3072,
-            num_attention_heads=24,
-            num_query_groups=8,
-            kv_channels=128,
-            ffn_hidden_size=8192,
-            vocab=128256,
-            tied=True,
-            theta=500000,
-            rope_scaling_factor=32.0,
-            eps=1e-5,
-        ),
-    ),
-    "tiny": (
-        "tiny-llama",
-        dict(
-            num_layers=2,
-            hidden_size=128,
-            num_attention_heads=4,
-            num_query_groups=2,
-            kv_channels=32,
-            ffn_hidden_size=352,
-            vocab=2048,
-            tied=False,
-            theta=10000,
-            rope_scaling_factor=None,
-            eps=1e-5,
-        ),
-    ),
+    key: (preset, plain_shape(preset))
+    for key, preset in {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "tiny": "tiny-llama"}.items()
 }
 LR, MIN_LR, WD, CLIP = 3e-4, 3e-5, 0.1, 1.0
 
