@@ -39,51 +39,34 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import free_port, release, run_overrides, steady  # noqa: E402
 
-# --model: the Primus preset and the same shape as a plain llama3 flavor ("tiny" is a CPU smoke test of this script)
-MODELS = {
-    "1b": (
-        "llama3.2-1b",
-        dict(
-            dim=2048,
-            n_layers=16,
-            n_heads=32,
-            n_kv_heads=8,
-            vocab_size=128256,
-            ffn_dim_multiplier=1.5,
-            multiple_of=256,
-            rope_theta=500000,
-            rope_scaling=(32.0, 1.0, 4.0, 8192),
-        ),
-    ),
-    "3b": (
-        "llama3.2-3b",
-        dict(
-            dim=3072,
-            n_layers=28,
-            n_heads=24,
-            n_kv_heads=8,
-            vocab_size=128256,
-            ffn_dim_multiplier=1.0,
-            multiple_of=256,
-            rope_theta=500000,
-            rope_scaling=(32.0, 1.0, 4.0, 8192),
-        ),
-    ),
-    "tiny": (
-        "tiny-llama",
-        dict(
-            dim=128,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=2,
-            vocab_size=2048,
-            ffn_dim_multiplier=None,
-            multiple_of=352,
-            rope_theta=10000.0,
-            rope_scaling=(1.0, 1.0, 4.0, 8192),
-        ),
-    ),
-}
+
+def plain_shape(preset: str) -> dict:
+    """The preset's model as a plain torchtitan llama3 flavor: the same shapes (the FFN width through the
+    multiple_of / multiplier pair that makes llama3's FeedForward build it exactly)."""
+    from primus.core.train import resolve
+    from primus.torchtitan.models import llama3_ffn_args
+
+    m = resolve(preset, [], world_size=1, check_plugins=False).config.model
+    multiple_of, mult = llama3_ffn_args(m.hidden_size, m.ffn_hidden_size)
+    r = m.rope_scaling
+    return dict(
+        dim=m.hidden_size,
+        n_layers=m.num_layers,
+        n_heads=m.num_attention_heads,
+        n_kv_heads=m.num_kv_heads,
+        vocab_size=m.vocab_size,
+        ffn_dim_multiplier=mult,
+        multiple_of=multiple_of,
+        rope_theta=m.rope_theta,
+        rope_scaling=(r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings)
+        if r
+        else (1.0, 1.0, 4.0, 8192),
+    )
+
+
+# --model: the Primus preset and its shape as a plain llama3 flavor ("tiny" is a CPU smoke test of this script)
+PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "tiny": "tiny-llama"}
+MODELS = {key: (preset, plain_shape(preset)) for key, preset in PRESETS.items()}
 
 
 def one_process_env() -> None:
