@@ -40,33 +40,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import free_port, release, run_overrides, steady  # noqa: E402
 
 
-def plain_shape(preset: str) -> dict:
-    """The preset's model as a plain torchtitan llama3 flavor: the same shapes (the FFN width through the
-    multiple_of / multiplier pair that makes llama3's FeedForward build it exactly)."""
+def preset_model(preset: str):
+    """The preset's ModelConfig (the plain side builds the same shapes from it)."""
     from primus.core.train import resolve
-    from primus.torchtitan.models import llama3_ffn_args
 
-    m = resolve(preset, [], world_size=1, check_plugins=False).config.model
-    multiple_of, mult = llama3_ffn_args(m.hidden_size, m.ffn_hidden_size)
-    r = m.rope_scaling
-    return dict(
-        dim=m.hidden_size,
-        n_layers=m.num_layers,
-        n_heads=m.num_attention_heads,
-        n_kv_heads=m.num_kv_heads,
-        vocab_size=m.vocab_size,
-        ffn_dim_multiplier=mult,
-        multiple_of=multiple_of,
-        rope_theta=m.rope_theta,
-        rope_scaling=(r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings)
-        if r
-        else (1.0, 1.0, 4.0, 8192),
-    )
+    return resolve(preset, [], world_size=1, check_plugins=False).config.model
 
 
-# --model: the Primus preset and its shape as a plain llama3 flavor ("tiny" is a CPU smoke test of this script)
+# --model: the Primus preset, and its model for the plain llama3 flavor ("tiny" is a CPU smoke test of this script)
 PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b", "tiny": "tiny-llama"}
-MODELS = {key: (preset, plain_shape(preset)) for key, preset in PRESETS.items()}
+MODELS = {key: (preset, preset_model(preset)) for key, preset in PRESETS.items()}
 
 
 def one_process_env() -> None:
@@ -83,23 +66,19 @@ def one_process_env() -> None:
 # ------------------------------------------------------------------------------------------------ plain torchtitan
 
 
-def register_plain(shape: dict) -> None:
-    """The model's shape as llama3 flavor "bench", and llama3's train spec with random-token data."""
+def register_plain(model) -> None:
+    """The preset's shapes (``model``: its ModelConfig) as llama3 flavor "bench" — torchtitan's own
+    TransformerModelArgs, filled by primus-torchtitan's shape mapping (the FFN width through llama3's multiple_of /
+    multiplier pair; max_seq_len is reset from the job config) — and llama3's train spec with random-token data."""
     from torch.utils.data import IterableDataset
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.models import llama3
-    from torchtitan.models.llama3.model.args import RoPEScalingArgs
     from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
 
-    shape = dict(shape)
-    factor, low, high, orig = shape.pop("rope_scaling")
-    llama3.llama3_args["bench"] = llama3.TransformerModelArgs(
-        **shape,
-        rope_scaling_args=RoPEScalingArgs(
-            scaling_factor=factor, low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=orig
-        ),
-    )
-    vocab = shape["vocab_size"]
+    from primus.torchtitan.models import llama3_args
+
+    llama3.llama3_args["bench"] = llama3_args(model, 8192)
+    vocab = model.vocab_size
 
     class RandomTokens(IterableDataset):
         def __init__(self, seq_len: int, vocab: int, seed: int) -> None:
@@ -250,8 +229,8 @@ def main() -> None:
     from primus.torchtitan import compat
 
     compat.import_torchtitan()
-    preset, shape = MODELS[args.model]
-    register_plain(shape)
+    preset, model = MODELS[args.model]
+    register_plain(model)
     rounds: list[dict] = []
     try:
         plain, primus = measure(args, preset, rounds)
