@@ -10,6 +10,22 @@ from typing import Any
 PEAK_BF16 = 989e12  # H200 dense bf16, the MFU denominator
 
 
+def overhead_args(doc: str, out: str, models: list[str]) -> Any:
+    """The command line both engine-overhead scripts share (a preset key, the run's shape, the rounds); each adds
+    its own options to the returned parser."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--model", choices=sorted(models), default="1b")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=10, help="steps left out of each run's median")
+    ap.add_argument("--rounds", type=int, default=2)
+    return ap
+
+
 def run_overrides(out: Path | str, seq: int, micro: int, steps: int) -> list[str]:
     """What every benchmark's ``primus train`` sets: shape of the run, random tokens, no checkpoints, metrics of
     every step in ``out``/metrics.jsonl and nothing else written."""

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import LastStepsProfiler, free_port, steady  # noqa: E402
+from _common import LastStepsProfiler, free_port, overhead_args, steady  # noqa: E402
 
 # plain megatron-core's argument -> the preset's ModelConfig field it takes
 PLAIN_FROM_PRESET = {"num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
@@ -325,14 +325,7 @@ def worker(which: str, args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/megatron_overhead.json")
-    ap.add_argument("--model", choices=sorted(MODELS), default="1b")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=10, help="steps left out of each run's median")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = overhead_args(__doc__, "benchmarks/results/megatron_overhead.json", list(MODELS))
     ap.add_argument("--log-interval", type=int, default=5, help="Primus logging.interval (steps per metrics line)")
     ap.add_argument("--worker", choices=["plain", "primus"], help=argparse.SUPPRESS)
     ap.add_argument(

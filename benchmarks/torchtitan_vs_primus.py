@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import free_port, release, run_overrides, steady  # noqa: E402
+from _common import free_port, overhead_args, release, run_overrides, steady  # noqa: E402
 
 
 def preset_model(preset: str):
@@ -215,14 +215,7 @@ def run_primus(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/torchtitan_overhead.json")
-    ap.add_argument("--model", choices=sorted(MODELS), default="1b")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=10, help="steps left out of each run's median")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = overhead_args(__doc__, "benchmarks/results/torchtitan_overhead.json", list(MODELS))
     ap.add_argument("--compile", action="store_true", help="torch.compile the blocks in both")
     args = ap.parse_args()
 
