@@ -300,3 +300,18 @@ def test_memory_splits_what_the_allocator_sees(registry):
     fsdp = estimate(m, Layout("torchtitan", "fsdp", dp=8), 4096).parts["activations"]
     d = m.hidden_size
     assert tt - fsdp == pytest.approx(m.num_layers * 4096 * 2 * d * (4 - 2))
+
+
+def test_fused_loss_memory_only_where_the_engine_fuses(registry):
+    """The fused linear + cross-entropy holds one chunk of logits; megatron uses it at tp 1 (also under PP, on the
+    last stage), torchtitan only without TP, PP or CP: elsewhere the full logits are counted."""
+    m = _model(registry, "llama3.2-1b")
+
+    def logits(engine, fused, **dims):
+        return estimate(m, Layout(engine, "fsdp", dp=1, **dims), 4096, fused_loss=fused).parts["logits"]
+
+    full = logits("megatron", False)
+    assert logits("megatron", True) < full / 4 and logits("megatron", True, pp=2) < full / 4
+    assert logits("torchtitan", True) < full / 4
+    assert logits("torchtitan", True, pp=2) == logits("torchtitan", False, pp=2)
+    assert logits("torchtitan", True, tp=2) == logits("torchtitan", False, tp=2)

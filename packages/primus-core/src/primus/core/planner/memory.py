@@ -166,7 +166,7 @@ def estimate(
 ) -> MemoryBreakdown:
     """Per-device peak memory of ``layout``; ``fp8``: kernels.fp8 (off | tensorwise | rowwise), with
     ``fp8_layer_count`` of the model's layers in FP8 (default: all); ``fused_loss``: the cross-entropy provider
-    fuses the output projection (the engines use it where the output layer is not vocab-sharded, tp 1)."""
+    fuses the output projection (counted where the engine uses it)."""
     a = 4 if precision == "fp32" else 2
     params, layer = stage_params(model, layout)
     n = layout.dp * layout.cp  # Megatron and TorchTitan shard optimizer/FSDP state over dp × cp
@@ -198,7 +198,9 @@ def estimate(
     scale = cal.ACTIVATION_SCALE.get(layout.engine, 1.0)
     parts["activations"] = kept * in_flight_micro_batches(layout) * scale
     s = seq_len / layout.cp
-    if fused_loss and layout.tp == 1:
+    # where the engines use it: megatron whenever the output layer is not vocab-parallel (tp 1); torchtitan also
+    # only without pipeline or context parallelism (primus.torchtitan.loss.fused_head_refusal)
+    if fused_loss and layout.tp == 1 and (layout.engine == "megatron" or (layout.pp == 1 and layout.cp == 1)):
         # one chunk of logits, the output weight's gradient and the hidden states' (made in the forward)
         parts["logits"] = (
             cal.FUSED_LOSS_CHUNK_BYTES
