@@ -10,7 +10,9 @@ Sections of the JSON (each written as soon as it is measured; a failing case rec
   error vs an fp32 reference (forward, dgrad, wgrad) next to bf16's own error, the Triton quantizer vs the
   PyTorch one (bytes equal, scales equal), and fwd+bwd time vs bf16 ``F.linear`` (do_bench medians).
 - ``throughput``: Llama 3.2 1B and 3B presets at seq 4096, micro-batch 2, random tokens, eager
-  (``--compile`` compiles the blocks), cases bf16 / fp8 tensorwise / fp8 rowwise, interleaved over
+  (``--compile`` compiles the blocks; ``--extra`` adds overrides to every case, e.g. kernel pins), cases
+  (``--cases``) bf16 / fp8 tensorwise / fp8 rowwise, each with primus-turbo's FP8 linear or torchao's
+  (``*_torchao``, where torchao is installed), interleaved over
   ``--rounds``; median tokens/s of the steps after ``--warmup``, MFU at the bf16 peak (989 TFLOP/s), peak
   memory; the speedup of each FP8 case over bf16 (goal: ≥ 1.3× on 3B).
 - ``loss``: a 4-layer Llama 3.2 1B (vocab 2048, the bundled tokenizer) on the bundled text corpus
@@ -40,11 +42,15 @@ from torchtitan_vs_primus import run_primus  # noqa: E402
 
 # rowwise with e4m3 gradients (torchao's rowwise recipe): whether cuBLAS/CUTLASS take an e5m2 first operand
 # with rowwise scales is what the ``linear`` section's rowwise_e5m2 entries record
+PRIMUS, TORCHAO = "kernels.fp8_recipe.implementation=primus", "kernels.fp8_recipe.implementation=torchao"
 CASES = {
     "bf16": (),
-    "fp8_tensorwise": ("kernels.fp8=tensorwise",),
-    "fp8_rowwise": ("kernels.fp8=rowwise", "kernels.fp8_recipe.grad_dtype=e4m3"),
+    "fp8_tensorwise": ("kernels.fp8=tensorwise", PRIMUS),
+    "fp8_rowwise": ("kernels.fp8=rowwise", "kernels.fp8_recipe.grad_dtype=e4m3", PRIMUS),
+    "fp8_tensorwise_torchao": ("kernels.fp8=tensorwise", TORCHAO),
+    "fp8_rowwise_torchao": ("kernels.fp8=rowwise", "kernels.fp8_recipe.grad_dtype=e4m3", TORCHAO),
 }
+FP8_CASES = [c for c in CASES if c != "bf16"]
 PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b"}
 # Llama 3.2 3B linears at 8192 tokens: (tokens, in, out)
 SHAPES_3B = {
@@ -123,6 +129,7 @@ def linear_case(name: str, shape: tuple[int, int, int], recipe_kw: dict, smoke: 
 
 
 def train_case(preset: str, case: str, *, steps: int, seq: int, micro: int, compile_: bool, extra=()) -> dict:
+    """One ``primus train`` run of ``case`` (torchtitan backend)."""
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix=f"fp8-{case}-"))
@@ -135,13 +142,13 @@ def train_case(preset: str, case: str, *, steps: int, seq: int, micro: int, comp
 def throughput(args: argparse.Namespace, result: dict, out: Path) -> None:
     models = ["1b"] if args.smoke else args.models
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
-    extra = ("model.num_layers=2",) if args.smoke else ()
+    extra = (*(("model.num_layers=2",) if args.smoke else ()), *args.extra)
     seq = 1024 if args.smoke else args.seq
     sec = result.setdefault("throughput", {})
     for model in models:
-        runs: dict[str, list[dict]] = {c: [] for c in CASES}
+        runs: dict[str, list[dict]] = {c: [] for c in args.cases}
         for rnd in range(1 if args.smoke else args.rounds):
-            for case in CASES:  # interleaved: bf16, tensorwise, rowwise, then again
+            for case in args.cases:  # interleaved: bf16, tensorwise, rowwise, then again
                 try:
                     r = train_case(
                         PRESETS[model],
@@ -184,12 +191,12 @@ def summarize(runs: dict[str, list[dict]], model: str, seq: int) -> dict:
             )
         out["cases"][case] = entry
     base = out["cases"].get("bf16", {}).get("tokens_per_s")
-    for case in ("fp8_tensorwise", "fp8_rowwise"):
+    for case in FP8_CASES:
         tps = out["cases"].get(case, {}).get("tokens_per_s")
         if base and tps:
             out["cases"][case]["speedup_vs_bf16"] = tps / base
     if model == "3b" and base:
-        best = max((out["cases"][c].get("speedup_vs_bf16", 0) for c in ("fp8_tensorwise", "fp8_rowwise")), default=0)
+        best = max((c.get("speedup_vs_bf16", 0) for c in out["cases"].values()), default=0)
         out["goal_1_3x_met"] = best >= 1.3
     return out
 
@@ -200,7 +207,7 @@ def loss_curves(args: argparse.Namespace, result: dict, out: Path) -> None:
     extra = (*LOSS_MODEL, "train.optimizer.lr=1.0e-3", "train.optimizer.min_lr=1.0e-4")
     sec = result.setdefault("loss", {"steps": steps, "window": window, "model": "llama3.2-1b " + " ".join(LOSS_MODEL)})
     curves = {}
-    for case in CASES:
+    for case in args.cases:
         try:
             r = train_case(
                 "llama3.2-1b",
@@ -208,7 +215,7 @@ def loss_curves(args: argparse.Namespace, result: dict, out: Path) -> None:
                 steps=steps,
                 seq=args.loss_seq,
                 micro=args.loss_micro_batch,
-                compile_=False,
+                compile_=args.loss_compile,
                 extra=extra,
             )
             curves[case] = r["loss"]
@@ -219,7 +226,7 @@ def loss_curves(args: argparse.Namespace, result: dict, out: Path) -> None:
             print(f"loss {case} failed:\n{sec[case]['error']}", flush=True)
         save(out, result)
     ref = curves.get("bf16")
-    for case in ("fp8_tensorwise", "fp8_rowwise"):
+    for case in FP8_CASES:
         if ref and case in curves:
             tail = list(zip(curves[case][-window:], ref[-window:], strict=True))
             sec[case]["mean_abs_rel_dloss_last_window"] = statistics.mean(abs(a - b) / b for a, b in tail)
@@ -239,9 +246,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--compile", action="store_true", help="torch.compile the blocks (all cases)")
+    ap.add_argument("--cases", nargs="+", choices=list(CASES), default=["bf16", "fp8_tensorwise", "fp8_rowwise"])
+    ap.add_argument("--extra", nargs="*", default=[], help="more primus overrides for every throughput case")
     ap.add_argument("--loss-steps", type=int, default=300)
     ap.add_argument("--loss-seq", type=int, default=1024)
     ap.add_argument("--loss-micro-batch", type=int, default=4)
+    ap.add_argument("--loss-compile", action="store_true", help="compile the blocks in the loss section too")
     ap.add_argument("--sections", nargs="+", default=["linear", "throughput", "loss"])
     args = ap.parse_args()
     out = Path(args.out)

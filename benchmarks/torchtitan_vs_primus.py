@@ -115,9 +115,12 @@ class Recorder:
         pass
 
 
-def run_plain(steps: int, seq: int, micro: int, out: Path, compile_: bool, profile: bool = False) -> dict:
+def run_plain(
+    steps: int, seq: int, micro: int, out: Path, compile_: bool, profile: bool = False, global_batch: int | None = None
+) -> dict:
     """Plain TorchTitan; ``profile``: torchtitan's own profiler traces the last step (after 3 warm-up steps),
-    under ``out/profile_traces``."""
+    under ``out/profile_traces``; ``global_batch``: samples per optimizer step (gradient accumulation over
+    micro-batches; default one micro-batch)."""
     from torchtitan.config import ConfigManager
     from torchtitan.train import Trainer
 
@@ -149,6 +152,8 @@ def run_plain(steps: int, seq: int, micro: int, out: Path, compile_: bool, profi
         "--debug.seed",
         "1234",
     ]
+    if global_batch:
+        argv += ["--training.global_batch_size", str(global_batch)]
     if compile_:
         argv += ["--compile.enable", "--compile.components", "model,loss"]
     if profile:

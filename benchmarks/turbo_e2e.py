@@ -11,6 +11,8 @@ Cases (``--cases``), each a fresh model trained on uniform random tokens, bf16, 
 - ``tt_core`` / ``tt_turbo``: Primus-TorchTitan, compiled, untied as plain; core's providers pinned
   (``--kernels core``: torchtitan's own modules) / kernels ``auto`` (turbo: cuDNN attention, Triton
   norm/SwiGLU, fused output projection + cross-entropy);
+- ``tt_turbo_lean``: as ``tt_turbo`` with the norms and SwiGLU left to torchtitan's modules (inductor fuses
+  them with their neighbours; turbo keeps attention and the fused output projection + loss);
 - ``mg_plain``: plain megatron-core, local spec + SDPA core attention (megatron_vs_primus.run_plain, tied);
 - ``mg_core`` / ``mg_turbo``: Primus-Megatron with core's providers pinned / turbo's (+ Triton RoPE and
   the fused output layer + loss).
@@ -61,11 +63,13 @@ SHAPES = {  # for the FLOPs formula
     "3b": dict(layers=28, dim=3072, heads=24, kv_heads=8, head_dim=128, ffn=8192, vocab=128256),
     "tiny": dict(layers=2, dim=128, heads=4, kv_heads=2, head_dim=32, ffn=352, vocab=2048),
 }
-TT_CASES = ("tt_plain", "tt_core", "tt_turbo")
+TT_CASES = ("tt_plain", "tt_core", "tt_turbo", "tt_turbo_lean")
+LEAN = ("kernels.rms_norm=torch", "kernels.swiglu=torch")  # inductor's fusion instead of the Triton kernels
 MG_CASES = ("mg_plain", "mg_core", "mg_turbo")
 PROFILED = 2  # last steps of each run under the profiler, left out of the median
 GOALS = {  # case -> (baseline case, least speed-up)
     "tt_turbo": ("tt_plain", 1.15),
+    "tt_turbo_lean": ("tt_plain", 1.15),
     "mg_turbo": ("mg_plain", 1.45),
     "mg_core": ("mg_plain", 1.0),
 }
@@ -75,26 +79,30 @@ MFU_GOAL = 0.62
 # ------------------------------------------------------------------------------------------------ one case
 
 
-def run_tt(case: str, key: str, seq: int, micro: int, steps: int, out: Path) -> dict:
+def run_tt(case: str, key: str, seq: int, micro: int, steps: int, out: Path, global_batch: int | None) -> dict:
     import torchtitan_vs_primus as tt
 
     if case == "tt_plain":
         gpu = tt.torch.cuda.is_available()  # torchtitan's profiler asks for CUDA activity
-        r = tt.run_plain(steps, seq, micro, out, compile_=gpu, profile=gpu)
+        r = tt.run_plain(steps, seq, micro, out, compile_=gpu, profile=gpu, global_batch=global_batch)
         return {**r, "kernels": "torchtitan's own modules", "command": "torchtitan " + shlex.join(r.pop("argv"))}
     from megatron_vs_primus import CORE_KERNELS
 
     wait = max(0, steps - PROFILED - 1)
-    extra = [*(CORE_KERNELS if case == "tt_core" else []), "profile.enabled=true", f"profile.wait={wait}"]
-    extra.append(f"profile.active={PROFILED}")
+    pins = {"tt_core": CORE_KERNELS, "tt_turbo_lean": LEAN}.get(case, [])
+    extra = [*pins, "profile.enabled=true", f"profile.wait={wait}", f"profile.active={PROFILED}"]
+    if global_batch:
+        extra.append(f"train.global_batch_size={global_batch}")
     r = tt.run_primus(tt.MODELS[key][0], steps, seq, micro, out, tt.torch.cuda.is_available(), tuple(extra))
     return {**r, "trace": str(out / "traces" / "rank0.json")}
 
 
-def run_mg(case: str, key: str, seq: int, micro: int, steps: int, out: Path) -> dict:
+def run_mg(case: str, key: str, seq: int, micro: int, steps: int, out: Path, global_batch: int | None) -> dict:
     import megatron_vs_primus as mg
     import torch
 
+    if global_batch and global_batch != micro:
+        raise ValueError("--global-batch: the megatron cases run one micro-batch per step (plain loop)")
     wait = max(0, steps - PROFILED - 1)
     args = SimpleNamespace(
         model=key,
@@ -115,15 +123,15 @@ def run_mg(case: str, key: str, seq: int, micro: int, steps: int, out: Path) -> 
     return {**mg.run_primus(args), "trace": str(out / "traces" / "rank0.json")}
 
 
-def measure(case: str, config: str, steps: int, warmup: int, out: Path) -> dict:
+def measure(case: str, config: str, steps: int, warmup: int, out: Path, global_batch: int | None = None) -> dict:
     """One run of ``case``; turbo cases at the larger micro-batch first, the base one if that runs out of memory."""
     key, seq, base, turbo = MODELS[config]
-    tries = [turbo, base] if case.endswith("turbo") and turbo != base else [base]
+    tries = [turbo, base] if "turbo" in case and turbo != base else [base]
     run = run_tt if case.startswith("tt") else run_mg
     oom = None
     for micro in tries:
         try:
-            r = run(case, key, seq, micro, steps, out / f"mbs{micro}")
+            r = run(case, key, seq, micro, steps, out / f"mbs{micro}", global_batch)
         except Exception as exc:  # noqa: BLE001 - out of memory is retried at the base micro-batch
             if "out of memory" not in str(exc).lower() or micro == tries[-1]:
                 raise
@@ -135,6 +143,7 @@ def measure(case: str, config: str, steps: int, warmup: int, out: Path) -> dict:
         fpt = flops_per_token(SHAPES[key], seq)
         return {
             "micro_batch": micro,
+            "global_batch": global_batch or micro,
             "tokens_per_s": tps,
             "tflops_per_s": tps * fpt / 1e12,
             "mfu": tps * fpt / PEAK_BF16,
@@ -165,7 +174,9 @@ def worker(args: argparse.Namespace) -> None:
             for case in args.cases.split(","):
                 print(f"[{args.config}] round {r + 1}: {case}", flush=True)
                 try:
-                    row = measure(case, args.config, args.steps, args.warmup, Path(tmp) / f"{case}{r}")
+                    row = measure(
+                        case, args.config, args.steps, args.warmup, Path(tmp) / f"{case}{r}", args.global_batch
+                    )
                 except Exception:  # noqa: BLE001 - record and go on with the other cases
                     row = {"error": traceback.format_exc()[-3000:]}
                     release()
@@ -199,7 +210,7 @@ def goals(cases: dict) -> dict:
         if "tokens_per_s" in cases.get(case, {}) and "tokens_per_s" in cases.get(base, {}):
             ratio = cases[case]["tokens_per_s"] / cases[base]["tokens_per_s"]
             out[f"{case}_over_{base}"] = {"ratio": round(ratio, 4), "goal": want, "met": ratio >= want}
-    best = max((c["mfu"] for n, c in cases.items() if n.endswith("turbo") and "mfu" in c), default=None)
+    best = max((c["mfu"] for n, c in cases.items() if "turbo" in n and "mfu" in c), default=None)
     if best is not None:
         out["best_turbo_mfu"] = {"mfu": round(best, 4), "goal": MFU_GOAL, "met": best >= MFU_GOAL}
     return out
@@ -209,6 +220,8 @@ def spawn(engine: str, config: str, cases: list[str], rounds: int, args: argpars
     result = tmp / f"{engine}-{config}.json"
     cmd = [sys.executable, __file__, "--worker", engine, "--config", config, "--cases", ",".join(cases)]
     cmd += ["--rounds", str(rounds), "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", str(result)]
+    if args.global_batch:
+        cmd += ["--global-batch", str(args.global_batch)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, text=True)
@@ -228,6 +241,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8, help="first steps left out of each run's median")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the megatron cases")
     ap.add_argument("--tt-rounds", type=int, default=1, help="rounds of the (compiled) TorchTitan cases")
+    ap.add_argument(
+        "--global-batch",
+        type=int,
+        help="samples per optimizer step in every case (gradient accumulation; default one micro-batch); "
+        "TorchTitan cases only",
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny model, 3 steps, 1 round: checks the script")
     ap.add_argument("--worker", choices=["tt", "mg"], help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -249,6 +268,7 @@ def main() -> None:
         "warmup_steps_excluded": args.warmup,
         "profiled_last_steps_excluded": PROFILED,
         "rounds": {"megatron": args.rounds, "torchtitan_compiled": args.tt_rounds},
+        "global_batch": args.global_batch or "one micro-batch",
         "precision": "bf16 (TorchTitan: autocast, fp32 params; megatron: Float16Module, fp32 main params)",
         "embeddings": "TorchTitan cases untied (torchtitan's llama3 has no tying); megatron cases tied (the presets)",
         "mfu_peak_flops": PEAK_BF16,

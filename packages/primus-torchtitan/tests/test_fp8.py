@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY, losses, primus_train, summary
 
 from primus.core.config.schema import Fp8Recipe, PrimusConfig
-from primus.torchtitan.fp8 import issues, keeps_bf16
+from primus.torchtitan.fp8 import choice, compile_refusal, issues, keeps_bf16
 from primus.torchtitan.validate import validate
 
 
@@ -47,6 +47,28 @@ def test_refusals_name_the_reason():
     assert any(i.path == "kernels.fp8_recipe.scaling" for i in issues(rowdelayed))
     none_left = cfg(fp8_recipe={"bf16_first_layers": 1, "bf16_last_layers": 1})  # tiny-llama: 2 layers
     assert any("leaves none" in i.message for i in issues(none_left))
+
+
+def test_primus_fp8_under_compile_on_cuda_is_refused():
+    """The H200 showed zero block-linear gradients for primus-turbo's FP8 linear under torch.compile (the
+    compile check in benchmarks/); such a run is refused, torchao's linear and eager mode are not."""
+    from types import SimpleNamespace
+
+    compiled = PrimusConfig.model_validate(
+        {"train": {"precision": "bf16", "compile": True}, "kernels": {"fp8": "tensorwise"}}
+    )
+    why = compile_refusal(compiled, "fp8", cuda=True)
+    assert "zero block-linear gradients" in why and "implementation: torchao" in why
+    assert compile_refusal(compiled, "torchao", cuda=True) == ""
+    assert compile_refusal(compiled, "fp8", cuda=False) == ""
+    assert compile_refusal(cfg(), "fp8", cuda=True) == ""  # eager
+    choice(compiled, SimpleNamespace(name="fp8", load=lambda: None))  # this machine has no CUDA: accepted
+    with pytest.MonkeyPatch.context() as mp:
+        import torch
+
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.raises(ValueError, match="kernels.fp8: primus-turbo's FP8 linear under torch.compile"):
+            choice(compiled, SimpleNamespace(name="fp8", load=lambda: None))
 
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])

@@ -149,3 +149,47 @@ def test_trains_a_small_mlp_like_fp32():
     ref, fp8 = run(False), run(True)
     assert fp8[-1] < 0.8 * fp8[0]
     assert abs(fp8[-1] - ref[-1]) / ref[-1] < 0.05
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_compiled_backward_never_launches_triton_on_traced_tensors(monkeypatch, mode):
+    """Under torch.compile the quantizer must be the PyTorch one in the backward too. On a GPU ``auto`` picks
+    Triton in eager mode; AOTAutograd traces the backward with ``is_compiling()`` false, and a raw Triton
+    launch there is not recorded (the H200 run got zero weight gradients). Here ``auto`` is made to behave
+    as on CUDA and the "Triton" quantizer refuses fake tensors: a backward that re-decides fails."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from primus.turbo.fp8 import quantize as qmod
+    from primus.turbo.fp8 import triton_quantize
+
+    real = qmod.resolve_impl
+    monkeypatch.setattr(
+        qmod,
+        "resolve_impl",
+        lambda x, impl: ("torch" if torch.compiler.is_compiling() else "triton") if impl == "auto" else real(x, impl),
+    )
+    import primus.turbo.fp8.linear as lin
+
+    monkeypatch.setattr(lin, "resolve_impl", qmod.resolve_impl)
+    traced = []
+
+    def fake_triton(x, fmt, *, rowwise, amax=None):
+        traced.append(is_fake(x))
+        if is_fake(x):
+            raise AssertionError("Triton quantizer called on a traced tensor")
+        return quantize_torch(x, fmt, rowwise=rowwise, amax=amax)
+
+    monkeypatch.setattr(triton_quantize, "quantize", fake_triton)
+    torch._dynamo.reset()
+    recipe = Fp8Recipe(mode=mode)
+    x, w, dy = inputs()
+    eager = fp8_linear(x, w, recipe=recipe)
+    eager.backward(dy)
+    assert traced and not any(traced)  # eager went through the (stand-in) Triton path
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    y = torch.compile(lambda a, b: fp8_linear(a, b, recipe=recipe), fullgraph=True)(x, w)
+    y.backward(dy)
+    torch.testing.assert_close(y, eager, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, gx, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, gw, rtol=0, atol=0)

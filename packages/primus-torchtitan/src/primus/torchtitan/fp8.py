@@ -56,9 +56,28 @@ def fp8_swap(cfg: Any, provider: Any) -> Callable[[Any], list[str]]:
     return swap
 
 
+COMPILE_ON_CUDA = (
+    "primus-turbo's FP8 linear under torch.compile on CUDA trains with zero block-linear gradients: torch 2.11's "
+    "dynamo traces its autograd function's forward with every intermediate as an output there (not on CPU), and "
+    "the backward then runs on a constant output gradient (benchmarks/results/fp8_compile_check.json). Use "
+    "kernels.fp8_recipe.implementation: torchao (install torchao) or train.compile: false"
+)
+
+
+def compile_refusal(cfg: Any, provider_name: str, *, cuda: bool) -> str:
+    """Why this run cannot take ``provider_name``'s FP8 linears ("" where it can)."""
+    return COMPILE_ON_CUDA if provider_name == "fp8" and cfg.train.compile and cuda else ""
+
+
 def choice(cfg: Any, provider: Any) -> Any:
-    """The ``fp8`` entry of the run's kernel plan (:class:`primus.torchtitan.kernels.Choice`)."""
+    """The ``fp8`` entry of the run's kernel plan (:class:`primus.torchtitan.kernels.Choice`); refuses what
+    :func:`compile_refusal` names (a run that would train wrong)."""
+    import torch
+
     from primus.torchtitan.kernels import Choice
+
+    if why := compile_refusal(cfg, provider.name, cuda=torch.cuda.is_available()):
+        raise ValueError(f"kernels.fp8: {why}")
 
     r = cfg.kernels.fp8_recipe
     note = (

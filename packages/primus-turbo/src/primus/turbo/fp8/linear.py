@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from primus.turbo.fp8.quantize import Impl, Quantized, quantize
+from primus.turbo.fp8.quantize import Impl, Quantized, quantize, resolve_impl
 from primus.turbo.fp8.recipe import GEMM_ALIGN, Fp8Recipe
 
 
@@ -60,15 +60,39 @@ def _quantize(t: torch.Tensor, fmt: str, role: str, recipe: Fp8Recipe, state: Fp
     return q
 
 
+@torch.library.custom_op("primus_turbo::scaled_mm", mutates_args=())
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """``a [m, k] · bᵀ`` (``b`` [n, k]) on ``torch._scaled_mm``, as one opaque op: under torch.compile inductor
+    fuses the quantisation around it but hands the GEMM its operands in the layout ``_scaled_mm`` demands
+    (first row-major, second column-major), made here, instead of re-deriving strides of transposed copies."""
+    return torch._scaled_mm(
+        a.contiguous(),
+        b.contiguous().t(),
+        scale_a=scale_a,
+        scale_b=scale_b,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+
+
+@scaled_mm.register_fake
+def _scaled_mm_shape(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
 def _mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, rowwise: bool, fast_accum: bool) -> torch.Tensor:
-    """``a.data [m, k] · b.dataᵀ`` where ``b.data`` is [n, k] row-major (so ``.t()`` is the column-major
-    second operand ``_scaled_mm`` wants); scales (m, 1) and (1, n) rowwise, scalars tensorwise."""
+    """``a.data [m, k] · b.dataᵀ`` where ``b.data`` is [n, k] row-major; scales (m, 1) and (1, n) rowwise,
+    scalars tensorwise."""
     scale_b = b.scale_inv.reshape(1, -1) if rowwise else b.scale_inv
     dtype = torch.bfloat16 if rowwise else out_dtype
-    out = torch._scaled_mm(
-        a.data, b.data.t(), scale_a=a.scale_inv, scale_b=scale_b, out_dtype=dtype, use_fast_accum=fast_accum
-    )
-    return out.to(out_dtype)
+    return scaled_mm(a.data, b.data, a.scale_inv, scale_b, dtype, fast_accum).to(out_dtype)
 
 
 def _transposed(q: Quantized) -> Quantized:
@@ -80,6 +104,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: Fp8Recipe, state: Fp8State | None, impl: Impl, out_dtype: torch.dtype):
         rowwise = recipe.mode == "rowwise"
+        impl = resolve_impl(x, impl)  # here, not in backward (see resolve_impl)
         xq = _quantize(x, "e4m3", "x", recipe, state, impl)
         wq = _quantize(weight, "e4m3", "w", recipe, state, impl)
         y = _mm(xq, wq, out_dtype, rowwise=rowwise, fast_accum=True)

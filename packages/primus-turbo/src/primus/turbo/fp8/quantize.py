@@ -40,12 +40,18 @@ def scale_inv_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), amax.clamp(min=AMAX_EPS) / FP8_MAX[fmt], torch.nan)
 
 
-def use_triton(x: torch.Tensor, impl: Impl) -> bool:
-    if impl == "torch":
-        return False
-    if impl == "triton":
-        return True
-    return x.is_cuda
+def resolve_impl(x: torch.Tensor, impl: Impl) -> Impl:
+    """``auto`` made concrete: Triton on CUDA in eager mode; under torch.compile the PyTorch ops, which
+    inductor fuses into the neighbouring kernels (the norm or activation that produced ``x``, the transposed
+    copy the backward needs) where the hand-written kernel would stay a separate launch and an extra pass.
+
+    An autograd function must resolve this in its forward and hand the result to its backward:
+    ``torch.compiler.is_compiling()`` is true while dynamo traces the forward but not while AOTAutograd
+    traces the backward, where a raw Triton launch on fake tensors is not recorded and the traced graph
+    keeps an unwritten buffer (on the H200 this gave zero weight gradients)."""
+    if impl != "auto":
+        return impl
+    return "triton" if x.is_cuda and not torch.compiler.is_compiling() else "torch"
 
 
 def quantize(
@@ -57,7 +63,7 @@ def quantize(
         raise ValueError(f"quantize takes a 2-D tensor (got shape {tuple(x.shape)})")
     if rowwise and amax is not None:
         raise ValueError("a given amax (delayed scaling) is per tensor; rowwise computes its own")
-    if use_triton(x, impl):
+    if resolve_impl(x, impl) == "triton":
         from primus.turbo.fp8 import triton_quantize
 
         return triton_quantize.quantize(x.contiguous(), fmt, rowwise=rowwise, amax=amax)
