@@ -80,6 +80,11 @@ def flops_per_token(shape: dict[str, Any], seq: int) -> float:
     return 6 * matmul + 12 * shape["layers"] * attn_width * seq
 
 
+def rel(a: Any, b: Any) -> float:
+    """Relative Frobenius error of tensor ``a`` against the reference ``b``, in fp32."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -27,7 +27,7 @@ import torch
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke check of the script only
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import versions  # noqa: E402
+from _common import rel, versions  # noqa: E402
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
@@ -127,7 +127,6 @@ def single_linear(result: dict) -> None:
                     y = (torch.compile(f, fullgraph=True) if compiled else f)(x, w)
                     y.backward(dy)
                     outs.append((y.detach(), x.grad, w.grad))
-                rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
                 sec[f"{gemm}/{mode}"] = {
                     k: rel(c, e) for k, c, e in zip(("y", "dx", "dw"), outs[1], outs[0], strict=True)
                 }

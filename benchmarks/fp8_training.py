@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import PEAK_BF16, steady, versions  # noqa: E402
+from _common import PEAK_BF16, rel, steady, versions  # noqa: E402
 from torchtitan_vs_primus import run_primus  # noqa: E402
 
 # rowwise with e4m3 gradients (torchao's rowwise recipe): whether cuBLAS/CUTLASS take an e5m2 first operand
@@ -65,10 +65,6 @@ LOSS_MODEL = ("model.num_layers=4", "model.vocab_size=2048", "data.source=bundle
 def save(out: Path, result: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def linear_case(name: str, shape: tuple[int, int, int], recipe_kw: dict, smoke: bool) -> dict:

@@ -1,6 +1,10 @@
 """Why primus-turbo's FP8 linear loses its gradients under torch.compile on CUDA (y right, dx/dw wrong):
-each piece compiled alone vs eager, the linear under the aot_eager backend (tracing without inductor),
-and with e4m3 gradients. Prints one line per probe; a debugging aid, not a benchmark."""
+each piece compiled alone vs eager; the linear under dynamo alone (backend ``eager``), ``aot_eager`` and
+inductor, with e5m2 and e4m3 gradients; then the autograd function applied directly (no autocast region, a
+cloned output, the PyTorch quantizer named). Prints one line per probe; a debugging aid, not a benchmark."""
+
+import sys
+from pathlib import Path
 
 import torch
 
@@ -8,11 +12,10 @@ from primus.turbo.fp8 import linear
 from primus.turbo.fp8.quantize import quantize_torch
 from primus.turbo.fp8.recipe import Fp8Recipe
 
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from _common import rel  # noqa: E402
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
 g = torch.Generator(device=DEV).manual_seed(0)

@@ -69,9 +69,10 @@ def scaled_mm(
     out_dtype: torch.dtype,
     fast_accum: bool,
 ) -> torch.Tensor:
-    """``a [m, k] · bᵀ`` (``b`` [n, k]) on ``torch._scaled_mm``, as one opaque op: under torch.compile inductor
-    fuses the quantisation around it but hands the GEMM its operands in the layout ``_scaled_mm`` demands
-    (first row-major, second column-major), made here, instead of re-deriving strides of transposed copies."""
+    """``a [m, k] · bᵀ`` (``b`` [n, k]) on ``torch._scaled_mm``, as one opaque op that makes its operands'
+    layouts itself (first row-major, second column-major): under torch.compile inductor may hand it the fp8
+    transposed copies in any layout. It does not cure the zero gradients seen under torch.compile on CUDA
+    (benchmarks/fp8_compile_check.py measured both this op and an inline ``_scaled_mm`` there)."""
     return torch._scaled_mm(
         a.contiguous(),
         b.contiguous().t(),

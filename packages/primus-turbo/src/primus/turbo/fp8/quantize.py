@@ -45,10 +45,10 @@ def resolve_impl(x: torch.Tensor, impl: Impl) -> Impl:
     inductor fuses into the neighbouring kernels (the norm or activation that produced ``x``, the transposed
     copy the backward needs) where the hand-written kernel would stay a separate launch and an extra pass.
 
-    An autograd function must resolve this in its forward and hand the result to its backward:
-    ``torch.compiler.is_compiling()`` is true while dynamo traces the forward but not while AOTAutograd
-    traces the backward, where a raw Triton launch on fake tensors is not recorded and the traced graph
-    keeps an unwritten buffer (on the H200 this gave zero weight gradients)."""
+    The FP8 linear resolves this once, in its forward, and hands the result to its backward, so both passes
+    of one call use the same quantizer. (This did not cure the zero gradients seen under torch.compile on
+    the H200: those come from dynamo's tracing of the autograd function on CUDA with either quantizer, see
+    ``primus.torchtitan.fp8.COMPILE_ON_CUDA``.)"""
     if impl != "auto":
         return impl
     return "triton" if x.is_cuda and not torch.compiler.is_compiling() else "torch"
