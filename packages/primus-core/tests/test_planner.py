@@ -9,7 +9,7 @@ from primus.core import cli
 from primus.core.config.loader import load_layers
 from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
-from primus.core.planner import Cluster, Layout, best, candidates, device, estimate
+from primus.core.planner import Cluster, KernelTerms, Layout, best, candidates, device, estimate
 from primus.core.presets import resolver
 from primus.core.strategies import fused_loss
 
@@ -181,7 +181,12 @@ def test_strategy_estimate_is_the_planners_model(registry):
         registry=registry,
     )
     est = load_ref(registry.strategies["ddp"].estimate)(res.config, 8)
-    want = estimate(res.config.model, Layout("megatron", "ddp_distopt", dp=8), 4096, fused_loss=fused_loss(res.config))
+    want = estimate(
+        res.config.model,
+        Layout("megatron", "ddp_distopt", dp=8),
+        4096,
+        kernels=KernelTerms(fused_loss=fused_loss(res.config)),
+    )
     assert est.parts == want.parts and est.total == pytest.approx(want.total)
 
 
@@ -261,17 +266,17 @@ def test_fp8_gemms_run_at_the_fp8_rate_and_keep_an_e4m3_weight_copy(registry):
     assert 1.6 < bf16["gemm"] / fp8["gemm"] < 2.0 and fp8["fp8_casts"] > 0 and fp8["attention"] == bf16["attention"]
     lay = Layout("torchtitan", "fsdp", dp=8, micro_batch=1, micro_batches=4)
     t_bf16 = step_time(m, lay, 8192, 32, h200, 8).total
-    t_fp8 = step_time(m, lay, 8192, 32, h200, 8, "rowwise").total
+    t_fp8 = step_time(m, lay, 8192, 32, h200, 8, KernelTerms("rowwise")).total
     assert t_bf16 / 2 < t_fp8 < t_bf16
     assert fp8_layers(m, "rowwise", 1, 1) == m.num_layers - 2 and fp8_layers(m, "off") == 0
     # only the FP8 layers' GEMMs speed up
-    t_some = step_time(m, lay, 8192, 32, h200, 8, "rowwise", fp8_layers(m, "rowwise", 8, 8)).total
+    t_some = step_time(m, lay, 8192, 32, h200, 8, KernelTerms("rowwise", fp8_layers(m, "rowwise", 8, 8))).total
     assert t_fp8 < t_some < t_bf16
     per_layer = count_params(m).per_layer
-    mem = estimate(m, lay, 8192, "bf16", "tensorwise").parts
+    mem = estimate(m, lay, 8192, "bf16", KernelTerms("tensorwise")).parts
     assert mem["fp8"] == pytest.approx(cal.FP8_WEIGHT_COPY_BYTES * m.num_layers * per_layer)
     assert "fp8" not in estimate(m, lay, 8192).parts
-    half = estimate(m, lay, 8192, "bf16", "tensorwise", m.num_layers // 2).parts["fp8"]
+    half = estimate(m, lay, 8192, "bf16", KernelTerms("tensorwise", m.num_layers // 2)).parts["fp8"]
     assert half == pytest.approx(mem["fp8"] / 2)
 
 
@@ -308,7 +313,9 @@ def test_fused_loss_memory_only_where_the_engine_fuses(registry):
     m = _model(registry, "llama3.2-1b")
 
     def logits(engine, fused, **dims):
-        return estimate(m, Layout(engine, "fsdp", dp=1, **dims), 4096, fused_loss=fused).parts["logits"]
+        return estimate(m, Layout(engine, "fsdp", dp=1, **dims), 4096, kernels=KernelTerms(fused_loss=fused)).parts[
+            "logits"
+        ]
 
     full = logits("megatron", False)
     assert logits("megatron", True) < full / 4 and logits("megatron", True, pp=2) < full / 4

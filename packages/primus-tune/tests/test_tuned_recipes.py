@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from primus.core.planner import Cluster, candidates, device
+from primus.core.planner import Cluster, KernelTerms, candidates, device
 from primus.core.planner.memory import GIB
 from primus.core.strategies import estimate_memory, fused_loss
 from primus.core.train import resolve
@@ -48,7 +48,7 @@ def test_single_node_70b_recipe_is_the_planners_pick():
         t.global_batch_size,
         "torchtitan",
         t.precision,
-        fused_loss=fused_loss(cfg),
+        kernels=KernelTerms(fused_loss=fused_loss(cfg)),
     )
     best = next(c for c in cands if c.fits).layout
     assert (best.dp_mode, best.dp, best.tp, best.pp, best.recompute) == ("fsdp", 8, 1, 1, "full")

@@ -27,9 +27,9 @@ def plan(
     """Rank the parallel layouts that fit: DDP (+ distributed optimizer), FSDP, TP(+SP), PP/VPP, recompute."""
     from primus.core.cli import _resolve, err, out
     from primus.core.planner import Cluster, candidates, device
-    from primus.core.planner.memory import GIB, fp8_layers
+    from primus.core.planner.memory import GIB
     from primus.core.planner.search import ENGINES
-    from primus.core.strategies import fused_loss
+    from primus.core.strategies import kernel_terms
 
     if preset and config:  # with --preset, positional words are all overrides
         overrides = [config, *(overrides or [])]
@@ -50,11 +50,8 @@ def plan(
     cluster = Cluster(dev, nodes, gpus)
     t = cfg.train
     gbs = t.global_batch_size if "train.global_batch_size" in res.layers.sources else None
-    k = cfg.kernels
-    n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
-    cands = candidates(
-        cfg.model, cluster, t.seq_len, t.micro_batch_size, gbs, engine, t.precision, k.fp8, n_fp8, fused_loss(cfg)
-    )
+    k, terms = cfg.kernels, kernel_terms(cfg)
+    cands = candidates(cfg.model, cluster, t.seq_len, t.micro_batch_size, gbs, engine, t.precision, terms)
     if not cands:
         err.print("error: no layout divides this cluster (check --gpus, --nodes and the global batch)", style="red")
         raise typer.Exit(2)
@@ -64,7 +61,7 @@ def plan(
         f"{engine}, seq {t.seq_len}, micro-batch {t.micro_batch_size}, global batch {gbs or 'auto'}"
     )
     if k.fp8 != "off":
-        title += f", FP8 {k.fp8} GEMMs in {n_fp8} of {cfg.model.num_layers} layers"
+        title += f", FP8 {k.fp8} GEMMs in {terms.fp8_layers} of {cfg.model.num_layers} layers"
     cats = (*CATEGORIES, "fp8") if k.fp8 != "off" else CATEGORIES
     table = Table(title=title, box=None)
     for col in ("#", "layout", *cats, "overhead", "total GiB", "step s", "tok/s/GPU", "MFU"):

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.protocols import MemoryEstimate, StrategySpec
+
+if TYPE_CHECKING:
+    from primus.core.planner.memory import KernelTerms
 
 
 def _rest(parallel: dict[str, Any], world_size: int, *used: str) -> int:
@@ -41,7 +44,7 @@ def fill_tp_pp_vpp(parallel: dict[str, Any], world_size: int, cfg: PrimusConfig 
 
 
 def estimate_memory(cfg: PrimusConfig, world_size: int) -> MemoryEstimate:
-    from primus.core.planner.memory import Layout, estimate, fp8_layers
+    from primus.core.planner.memory import Layout, estimate
 
     p, t = cfg.parallel, cfg.train
     shard = p.shard_size(world_size)
@@ -53,9 +56,16 @@ def estimate_memory(cfg: PrimusConfig, world_size: int) -> MemoryEstimate:
     engine = cfg.backend.name if cfg.backend.name in ("megatron", "torchtitan") else "megatron"
     micro_batches = max((t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp), 1)
     layout = Layout(engine, mode, dp, p.tp, p.pp, p.vpp, p.cp, recompute, layers, t.micro_batch_size, micro_batches)
+    return MemoryEstimate(estimate(cfg.model, layout, t.seq_len, t.precision, kernel_terms(cfg)).parts)
+
+
+def kernel_terms(cfg: PrimusConfig) -> KernelTerms:
+    """What ``cfg``'s kernels change in the planner: FP8 in the recipe's layers, and the fused loss."""
+    from primus.core.planner.memory import KernelTerms, fp8_layers
+
     k = cfg.kernels
     n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
-    return MemoryEstimate(estimate(cfg.model, layout, t.seq_len, t.precision, k.fp8, n_fp8, fused_loss(cfg)).parts)
+    return KernelTerms(k.fp8, n_fp8, fused_loss(cfg))
 
 
 def fused_loss(cfg: PrimusConfig) -> bool:

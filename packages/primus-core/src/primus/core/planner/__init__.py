@@ -1,7 +1,7 @@
 """The planner: per-device memory and step-time models, and the search that ranks parallel layouts."""
 
 from primus.core.planner.hardware import DEVICES, Device, device
-from primus.core.planner.memory import Layout, MemoryBreakdown, estimate
+from primus.core.planner.memory import KernelTerms, Layout, MemoryBreakdown, estimate
 from primus.core.planner.search import Candidate, Cluster, best, candidates
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "Candidate",
     "Cluster",
     "Device",
+    "KernelTerms",
     "Layout",
     "MemoryBreakdown",
     "best",

@@ -14,7 +14,7 @@ from typing import Any
 from primus.core.config.schema import PrimusConfig
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device, device
-from primus.core.planner.memory import GIB, Layout, fp8_layers
+from primus.core.planner.memory import GIB, Layout
 from primus.core.planner.search import Candidate, Cluster, candidates
 
 log = logging.getLogger("primus.planner")
@@ -60,9 +60,7 @@ def choose(cfg: PrimusConfig, explicit_keys: set[str], world_size: int, dev: Dev
     cluster = Cluster(dev, max(world_size // gpn, 1), gpn)
     t = cfg.train
     explicit = {k: getattr(cfg.parallel, k) for k in explicit_keys if k not in ("strategy",)}
-    k = cfg.kernels
-    n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
-    from primus.core.strategies import fused_loss  # strategies imports the planner
+    from primus.core.strategies import kernel_terms  # strategies imports the planner
 
     every = candidates(
         cfg.model,
@@ -72,9 +70,7 @@ def choose(cfg: PrimusConfig, explicit_keys: set[str], world_size: int, dev: Dev
         t.global_batch_size,
         cfg.backend.name,
         t.precision,
-        k.fp8,
-        n_fp8,
-        fused_loss(cfg),
+        kernel_terms(cfg),
     )
     cands = [
         c

@@ -155,18 +155,36 @@ def fp8_layers(model: ModelConfig, fp8: str, bf16_first: int = 0, bf16_last: int
     return 0 if fp8 == "off" else max(model.num_layers - bf16_first - bf16_last, 0)
 
 
+@dataclass(frozen=True)
+class KernelTerms:
+    """What the run's kernels change in the memory and step-time models: ``fp8`` (kernels.fp8: off |
+    tensorwise | rowwise) in ``fp8_layers`` of the model's layers (None: all, see :func:`fp8_layers`), and
+    ``fused_loss``: the cross-entropy provider fuses the output projection (counted where the engine uses it).
+    ``primus.core.strategies.kernel_terms`` reads them from a config."""
+
+    fp8: str = "off"
+    fp8_layers: int | None = None
+    fused_loss: bool = False
+
+    def fp8_share(self, model: ModelConfig) -> float:
+        """The fraction of the model's layers whose GEMMs run in FP8."""
+        if self.fp8 == "off":
+            return 0.0
+        n = model.num_layers if self.fp8_layers is None else self.fp8_layers
+        return min(n / model.num_layers, 1.0)
+
+
+PLAIN_KERNELS = KernelTerms()  # bf16 GEMMs, the logits materialised
+
+
 def estimate(
     model: ModelConfig,
     layout: Layout,
     seq_len: int,
     precision: str = "bf16",
-    fp8: str = "off",
-    fp8_layer_count: int | None = None,
-    fused_loss: bool = False,
+    kernels: KernelTerms = PLAIN_KERNELS,
 ) -> MemoryBreakdown:
-    """Per-device peak memory of ``layout``; ``fp8``: kernels.fp8 (off | tensorwise | rowwise), with
-    ``fp8_layer_count`` of the model's layers in FP8 (default: all); ``fused_loss``: the cross-entropy provider
-    fuses the output projection (counted where the engine uses it)."""
+    """Per-device peak memory of ``layout`` with the kernels' FP8 weight copies and fused loss (``kernels``)."""
     a = 4 if precision == "fp32" else 2
     params, layer = stage_params(model, layout)
     n = layout.dp * layout.cp  # Megatron and TorchTitan shard optimizer/FSDP state over dp × cp
@@ -200,7 +218,7 @@ def estimate(
     s = seq_len / layout.cp
     # where the engines use it: megatron whenever the output layer is not vocab-parallel (tp 1); torchtitan also
     # only without pipeline or context parallelism (primus.torchtitan.loss.fused_head_refusal)
-    if fused_loss and layout.tp == 1 and (layout.engine == "megatron" or (layout.pp == 1 and layout.cp == 1)):
+    if kernels.fused_loss and layout.tp == 1 and (layout.engine == "megatron" or (layout.pp == 1 and layout.cp == 1)):
         # one chunk of logits, the output weight's gradient and the hidden states' (made in the forward)
         parts["logits"] = (
             cal.FUSED_LOSS_CHUNK_BYTES
@@ -210,9 +228,8 @@ def estimate(
     else:
         parts["logits"] = s * layout.micro_batch * model.vocab_size / layout.tp * (a + cal.LOGITS_EXTRA_BYTES)
     parts["buffers"] = buffers
-    if fp8 != "off":
-        n_fp8 = model.num_layers if fp8_layer_count is None else fp8_layer_count
-        share = min(n_fp8 / model.num_layers, 1.0)
+    if kernels.fp8 != "off":
+        share = kernels.fp8_share(model)
         parts["fp8"] = cal.FP8_WEIGHT_COPY_BYTES * layers_per_stage(model, layout) * layer * share
     parts["workspace"] = cal.WORKSPACE_BYTES
     parts["fragmentation"] = cal.FRAGMENTATION * sum(parts.values())

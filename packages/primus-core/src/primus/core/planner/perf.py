@@ -32,7 +32,7 @@ from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
-from primus.core.planner.memory import Layout, stage_params
+from primus.core.planner.memory import PLAIN_KERNELS, KernelTerms, Layout, stage_params
 
 # A TP split makes each GEMM narrower and puts collectives between them that stall the stream:
 # the fraction of the unsplit rate kept per doubling of tp (0.9: TP 8 keeps 73%).
@@ -100,20 +100,15 @@ def step_time(
     global_batch: int,
     dev: Device,
     gpus_per_node: int,
-    fp8: str = "off",
-    fp8_layer_count: int | None = None,
+    kernels: KernelTerms = PLAIN_KERNELS,
 ) -> StepTime:
     lps = math.ceil(model.num_layers / layout.pp)
     m = layout.micro_batches
     pc = count_params(model)
     hbm = dev.hbm_gbps * 1e9
     bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev).values())
-    fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, fp8).values())
-    fp8_share = (
-        0.0
-        if fp8 == "off"
-        else min((model.num_layers if fp8_layer_count is None else fp8_layer_count) / model.num_layers, 1.0)
-    )
+    fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8).values())
+    fp8_share = kernels.fp8_share(model)
     layer_s = fp8_share * fp8_layer + (1 - fp8_share) * bf16_layer
     # the slowest pipeline stage sets the pace: the last one also runs the output head and the loss
     head_s = (
@@ -125,7 +120,9 @@ def step_time(
     compute = m * tokens_per_micro_batch * token_s / tp_slowdown
     params, _ = stage_params(model, layout)
     fp8_weight_casts = 0.0
-    if fp8 != "off" and dev.fp8_peak_flops:  # each micro-batch casts the stage's weights (and a transposed copy)
+    if (
+        kernels.fp8 != "off" and dev.fp8_peak_flops
+    ):  # each micro-batch casts the stage's weights (and a transposed copy)
         fp8_weight_casts = m * 2 * cal.FP8_CAST_BYTES_PER_ELEMENT * lps * pc.per_layer / layout.tp * fp8_share / hbm
     optimizer = cal.OPTIMIZER_BYTES_PER_PARAM * params / (layout.dp * layout.cp if layout.dp_mode != "ddp" else 1) / hbm
     compute += fp8_weight_casts + optimizer

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import flops_per_token
 from primus.core.planner.hardware import Device
-from primus.core.planner.memory import GIB, Layout, MemoryBreakdown, estimate
+from primus.core.planner.memory import GIB, PLAIN_KERNELS, KernelTerms, Layout, MemoryBreakdown, estimate
 from primus.core.planner.perf import StepTime, step_time
 
 USABLE = 0.9  # of device memory: headroom for allocator spikes and fragmentation the model does not see
@@ -87,12 +87,10 @@ def evaluate(
     global_batch: int,
     cluster: Cluster,
     precision: str,
-    fp8: str = "off",
-    fp8_layer_count: int | None = None,
-    fused_loss: bool = False,
+    kernels: KernelTerms = PLAIN_KERNELS,
 ) -> Candidate:
-    mem = estimate(model, layout, seq_len, precision, fp8, fp8_layer_count, fused_loss)
-    t = step_time(model, layout, seq_len, global_batch, cluster.device, cluster.gpus_per_node, fp8, fp8_layer_count)
+    mem = estimate(model, layout, seq_len, precision, kernels)
+    t = step_time(model, layout, seq_len, global_batch, cluster.device, cluster.gpus_per_node, kernels)
     tps = global_batch * seq_len / t.total / layout.world
     mfu = tps * flops_per_token(model, seq_len) / cluster.device.peak_flops
     return Candidate(layout, mem, t, mem.total <= cluster.capacity, tps, mfu)
@@ -106,12 +104,9 @@ def candidates(
     global_batch: int | None = None,
     engine: str = "megatron",
     precision: str = "bf16",
-    fp8: str = "off",
-    fp8_layer_count: int | None = None,
-    fused_loss: bool = False,
+    kernels: KernelTerms = PLAIN_KERNELS,
 ) -> list[Candidate]:
-    """Every layout ``engine`` can run on ``cluster``, best first; ``fp8``: kernels.fp8, with
-    ``fp8_layer_count`` layers in FP8 (default all; see :func:`primus.core.planner.memory.fp8_layers`)."""
+    """Every layout ``engine`` can run on ``cluster``, best first, with the run's ``kernels`` counted."""
     gbs = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq_len)
     out: list[Candidate] = []
     for tp in _tp_options(model, cluster.gpus_per_node):
@@ -134,9 +129,7 @@ def candidates(
                     best_partial: Candidate | None = None
                     for rc, n in _recompute_options(engine, lps):
                         layout = Layout(engine, mode, dp, tp, pp, vpp, 1, rc, n, micro_batch, m)
-                        cand = evaluate(
-                            model, layout, seq_len, gbs, cluster, precision, fp8, fp8_layer_count, fused_loss
-                        )
+                        cand = evaluate(model, layout, seq_len, gbs, cluster, precision, kernels)
                         if rc != "partial":
                             out.append(cand)
                         elif cand.fits and best_partial is None:
