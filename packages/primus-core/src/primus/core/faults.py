@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("primus.faults")
@@ -27,6 +28,21 @@ def kill_during_save(step: int, rank: int, at_step: int | None, kill_rank: int) 
         log.warning("fault injection: rank %d killed while writing the step-%d checkpoint", rank, step)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """The injectors of one run, from ``backend.extra`` (a backend with more keys subclasses this)."""
+
+    kill_during_save_at_step: int | None = None
+    kill_rank: int = 1
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> FaultInjection:
+        return cls(**extra.get(EXTRA_KEY, {}))
+
+    def during_save(self, step: int, rank: int) -> None:
+        kill_during_save(step, rank, self.kill_during_save_at_step, self.kill_rank)
 
 
 def issues(extra: dict[str, Any], keys: dict[str, type] = KEYS) -> list[str]:

@@ -25,23 +25,14 @@ KEYS = {"nan_at_step": int, **faults.KEYS}
 
 
 @dataclass(frozen=True)
-class FaultInjection:
+class FaultInjection(faults.FaultInjection):
     nan_at_step: int | None = None
-    kill_during_save_at_step: int | None = None
-    kill_rank: int = 1
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> FaultInjection:
-        return cls(**extra.get(faults.EXTRA_KEY, {}))
 
     def poison_loss(self, step: int, loss: Any) -> Any:
         if step == self.nan_at_step:
             log.warning("fault injection: NaN loss at step %d", step)
             return loss * float("nan")
         return loss
-
-    def during_save(self, step: int, rank: int) -> None:
-        faults.kill_during_save(step, rank, self.kill_during_save_at_step, self.kill_rank)
 
 
 def issues(extra: dict[str, Any]) -> list[str]:

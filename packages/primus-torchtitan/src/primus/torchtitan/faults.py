@@ -8,25 +8,6 @@
 This module imports neither torch nor torchtitan (validate uses it).
 """
 
-from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
-
-from primus.core import faults
-from primus.core.faults import EXTRA_KEY, KEYS, issues
+from primus.core.faults import EXTRA_KEY, KEYS, FaultInjection, issues
 
 __all__ = ["EXTRA_KEY", "KEYS", "FaultInjection", "issues"]
-
-
-@dataclass(frozen=True)
-class FaultInjection:
-    kill_during_save_at_step: int | None = None
-    kill_rank: int = 1
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> FaultInjection:
-        return cls(**extra.get(EXTRA_KEY, {}))
-
-    def during_save(self, step: int, rank: int) -> None:
-        faults.kill_during_save(step, rank, self.kill_during_save_at_step, self.kill_rank)
