@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks
 from primus.core.protocols import ConfigIssue
 
 log = logging.getLogger("primus.megatron")
@@ -31,7 +32,7 @@ log = logging.getLogger("primus.megatron")
 def fp8_layer_numbers(kernels: Any, num_layers: int) -> set[int]:
     """0-based global block indices whose linears run in FP8 under the recipe."""
     r = kernels.fp8_recipe
-    return set(range(r.bf16_first_layers, num_layers - r.bf16_last_layers))
+    return set(fp8_blocks(num_layers, r.bf16_first_layers, r.bf16_last_layers))
 
 
 def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int) -> list[bool]:
@@ -132,10 +133,6 @@ def issues(cfg: Any) -> list[ConfigIssue]:
     k = cfg.kernels
     if k.fp8 == "off":
         return []
-    try:
-        from primus.core.kernels.fp8_recipe import config_issues
-    except ImportError:
-        return [ConfigIssue("kernels.fp8", "FP8 linears come from primus-turbo, which is not installed", allowed="off")]
     out = config_issues(cfg, engine="megatron")
     if cfg.parallel.sequence_parallel:
         out.append(

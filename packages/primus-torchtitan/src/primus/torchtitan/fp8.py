@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks
 from primus.core.protocols import ConfigIssue
 
 log = logging.getLogger("primus.torchtitan")
@@ -33,7 +34,7 @@ def keeps_bf16(name: str, *, num_layers: int, recipe: Any) -> bool:
     if match is None:
         return True  # not a dense block linear (e.g. an MoE router): left alone
     block = int(match.group(1))
-    return block < recipe.bf16_first_layers or block >= num_layers - recipe.bf16_last_layers
+    return block not in fp8_blocks(num_layers, recipe.bf16_first_layers, recipe.bf16_last_layers)
 
 
 def skip_rule(kernels: Any, num_layers: int) -> Callable[[str, Any], bool]:
@@ -91,10 +92,6 @@ def issues(cfg: Any) -> list[ConfigIssue]:
     """What the torchtitan backend refuses for ``kernels.fp8`` (empty when off)."""
     if cfg.kernels.fp8 == "off":
         return []
-    try:
-        from primus.core.kernels.fp8_recipe import config_issues
-    except ImportError:
-        return [ConfigIssue("kernels.fp8", "FP8 linears come from primus-turbo, which is not installed", allowed="off")]
     out = config_issues(cfg, engine="torchtitan")
     if cfg.parallel.tp > 1:
         out.append(

@@ -11,6 +11,12 @@ FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
 GEMM_ALIGN = 16  # torch._scaled_mm on CUDA: every GEMM dim a multiple of 16
 
 
+def fp8_blocks(num_layers: int, bf16_first: int, bf16_last: int) -> range:
+    """0-based indices of the transformer blocks whose linears run in FP8: all but the recipe's first
+    ``bf16_first`` and last ``bf16_last`` (empty when those cover every block)."""
+    return range(bf16_first, num_layers - bf16_last)
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """``mode``: one scale per tensor (``tensorwise``) or per row of each operand along the reduction dim
@@ -71,7 +77,7 @@ def config_issues(cfg: Any, *, engine: str) -> list[Any]:
         )
     if r.scaling == "delayed" and k.fp8 == "rowwise":
         out.append(ConfigIssue("kernels.fp8_recipe.scaling", delayed_rowwise_reason(), value="delayed"))
-    if r.bf16_first_layers + r.bf16_last_layers >= m.num_layers:
+    if not fp8_blocks(m.num_layers, r.bf16_first_layers, r.bf16_last_layers):
         out.append(
             ConfigIssue(
                 "kernels.fp8_recipe.bf16_first_layers",

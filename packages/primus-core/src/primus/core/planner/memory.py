@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass, field
 
 from primus.core.config.schema import ModelConfig
+from primus.core.kernels.fp8_recipe import fp8_blocks
 from primus.core.modelmath import count_params
 from primus.core.planner import calibration as cal
 from primus.core.planner.calibration import GIB
@@ -152,7 +153,7 @@ def in_flight_micro_batches(layout: Layout) -> float:
 
 def fp8_layers(model: ModelConfig, fp8: str, bf16_first: int = 0, bf16_last: int = 0) -> int:
     """Layers whose GEMMs run in FP8 (the recipe keeps ``bf16_first`` / ``bf16_last`` layers in bf16)."""
-    return 0 if fp8 == "off" else max(model.num_layers - bf16_first - bf16_last, 0)
+    return 0 if fp8 == "off" else len(fp8_blocks(model.num_layers, bf16_first, bf16_last))
 
 
 @dataclass(frozen=True)
