@@ -34,7 +34,7 @@ from torch import nn
 
 from primus.core.kernels import reference
 from primus.torchtitan import compat
-from primus.torchtitan.loss import fuse_output, head_loss
+from primus.torchtitan.loss import fuse_output, head_loss, token_sum
 
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
@@ -221,9 +221,7 @@ def provider_loss(cross_entropy: Callable[..., torch.Tensor]) -> Callable[[torch
     a provider returning the mean over valid tokens. A micro-batch without valid tokens sums to 0."""
 
     def loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        count = (labels != IGNORE_INDEX).sum()
-        mean = cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE_INDEX)
-        return torch.where(count > 0, mean, torch.zeros_like(mean)) * count
+        return token_sum(cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE_INDEX), labels)
 
     return loss
 

@@ -66,8 +66,9 @@ def fuse_output(model: nn.Module, kernel: Callable[..., torch.Tensor]) -> bool:
 
 @contextlib.contextmanager
 def head_targets(model_parts: list[nn.Module], labels: torch.Tensor) -> Iterator[None]:
-    """Hand ``labels`` to the fused output layers of ``model_parts`` for one forward (and take them back)."""
-    heads = [m for part in model_parts for m in part.modules() if isinstance(m, FusedOutput)]
+    """Hand ``labels`` to the fused output layers of ``model_parts`` for one forward (and take them back).
+    Called per micro-batch: only ``part.output`` is looked at, the one place :func:`fuse_output` retypes."""
+    heads = [h for part in model_parts if isinstance(h := getattr(part, "output", None), FusedOutput)]
     for head in heads:
         head.labels = labels
     try:
