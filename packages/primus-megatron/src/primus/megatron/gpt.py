@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from primus.core.kernels import fused_loss_refusal
 from primus.core.protocols import KernelProvider
 from primus.megatron import compat as mc
 
@@ -53,8 +54,8 @@ def fused_loss(kernels: dict[str, KernelProvider], tp: int) -> tuple[Callable[..
     if fn is None:
         name = prov.name if prov is not None else "none"
         return None, f"cross_entropy provider {name!r} offers no fused linear + cross-entropy: megatron's own"
-    if tp > 1:
-        return None, "the output layer is vocab-parallel under tensor parallelism: megatron's vocab-parallel loss"
+    if why := fused_loss_refusal("megatron", tp=tp):
+        return None, f"{why}: megatron's vocab-parallel loss"
     return fn, f"{prov.name} fused linear + cross-entropy"
 
 

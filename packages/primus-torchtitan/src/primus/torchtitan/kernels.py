@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from primus.core.kernels import reference
+from primus.core.kernels import fused_loss_refusal, reference
 from primus.torchtitan import compat
 from primus.torchtitan.loss import fuse_output, head_loss, token_sum
 
@@ -122,13 +122,8 @@ def plan(
 
 def fused_head_refusal(*, tp: int, pp: int, cp: int) -> str:
     """Why the output projection + loss cannot be fused in this layout ("" where they can)."""
-    if tp > 1:
-        return "the output projection is vocab-sharded under tensor parallelism: provider loss on the logits"
-    if pp > 1:
-        return "pipeline schedules call the loss outside the last stage's forward: provider loss on the logits"
-    if cp > 1:
-        return "context parallelism shards the labels inside torchtitan's train context: provider loss on the logits"
-    return ""
+    why = fused_loss_refusal("torchtitan", tp=tp, pp=pp, cp=cp)
+    return f"{why}: provider loss on the logits" if why else ""
 
 
 # ------------------------------------------------------------------------------------------------ modules

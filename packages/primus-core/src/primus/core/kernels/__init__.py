@@ -37,6 +37,18 @@ class KernelUnavailable(UserError, RuntimeError):
     pass
 
 
+def fused_loss_refusal(engine: str, *, tp: int, pp: int = 1, cp: int = 1) -> str:
+    """Why ``engine`` keeps its own output layer + loss instead of a provider's ``linear_cross_entropy`` in
+    this layout ("" where it fuses them). One rule for both backends and the planner's memory model."""
+    if tp > 1:
+        return "the output projection is vocab-sharded under tensor parallelism"
+    if engine == "torchtitan" and pp > 1:
+        return "pipeline schedules call the loss outside the last stage's forward"
+    if engine == "torchtitan" and cp > 1:
+        return "context parallelism shards the labels inside torchtitan's train context"
+    return ""
+
+
 def detect_device() -> str:
     """``"cuda"``, ``"rocm"`` or ``"cpu"`` for this process (imports torch)."""
     import torch

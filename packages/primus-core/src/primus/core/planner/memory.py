@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass, field
 
 from primus.core.config.schema import ModelConfig
+from primus.core.kernels import fused_loss_refusal
 from primus.core.kernels.fp8_recipe import fp8_blocks
 from primus.core.modelmath import count_params
 from primus.core.planner import calibration as cal
@@ -217,9 +218,8 @@ def estimate(
     scale = cal.ACTIVATION_SCALE.get(layout.engine, 1.0)
     parts["activations"] = kept * in_flight_micro_batches(layout) * scale
     s = seq_len / layout.cp
-    # where the engines use it: megatron whenever the output layer is not vocab-parallel (tp 1); torchtitan also
-    # only without pipeline or context parallelism (primus.torchtitan.loss.fused_head_refusal)
-    if kernels.fused_loss and layout.tp == 1 and (layout.engine == "megatron" or (layout.pp == 1 and layout.cp == 1)):
+    # where the engine uses it (the rule both backends apply)
+    if kernels.fused_loss and not fused_loss_refusal(layout.engine, tp=layout.tp, pp=layout.pp, cp=layout.cp):
         # one chunk of logits, the output weight's gradient and the hidden states' (made in the forward)
         parts["logits"] = (
             cal.FUSED_LOSS_CHUNK_BYTES
