@@ -34,14 +34,17 @@ class Batches:
         self.gbs, self.mbs = int(t.global_batch_size), t.micro_batch_size
         self.per_rank = self.gbs // dp_size
         self.num_micro = self.per_rank // self.mbs
-        self.offset = dp_rank * self.per_rank
+        self.dp_rank = dp_rank
         self.order = GlobalOrder(len(dataset), t.seed, shuffle)
 
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        start = step * self.gbs + self.offset
+        positions = [  # this rank's slice of the step's global batch
+            GlobalOrder.position(step, j, dp_rank=self.dp_rank, per_rank=self.per_rank, global_batch=self.gbs)
+            for j in range(self.per_rank)
+        ]
         out = []
         for m in range(self.num_micro):
-            items = [self.ds[self.order[start + m * self.mbs + j]] for j in range(self.mbs)]
+            items = [self.ds[self.order[k]] for k in positions[m * self.mbs : (m + 1) * self.mbs]]
             tokens = torch.from_numpy(np.stack([np.asarray(x) for x, _ in items]).astype(np.int64))
             labels = torch.from_numpy(np.stack([np.asarray(y) for _, y in items]).astype(np.int64))
             out.append((tokens.to(self.device), labels.to(self.device)))

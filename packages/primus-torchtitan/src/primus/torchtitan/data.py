@@ -48,7 +48,9 @@ class PrimusDataLoader(BaseDataLoader):
 
     def position(self, local_index: int) -> int:
         step, j = divmod(local_index, self.local_batch)
-        return step * self.global_batch_size + self.dp_rank * self.local_batch + j
+        return GlobalOrder.position(
+            step, j, dp_rank=self.dp_rank, per_rank=self.local_batch, global_batch=self.global_batch_size
+        )
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:

@@ -47,6 +47,12 @@ class GlobalOrder:
         self.n, self.seed, self.shuffle = n, seed, shuffle
         self._epoch, self._perm = -1, np.arange(n)
 
+    @staticmethod
+    def position(step: int, j: int, *, dp_rank: int, per_rank: int, global_batch: int) -> int:
+        """The global position of the ``j``-th sample of rank ``dp_rank``'s slice (``per_rank`` samples) of
+        step ``step``'s global batch: the one layout both backends read in."""
+        return step * global_batch + dp_rank * per_rank + j
+
     def __getitem__(self, k: int) -> int:
         epoch, i = divmod(k, self.n)
         if self.shuffle and epoch != self._epoch:
