@@ -227,15 +227,10 @@ def resolve_checkpoint(path: Path) -> Path:
 def load_checkpoint_chunks(cfg: PrimusConfig, checkpoint: Path) -> _Engine:
     """One process, the whole model, loaded from a dist checkpoint (model part only) of any layout."""
     from primus.megatron import checkpoint as ckpt
-    from primus.megatron import compat as mc
 
     path = resolve_checkpoint(checkpoint)
     engine = _Engine(cfg, single=True)
-    ckpt.check_compatible(path, engine.cfg)
-    model_sd = {f"chunk{i}": mc.model_sharded_state_dict(c) for i, c in enumerate(engine.chunks)}
-    state = mc.dist_checkpointing.load({"model": model_sd}, str(path))
-    for i, chunk in enumerate(engine.chunks):
-        chunk.load_state_dict(state["model"][f"chunk{i}"])
+    ckpt.load_seed(path, engine.chunks, engine.cfg)  # the model part, checked against the config
     return engine
 
 
