@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 
 from primus.core import checkpoints as core
-from primus.core.checkpoints import MANIFEST, SHAPE_KEYS, CheckpointMismatch, model_shape, read_manifest
+from primus.core.checkpoints import read_manifest
 from primus.core.config.schema import PrimusConfig
 from primus.megatron import compat as mc
 
 log = logging.getLogger("primus.megatron.checkpoint")
 
-__all__ = ["MANIFEST", "SHAPE_KEYS", "CheckpointMismatch", "model_shape", "read_manifest"]
+__all__ = ["read_manifest"]
 
 NAMING = core.Naming("step_{step:08d}", re.compile(r"^step_(\d{8})$"))
 DISTRIBUTIONS = ("primus-megatron", "primus-core", "megatron-core", "torch")

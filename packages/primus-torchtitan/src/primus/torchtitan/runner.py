@@ -180,7 +180,7 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
     try:
         if seed_only:
             trainer.checkpointer.save(curr_step=0, last_step=True)
-            summary["seed_checkpoint"] = str(ckpt_dir / "step-0")
+            summary["seed_checkpoint"] = str(ckpt.NAMING.folder(ckpt_dir, 0))
         else:
             trainer.train()
             compat.purge_after_last_save(trainer.checkpointer)
@@ -190,7 +190,7 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
             summary["kernels"] = {op: c.provider if c.fn else "torchtitan" for op, c in kernels.items()}
             steps = ckpt.complete_steps(ckpt_dir) if cfg.checkpoint.enabled else []
             if steps:
-                summary["checkpoint"] = str(ckpt_dir / f"step-{steps[-1]}")
+                summary["checkpoint"] = str(ckpt.NAMING.folder(ckpt_dir, steps[-1]))
     finally:
         trainer.close()
     if torch.distributed.is_initialized():

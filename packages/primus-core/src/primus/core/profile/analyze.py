@@ -121,10 +121,6 @@ def read_trace(path: Path) -> tuple[list[dict], dict]:
     return [e for e in events if e.get("ph") == "X" and "dur" in e], meta
 
 
-def load_trace(path: Path) -> list[dict]:
-    return read_trace(path)[0]
-
-
 def count_steps(events: list[dict]) -> int:
     """Traced steps: distinct ``ProfilerStep#N`` annotations (at least 1)."""
     return max(len({e["name"] for e in events if STEP_MARK.match(str(e.get("name", "")))}), 1)

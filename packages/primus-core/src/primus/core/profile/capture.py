@@ -59,7 +59,7 @@ class StepProfiler:
             on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
             record_shapes=False,
         )
-        self._meta = trace_metadata(cfg, info)
+        self._meta = json.dumps(trace_metadata(cfg, info))
 
     def __enter__(self) -> StepProfiler:
         if self._prof is not None:
@@ -72,7 +72,7 @@ class StepProfiler:
         from torch.profiler import ProfilerAction
 
         if self._prof.current_action != ProfilerAction.NONE:
-            self._prof.add_metadata_json("primus", json.dumps(self._meta))
+            self._prof.add_metadata_json("primus", self._meta)
 
     def step(self) -> None:
         if self._prof is not None:
