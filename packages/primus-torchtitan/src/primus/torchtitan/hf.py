@@ -153,7 +153,7 @@ class TorchtitanHF:
 
         from primus.core.hf.contract import hf_names
         from primus.core.hf.safetensors_io import HFReader
-        from primus.torchtitan.checkpoint import save_one_process
+        from primus.torchtitan.checkpoint import NAMING, save_one_process
 
         reader = HFReader(hf_dir)
         hf = {name: reader.get(name).float() for name in hf_names(cfg.model)}
@@ -165,7 +165,7 @@ class TorchtitanHF:
         )
         if set(sd) != expected:
             raise RuntimeError(f"HF -> torchtitan names differ from the model's: {sorted(set(sd) ^ expected)[:6]}")
-        target = out / "step-0"
+        target = NAMING.folder(out, 0)
         state = {k: v.contiguous() for k, v in sd.items()}
         save_one_process(target, cfg, lambda tmp: dcp.save(state, checkpoint_id=str(tmp), no_dist=True))
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

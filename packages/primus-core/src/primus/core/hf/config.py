@@ -29,8 +29,7 @@ class HFConfigError(UserError):
 
 def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = dict(hf.get("rope_parameters") or {})
-    theta = float(hf.get("rope_theta", params.pop("rope_theta", 10000.0)))
-    params.pop("rope_theta", None)
+    theta = float(hf.get("rope_theta", params.pop("rope_theta", 10000.0)))  # the pop runs either way
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if not scaling:
         return theta, None
@@ -88,8 +87,6 @@ def model_fields_from_hf(hf: dict[str, Any], name: str | None = None) -> dict[st
         "qk_norm": family == "qwen3",
         "init_std": float(hf.get("initializer_range", 0.02)),
     }
-    if family == "qwen3" and hf.get("attention_bias"):
-        fields["qkv_bias"] = True
     return fields
 
 

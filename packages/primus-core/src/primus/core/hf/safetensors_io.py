@@ -18,7 +18,7 @@ from primus.core.errors import UserError
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Tokenizer files copied into an exported folder when they sit beside the run's tokenizer.json.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 class HFCheckpointError(UserError):
@@ -48,9 +48,6 @@ class HFReader:
                     self.weight_map.update(dict.fromkeys(f.keys(), name))
         self._open: dict[str, Any] = {}
 
-    def keys(self) -> list[str]:
-        return list(self.weight_map)
-
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
@@ -64,9 +61,6 @@ class HFReader:
 
             self._open[file] = safe_open(self.folder / file, framework="pt")
         return self._open[file].get_tensor(name)
-
-    def tokenizer_dir(self) -> Path | None:
-        return self.folder if (self.folder / "tokenizer.json").is_file() else None
 
 
 def _shards(tensors: Mapping[str, Any], max_shard_bytes: int) -> list[list[str]]:
@@ -117,7 +111,7 @@ def copy_tokenizer(source: str | Path, out: Path) -> list[str]:
     src = src if src.is_dir() else src.parent
     copied = []
     for name in TOKENIZER_FILES:
-        if (src / name).is_file() and name != "generation_config.json":
+        if (src / name).is_file():
             shutil.copy2(src / name, out / name)
             copied.append(name)
     if copied and not (out / "tokenizer_config.json").is_file():
