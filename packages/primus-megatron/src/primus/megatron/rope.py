@@ -61,12 +61,23 @@ class KernelRoPESelfAttention(mc.SelfAttention):
         )
         if not plain:
             return super().forward(hidden_states, attention_mask, **kwargs)
-        angles = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()  # [s, 1, 1, d] -> [s, d]
-        self._cos_sin = (angles.cos(), angles.sin())
+        self._cos_sin = self._tables(freqs)
         try:
             return super().forward(hidden_states, attention_mask, **{**kwargs, "rotary_pos_emb": None})
         finally:
             self._cos_sin = None
+
+    # (freqs, cos, sin) of the last rotary table: GPTModel hands every layer the same tensor each forward,
+    # so the fp32 cos/sin are made once per forward, not once per layer; holding freqs keeps `is` sound
+    _cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def _tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = KernelRoPESelfAttention._cached
+        if cached is None or cached[0] is not freqs:
+            angles = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()  # [s, 1, 1, d] -> [s, d]
+            cached = KernelRoPESelfAttention._cached = (freqs, angles.cos(), angles.sin())
+        return cached[1:]
 
     def get_query_key_value_tensors(self, *args: Any, **kwargs: Any):
         out = super().get_query_key_value_tensors(*args, **kwargs)
