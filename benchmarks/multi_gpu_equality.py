@@ -37,6 +37,7 @@ LAYOUTS = {
                                           "parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
                                           "parallel.overlap_param_gather=true"]),
         "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        "pp2_1f1b": (2, ["parallel.pp=2"]),
         "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"]),
         "tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     },

@@ -44,7 +44,7 @@ def primus(
         "--nproc-per-node",
         str(nproc),
     ]
-    if command == "train":
+    if command in ("train", "profile"):
         cmd += ["--master-port", str(free_port())]
     if resume:
         cmd.append("--resume")

@@ -187,3 +187,25 @@ def test_kernel_modules_match_megatron_local_modules():
         port = sock.getsockname()[1]
     proc = subprocess.run([sys.executable, "-c", NUMERICS % port], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_interleaved_pipeline_uses_unbatched_p2p():
+    """megatron-core's batched p2p posts send_prev before send_next (and recv_prev before recv_next); with pp = 2
+    one peer is both neighbours and receives them in the wrong buffers, so model.pipeline_p2p turns it off for
+    the interleaved schedule, the one that sends both ways in one call (as Megatron-LM's defaults do)."""
+    from megatron.core.pipeline_parallel import p2p_communication
+    from megatron_helpers import TINY
+
+    from primus.core.train import resolve
+    from primus.megatron.model import transformer_config
+
+    src = inspect.getsource(p2p_communication._batched_p2p_ops)
+    assert src.index("send_prev_op") < src.index("recv_prev_op") < src.index("send_next_op")
+    assert src.index("send_next_op") < src.index("recv_next_op") and "batch_isend_irecv" in src
+    assert mc.TransformerConfig.__dataclass_fields__["batch_p2p_comm"].default is True
+
+    vpp = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b", "model.num_layers=4"]
+    config = transformer_config(resolve(TINY, vpp, world_size=2).config)
+    assert (config.batch_p2p_comm, config.overlap_p2p_comm) == (False, True)
+    config = transformer_config(resolve(TINY, ["parallel.pp=2"], world_size=2).config)
+    assert (config.batch_p2p_comm, config.overlap_p2p_comm) == (True, False)

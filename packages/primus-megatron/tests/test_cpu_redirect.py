@@ -51,20 +51,6 @@ def test_megatron_asserts_cuda_tensor_types():
     assert "device='cuda'" in _source(clip_grads)
 
 
-def test_batched_p2p_posts_sends_before_receives():
-    """GLOO_CONFIG turns off batched p2p: it posts send_prev before send_next, which with pp = 2 (one
-    peer for both) gloo matches against the peer's receives in the wrong order."""
-    from megatron.core.pipeline_parallel import p2p_communication
-    from megatron.core.transformer import TransformerConfig
-
-    from primus.megatron.cpu import GLOO_CONFIG
-
-    src = _source(p2p_communication._batched_p2p_ops)
-    assert src.index("send_prev_op") < src.index("recv_prev_op") < src.index("send_next_op")
-    assert "batch_isend_irecv" in src
-    assert set(GLOO_CONFIG) <= set(TransformerConfig.__dataclass_fields__)
-
-
 # --- what the patches do (in a child process: they are global) -------------------------------------
 
 CHECK = textwrap.dedent("""

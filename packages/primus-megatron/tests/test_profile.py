@@ -1,7 +1,7 @@
 """Profiling (issue #6): core's StepProfiler wraps the megatron training loop.
 
-``primus profile`` (one process) traces a few steps and writes the step-time report; a 2-rank
-``primus train`` with ``profile.ranks=[0,1]`` writes one trace per rank.
+``primus profile`` (one process) traces a few steps and writes the step-time report; on 2 ranks with
+``profile.ranks=[0,1]`` it writes one trace per rank and reports both.
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ def test_report_counts_gemm_time(profiled):
 
 def test_two_ranks_each_write_a_trace(tmp_path):
     out = tmp_path / "run"
-    proc = primus("train", TINY, out, 2, *FEW_STEPS, "train.steps=3", "profile.enabled=true", "profile.ranks=[0,1]")
+    proc = primus("profile", TINY, out, 2, *FEW_STEPS, "profile.ranks=[0,1]")
     assert proc.returncode == 0, proc.stderr[-6000:]
+    report = (out / "profile" / "report.md").read_text()
+    assert "| 0 |" in report and "| 1 |" in report
     for rank in (0, 1):
         trace = json.loads((out / "traces" / f"rank{rank}.json").read_text())
         names = {e.get("name", "") for e in trace["traceEvents"]}

@@ -41,6 +41,12 @@ def test_profiling_health_and_fault_injection_are_accepted():
         (["parallel.cp=2"], 2, "parallel.cp", "TEDotProductAttention"),
         (["parallel.pp=2", "parallel.pp_schedule=gpipe"], 2, "parallel.pp_schedule", "no gpipe schedule"),
         (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=1f1b"], 2, "parallel.pp_schedule", "interleaved"),
+        (
+            ["parallel.pp=2", "parallel.vpp=2", "backend.extra.transformer_config.batch_p2p_comm=true"],
+            2,
+            "backend.extra.transformer_config.batch_p2p_comm",
+            "swaps activations",
+        ),
         (["parallel.pp=3"], 3, "model.num_layers", "do not split evenly"),
         (["backend.extra.fsdp=true"], 2, "backend.extra.fsdp", "gradient norm"),
         (["parallel.overlap_param_gather=true"], 1, "parallel.overlap_param_gather", "distributed_optimizer"),

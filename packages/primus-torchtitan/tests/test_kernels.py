@@ -171,8 +171,10 @@ def test_fused_head_is_refused_where_the_output_is_sharded_or_the_loss_is_outsid
         "tp": plan(fake, family="llama", tp=2, cp=1, loss_parallel=False)["linear_cross_entropy"],
         "pp": plan(fake, family="llama", tp=1, cp=1, pp=2, loss_parallel=True)["linear_cross_entropy"],
         "cp": plan(fake, family="llama", tp=1, cp=2, loss_parallel=True)["linear_cross_entropy"],
+        "fp8": plan(fake, family="llama", tp=1, cp=1, loss_parallel=True, fp8_head=True)["linear_cross_entropy"],
     }
     assert all(c.fn is None for c in notes.values())
+    assert "FP8 linear" in notes["fp8"].note
     assert "vocab-sharded" in notes["tp"].note and "pipeline" in notes["pp"].note and "context" in notes["cp"].note
     assert "linear_cross_entropy" not in plan(CORE, family="llama", tp=1, cp=1, loss_parallel=True)
 

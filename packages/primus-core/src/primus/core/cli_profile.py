@@ -22,11 +22,11 @@ def profile(
     from primus.core.profile.report import html_page, markdown
     from primus.core.train import output_dir
 
-    res = _resolve(config, overrides, None, check_plugins=False)
+    res = _resolve(config, overrides, nproc_per_node, check_plugins=False)
     p = res.config.profile
     steps = max(res.config.train.steps, p.wait + p.warmup + p.active + 1)
     extra = ["profile.enabled=true", f"train.steps={steps}", "checkpoint.enabled=false"]
-    res = _resolve(config, [*(overrides or []), *extra], None)
+    res = _resolve(config, [*(overrides or []), *extra], nproc_per_node)
     out_dir = output_dir(res.config)
     from primus.core.cli import train
 

@@ -146,14 +146,6 @@ def _device_literals() -> None:
 PATCHES = {"current_device": _current_device, "rng": _rng, "streams": _streams, "device_literals": _device_literals}
 
 
-# TransformerConfig settings for gloo. Batched p2p (``batch_isend_irecv``) posts a rank's sends to its
-# previous and next stage in one order and the peer's receives in another; with pp = 2 both are
-# the same peer, gloo matches messages in posting order, and the interleaved schedule then swaps an
-# activation with a gradient of the same shape (silently: the loss of later micro-batches drifts).
-# megatron's unbatched path orders sends/receives by rank parity and uses two groups, which is exact.
-GLOO_CONFIG = {"batch_p2p_comm": False}
-
-
 def redirect_to_cpu() -> list[str]:
     """Apply every patch once, if this machine has no GPU; returns the names applied."""
     if torch.cuda.is_available():

@@ -16,6 +16,19 @@ from primus.megatron.layer_spec import block_spec
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def pipeline_p2p(pp: int, vpp: int) -> dict[str, bool]:
+    """How pipeline stages exchange activations and gradients. megatron-core's ModelParallelConfig defaults to
+    batched p2p (``batch_isend_irecv``), which posts a rank's send to the previous stage before its send to the
+    next, and its receive from the previous stage before the one from the next. With pp = 2 both neighbours are
+    one peer, NCCL and gloo match one peer's messages in posting order, and the interleaved schedule (the only
+    one that sends both ways in one call) then puts an activation into a gradient's buffer of the same shape:
+    silently (on 2 H200s the loss was off from step 1 and rose after step 3). Megatron-LM's own defaults for
+    interleaving are unbatched, overlapped p2p, whose sends and receives are ordered by rank parity."""
+    if pp > 1 and vpp > 1:
+        return {"batch_p2p_comm": False, "overlap_p2p_comm": True}
+    return {}
+
+
 def transformer_config(cfg: PrimusConfig) -> mc.TransformerConfig:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     dtype = DTYPES[t.precision]
@@ -29,11 +42,7 @@ def transformer_config(cfg: PrimusConfig) -> mc.TransformerConfig:
             recompute_method=p.recompute_method,
             recompute_num_layers=p.recompute_layers or (1 if p.recompute_method == "uniform" else layers_per_stage),
         )
-    extra = dict(cfg.backend.extra.get("transformer_config", {}))
-    if not torch.cuda.is_available():
-        from primus.megatron.cpu import GLOO_CONFIG
-
-        extra = {**GLOO_CONFIG, **extra}
+    extra = {**pipeline_p2p(p.pp, p.vpp), **cfg.backend.extra.get("transformer_config", {})}
     return mc.TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,

@@ -41,6 +41,14 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
             p.pp_schedule,
             "interleaved_1f1b",
         )
+    if p.pp == 2 and p.vpp > 1 and cfg.backend.extra.get("transformer_config", {}).get("batch_p2p_comm"):
+        refuse(
+            "backend.extra.transformer_config.batch_p2p_comm",
+            "batched p2p with pp = 2 and the interleaved schedule swaps activations and gradients between the two "
+            "stages (megatron-core posts a peer's sends and receives in different orders; see model.pipeline_p2p)",
+            True,
+            "false",
+        )
     if m.num_layers % (p.pp * p.vpp):
         refuse(
             "model.num_layers",

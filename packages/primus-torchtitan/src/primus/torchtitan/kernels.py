@@ -77,10 +77,13 @@ def plan(
     loss_parallel: bool,
     pp: int = 1,
     swap_reference: bool = False,
+    fp8_head: bool = False,
 ) -> dict[str, Choice]:
     """Decide per op whether the selected provider replaces torchtitan's module (``providers``: op →
     :class:`~primus.core.protocols.KernelProvider`). ``swap_reference`` swaps core's reference providers
-    too (tests of the mechanism); normally torchtitan's modules already compute them."""
+    too (tests of the mechanism); normally torchtitan's modules already compute them. ``fp8_head``: the output
+    head becomes an FP8 linear (``kernels.fp8_recipe.bf16_output_head: false``), so it is not fused with the loss
+    (the fused kernel would run it in bf16 and leave the FP8 module unused)."""
     out: dict[str, Choice] = {}
     dtensor = {
         "rms_norm": "norms run on DTensors under tensor parallelism (sequence parallel)" if tp > 1 else "",
@@ -115,7 +118,11 @@ def plan(
     fused = getattr(out["cross_entropy"].fn, "linear_cross_entropy", None) if "cross_entropy" in out else None
     if fused is not None:
         name = out["cross_entropy"].provider
-        why = fused_head_refusal(tp=tp, pp=pp, cp=cp)
+        why = fused_head_refusal(tp=tp, pp=pp, cp=cp) or (
+            "the output head is an FP8 linear (kernels.fp8_recipe.bf16_output_head: false): provider loss on the logits"
+            if fp8_head
+            else ""
+        )
         out["linear_cross_entropy"] = Choice("linear_cross_entropy", name, None if why else fused, why or "provider")
     return out
 

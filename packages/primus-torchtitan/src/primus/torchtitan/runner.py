@@ -72,7 +72,10 @@ def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
 
     loss_parallel = not compat.extra_value(cfg.backend.extra, "parallelism.disable_loss_parallel", False)
     p = cfg.parallel
-    choices = plan(ctx.kernels, family=cfg.model.family, tp=p.tp, cp=p.cp, pp=p.pp, loss_parallel=loss_parallel)
+    fp8_head = "fp8" in ctx.kernels and not cfg.kernels.fp8_recipe.bf16_output_head
+    choices = plan(
+        ctx.kernels, family=cfg.model.family, tp=p.tp, cp=p.cp, pp=p.pp, loss_parallel=loss_parallel, fp8_head=fp8_head
+    )
     if "fp8" in ctx.kernels:
         from primus.torchtitan import fp8
 

@@ -29,12 +29,26 @@ def operands(shape: GemmShape, device: str | torch.device) -> tuple[torch.Tensor
     )
 
 
+# GPU cycles of host lead per timed call (~1 ms at the H200's 1.98 GHz): more than any dispatch path here needs
+# to enqueue a GEMM (nvmath's Matmul.execute: ~160 us of host time, torch.mm: ~30 us; results/nvmath_dispatch_cost)
+LEAD_CYCLES_PER_CALL = 2_000_000
+
+
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    """Returns ``time(fn, inner) -> ms per call``: CUDA events on a GPU, the wall clock on CPU."""
+    """Returns ``time(fn, inner) -> ms per call``: CUDA events on a GPU, the wall clock on CPU.
+
+    On a GPU the calls are timed with the host ahead: a sleep kernel is queued first, so all ``inner`` calls are
+    enqueued before the GPU reaches them and run back to back. The number is then the GPU time of the kernels an
+    algorithm choice changes, not the host cost of the path that launched them (which in a training step mostly
+    hides behind the GPU's queue); timed in a plain loop, a path with a slower launch looked slower by up to 3x on
+    small GEMMs with the very same kernel."""
     if device.type == "cuda":
+        sleep = getattr(torch.cuda, "_sleep", None)
 
         def cuda_time(fn: Callable[[], object], inner: int) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if sleep is not None:
+                sleep(LEAD_CYCLES_PER_CALL * inner)
             start.record()
             for _ in range(inner):
                 fn()
