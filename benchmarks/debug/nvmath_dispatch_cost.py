@@ -6,7 +6,8 @@ For Llama 3.2 1B GEMM shapes (8192 tokens), each path runs the SAME cuBLASLt cho
 torch's default) three ways: host time per call (wall clock, no sync inside the loop), GPU time per call with the
 host kept ahead (a sleep kernel queued first, so the calls run back to back: kernel time only), and GPU time per
 call as a plain loop measures it (what primus-tune's searcher compared). The profiler lists the kernels one call
-launches (an extra copy or memset would show there).
+launches (an extra copy or memset would show there). ``direct`` is primus-tune's dispatch since session 4
+(primus.tune.dispatch.DirectLaunch: the planned Matmul launched through nvmath's cuBLASLt binding).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main() -> None:
     from nvmath.linalg.advanced import Matmul
 
     from primus.tune.bench import operands
+    from primus.tune.dispatch import DirectLaunch
     from primus.tune.searchers import lt_operands
     from primus.tune.shapes import GemmShape
 
@@ -92,11 +94,19 @@ def main() -> None:
             out = mm.execute(algorithm=first, stream=stream)
             return out.t() if flip else out
 
-        paths = {"torch.mm": lambda a=a, b=b: torch.mm(a, b), "nvmath": lt}
+        direct = DirectLaunch.of(mm)  # primus-tune's dispatch: the same plan through the cuBLASLt binding
+
+        def launch(direct=direct, x=x, y=y, flip=flip):
+            out = direct(x, y)
+            return out.t() if flip else out
+
+        paths = {"torch.mm": lambda a=a, b=b: torch.mm(a, b), "nvmath": lt, "direct": launch}
         row: dict = {"shape": [m, n, k, layout], "flops": 2 * m * n * k}
+        ref = torch.mm(a, b).float()
         for name, fn in paths.items():
             for _ in range(3):
                 fn()
+            row.setdefault("max_abs_err_vs_torch", {})[name] = (fn().float() - ref).abs().max().item()
             rec = {
                 "host_us": statistics.median(host_us(fn) for _ in range(args.repeats)),
                 "gpu_us_host_ahead": statistics.median(gpu_us(fn) for _ in range(args.repeats)),
@@ -107,7 +117,8 @@ def main() -> None:
             row[name] = rec
         mm.free()
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items()}, default=str)[:600], flush=True)
+        brief = {n: (round(row[n]["host_us"], 1), round(row[n]["gpu_us_host_ahead"], 1)) for n in paths}
+        print(row["shape"], "host us, gpu us:", brief, "max err:", row["max_abs_err_vs_torch"], flush=True)
     import nvmath
 
     out = Path(args.out)

@@ -102,3 +102,15 @@ def test_autocast_casts_first_so_the_bf16_gemms_are_looked_up():
     torch.testing.assert_close(y, ref)
     y.float().sum().backward()
     assert plans.hits == {g.key: 1 for g in gemms} and w.grad.dtype == torch.float32
+
+
+def test_direct_launch_needs_nvmaths_planned_matmul_attributes():
+    """The direct cuBLASLt launch reads a planned nvmath Matmul's handle, descriptors and buffers; a Matmul without
+    them (another nvmath version, or not planned) keeps Matmul.execute instead of failing."""
+    from types import SimpleNamespace
+
+    from primus.tune.dispatch import DirectLaunch
+
+    assert DirectLaunch.of(SimpleNamespace()) is None
+    planned_not = SimpleNamespace(**dict.fromkeys(DirectLaunch.ATTRS, 1), algorithms_buffer=None)
+    assert DirectLaunch.of(planned_not) is None

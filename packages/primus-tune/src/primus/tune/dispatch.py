@@ -6,7 +6,7 @@ input gradient (``g @ W``, ``NN``) and weight gradient (``g.T @ x``, ``TN``) eac
 bias is added by torch (its gradient is a sum), so a tuned GEMM never needs a bias epilogue.
 
 :class:`NvmathPlans` is the CUDA provider: one planned nvmath ``Matmul`` per tuned shape, built on first use from
-the algorithm in the results file. :func:`patch_linears` routes a model's ``nn.Linear`` modules here.
+the algorithm in the results file, then launched through nvmath's cuBLASLt binding (:class:`DirectLaunch`). :func:`patch_linears` routes a model's ``nn.Linear`` modules here.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _dense(t: torch.Tensor) -> bool:
 def gemm(a: torch.Tensor, b: torch.Tensor, plans: PlanProvider | None) -> torch.Tensor:
     """``a @ b`` through the tuned plan for this shape and layout when there is one."""
     if plans is not None and a.dtype == b.dtype and _dense(a) and _dense(b):
-        fn = plans.lookup(shape_of(a, b))
+        fn = plans.lookup_operands(a, b) if isinstance(plans, StaticPlans) else plans.lookup(shape_of(a, b))
         if fn is not None:
             return fn(a, b)
     return torch.mm(a, b)
@@ -164,34 +164,103 @@ class StaticPlans:
         self.table = dict(table or {})
         self.hits: dict[str, int] = {}
         self.misses: dict[str, GemmShape] = {}
+        self._memo: dict[tuple, tuple[str, GemmShape]] = {}
 
     def lookup(self, shape: GemmShape) -> Gemm | None:
-        fn = self.table.get(shape.key)
+        return self._find(shape.key, shape)
+
+    def lookup_operands(self, a: torch.Tensor, b: torch.Tensor) -> Gemm | None:
+        """``lookup(shape_of(a, b))`` with the shape and its key memoised on sizes, strides and dtype: this runs for
+        every GEMM of every patched linear, and building both each time was host time a training step felt."""
+        memo = (a.shape, b.shape, a.stride(), b.stride(), a.dtype)
+        hit = self._memo.get(memo)
+        if hit is None:
+            shape = shape_of(a, b)
+            hit = self._memo[memo] = (shape.key, shape)
+        return self._find(*hit)
+
+    def _find(self, key: str, shape: GemmShape) -> Gemm | None:
+        fn = self.table.get(key)
         if fn is None:
-            self.misses.setdefault(shape.key, shape)
+            self.misses.setdefault(key, shape)
             return None
-        self.hits[shape.key] = self.hits.get(shape.key, 0) + 1
+        self.hits[key] = self.hits.get(key, 0) + 1
         return fn
+
+
+class DirectLaunch:
+    """A planned nvmath ``Matmul`` launched through nvmath's cuBLASLt binding (``cublasLt.matmul``) with new
+    operands: the same handle, descriptors, layouts and algorithm ``Matmul.execute`` uses, without its per-call
+    bookkeeping (operand wrapping, logging, events), which costs ~150 us of host time a call against torch.mm's
+    ~30 us (benchmarks/results/nvmath_dispatch_cost.json) and ate half of what the tuned GEMMs saved in training.
+
+    Written against nvmath-python 1.0's ``Matmul`` attributes (``handle``, ``mm_desc``, ``*_layout_ptr``, ``alpha``,
+    ``beta``, ``algorithms_buffer``, ``result_traits``); :meth:`of` returns None where they are missing, and the
+    caller keeps ``Matmul.execute``. Operands must be aligned as the algorithm was searched (256 bytes, cuBLASLt's
+    default): :meth:`__call__` returns None otherwise and the caller runs torch."""
+
+    ALIGN = 256
+    ATTRS = ("handle", "mm_desc", "a_layout_ptr", "b_layout_ptr", "c_layout_ptr", "d_layout_ptr", "alpha", "beta")
+
+    def __init__(self, mm: Any) -> None:
+        from nvmath.bindings import cublasLt
+
+        self._mm = mm  # owns the handle, descriptors and the buffers whose addresses are passed below
+        self._matmul = cublasLt.matmul
+        self._args = (mm.handle, mm.mm_desc, mm.alpha.ctypes.data)
+        self._layouts = (mm.a_layout_ptr, mm.b_layout_ptr, mm.beta.ctypes.data, 0, mm.c_layout_ptr)
+        self._algo = mm.algorithms_buffer[0]["algo"]
+        self._ws_size = int(mm.algorithms_buffer["workspace_size"].max())
+        self._shape = tuple(mm.result_traits.result_shape)
+        self._strides = tuple(mm.result_traits.result_strides)
+
+    @classmethod
+    def of(cls, mm: Any) -> DirectLaunch | None:
+        if not all(getattr(mm, a, None) is not None for a in cls.ATTRS) or mm.algorithms_buffer is None:
+            return None
+        try:
+            return cls(mm)
+        except (ImportError, AttributeError, KeyError, ValueError) as exc:
+            log.info("tuned GEMMs dispatch through Matmul.execute (%s: %s)", type(exc).__name__, exc)
+            return None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        if x.data_ptr() % self.ALIGN or y.data_ptr() % self.ALIGN:
+            return None
+        out = torch.empty_strided(self._shape, self._strides, dtype=x.dtype, device=x.device)
+        # a workspace per call from torch's caching allocator: stream-ordered like the GEMM that uses it
+        ws = torch.empty(max(self._ws_size, 1), dtype=torch.uint8, device=x.device)
+        a_layout, b_layout, beta, c_ptr, c_layout = self._layouts
+        handle, desc, alpha = self._args
+        self._matmul(
+            handle, desc, alpha, x.data_ptr(), a_layout, y.data_ptr(), b_layout, beta, c_ptr, c_layout,
+            out.data_ptr(), self._mm.d_layout_ptr, self._algo.ctypes.data, ws.data_ptr(), self._ws_size,
+            torch.cuda.current_stream(x.device).cuda_stream,
+        )  # fmt: skip
+        return out
 
 
 class NvmathPlans(StaticPlans):
     """CUDA: the tuned cuBLASLt algorithms of a results file, each planned once (nvmath ``Matmul``) on its first
-    use and reused with new operands. Shapes whose default won are not in the table: torch runs them."""
+    use and then launched directly (:class:`DirectLaunch`) with new operands. Shapes whose default won are not in
+    the table: torch runs them. ``unaligned`` counts calls that went to torch because an operand was not aligned
+    as the algorithm needs."""
 
     def __init__(self, entries: dict[str, Any]) -> None:
         super().__init__()
         self.entries = dict(entries)  # key -> TuningEntry whose winner is "tuned"
         self._matmuls: dict[str, Any] = {}
+        self._launch: dict[str, DirectLaunch | None] = {}
+        self.unaligned = 0
 
     def add(self, entry: Any) -> None:
         self.entries[entry.shape.key] = entry
         self.table.pop(entry.shape.key, None)
 
-    def lookup(self, shape: GemmShape) -> Gemm | None:
-        key = shape.key
+    def _find(self, key: str, shape: GemmShape) -> Gemm | None:
         if key not in self.table and key in self.entries:
             self.table[key] = self._gemm(key)
-        return super().lookup(shape)
+        return super()._find(key, shape)
 
     def _gemm(self, key: str) -> Gemm:
         from primus.tune.searchers import decode_algorithm, lt_operands
@@ -202,12 +271,20 @@ class NvmathPlans(StaticPlans):
             from nvmath.linalg.advanced import Matmul
 
             x, y, flip = lt_operands(a, b)  # a row-major result, as torch.mm gives
+            launch = self._launch.get(key)
+            if launch is not None:
+                out = launch(x, y)
+                if out is None:
+                    self.unaligned += 1
+                    return torch.mm(a, b)
+                return out.t() if flip else out
             stream = torch.cuda.current_stream()
             mm = self._matmuls.get(key)
             if mm is None:
                 mm = Matmul(x, y, stream=stream)
                 mm.plan(algorithms=[algorithm], stream=stream)
                 self._matmuls[key] = mm
+                self._launch[key] = DirectLaunch.of(mm)
             else:
                 mm.reset_operands(a=x, b=y, stream=stream)
             out = mm.execute(stream=stream)
@@ -217,6 +294,7 @@ class NvmathPlans(StaticPlans):
         return run
 
     def free(self) -> None:
+        self._launch.clear()
         for mm in self._matmuls.values():
             mm.free()
         self._matmuls.clear()
