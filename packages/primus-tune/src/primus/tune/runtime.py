@@ -153,6 +153,8 @@ class GemmTuning:
             out["tuned"] = sum(e.winner == "tuned" for e in entries)
         if self.plans is not None:
             out["tuned_calls"] = sum(self.plans.hits.values())
+            if getattr(self.plans, "unaligned", 0):  # tuned shape, operand not aligned as searched: torch ran it
+                out["unaligned_calls"] = self.plans.unaligned
         return out
 
 
