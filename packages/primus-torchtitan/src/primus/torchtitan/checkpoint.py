@@ -138,6 +138,13 @@ class AtomicCheckpointManager(CheckpointManager):
         core.atomic_save(final, man, rank, write, _barrier)
         log.info("committed checkpoint %s", final)
 
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        super().save(curr_step, last_step)
+        # torchtitan 0.2.2 purges old checkpoints (keep_latest_k) after interval saves but returns before purging
+        # on the last step's save, so a run would end with one more than checkpoint.keep_last
+        if last_step and self.enable and self.keep_latest_k > 0:
+            self._purge_stale_checkpoints()
+
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         path = Path(checkpoint_id)
         if from_hf:

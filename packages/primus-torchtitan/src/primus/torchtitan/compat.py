@@ -335,13 +335,6 @@ def checkpoint_manager_class(factory: Callable[..., Any]) -> Iterator[None]:
         tt_train.CheckpointManager = original
 
 
-def purge_after_last_save(checkpointer: Any) -> None:
-    """torchtitan 0.2.2 purges old checkpoints (``keep_latest_k``) after interval saves but returns before
-    purging on the last step's save, so a run would end with one more than ``checkpoint.keep_last``."""
-    if checkpointer.enable and checkpointer.keep_latest_k > 0:
-        checkpointer._purge_stale_checkpoints()
-
-
 def extra_value(extra: dict[str, Any], path: str, default: Any = None) -> Any:
     """The value ``backend.extra`` gives a JobConfig field, written nested or dotted."""
     if path in extra:

@@ -186,7 +186,6 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
             summary["seed_checkpoint"] = str(ckpt.NAMING.folder(ckpt_dir, 0))
         else:
             trainer.train()
-            compat.purge_after_last_save(trainer.checkpointer)
             summary["final_step"] = trainer.step
             summary["last_metrics"] = trainer.metrics_processor.last
             summary.update(trainer.health.metrics())
