@@ -50,23 +50,26 @@ def test_refusals_name_the_reason():
 
 
 def test_primus_fp8_under_compile_on_cuda_is_refused():
-    """The H200 showed zero block-linear gradients for primus-turbo's FP8 linear under torch.compile (the
-    compile check in benchmarks/); such a run is refused, torchao's linear and eager mode are not."""
+    """The H200 (torch 2.11) showed zero block-linear gradients for primus-turbo's FP8 linear under torch.compile
+    (the compile check in benchmarks/); such a run is refused there, torchao's linear, eager mode and torch
+    releases without 2.11's dynamo regression are not."""
     from types import SimpleNamespace
 
     compiled = PrimusConfig.model_validate(
         {"train": {"precision": "bf16", "compile": True}, "kernels": {"fp8": "tensorwise"}}
     )
-    why = compile_refusal(compiled, "fp8", cuda=True)
-    assert "zero block-linear gradients" in why and "implementation: torchao" in why
-    assert compile_refusal(compiled, "torchao", cuda=True) == ""
-    assert compile_refusal(compiled, "fp8", cuda=False) == ""
-    assert compile_refusal(cfg(), "fp8", cuda=True) == ""  # eager
+    why = compile_refusal(compiled, "fp8", cuda=True, torch_version="2.11.0+cu130")
+    assert "zero block-linear gradients" in why and "implementation: torchao" in why and "#180642" in why
+    assert compile_refusal(compiled, "fp8", cuda=True, torch_version="2.12.1+cu130") == ""  # fixed upstream
+    assert compile_refusal(compiled, "torchao", cuda=True, torch_version="2.11.0") == ""
+    assert compile_refusal(compiled, "fp8", cuda=False, torch_version="2.11.0") == ""
+    assert compile_refusal(cfg(), "fp8", cuda=True, torch_version="2.11.0") == ""  # eager
     choice(compiled, SimpleNamespace(name="fp8", load=lambda: None))  # this machine has no CUDA: accepted
     with pytest.MonkeyPatch.context() as mp:
         import torch
 
         mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch, "__version__", "2.11.0+cu130")
         with pytest.raises(ValueError, match="kernels.fp8: primus-turbo's FP8 linear under torch.compile"):
             choice(compiled, SimpleNamespace(name="fp8", load=lambda: None))
 

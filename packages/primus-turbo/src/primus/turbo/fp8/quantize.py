@@ -47,7 +47,7 @@ def resolve_impl(x: torch.Tensor, impl: Impl) -> Impl:
 
     The FP8 linear resolves this once, in its forward, and hands the result to its backward, so both passes
     of one call use the same quantizer. (This did not cure the zero gradients seen under torch.compile on
-    the H200: those come from dynamo's tracing of the autograd function on CUDA with either quantizer, see
+    the H200: those come from torch 2.11's dynamo tracing of the autograd function, with either quantizer, see
     ``primus.torchtitan.fp8.COMPILE_ON_CUDA``.)"""
     if impl != "auto":
         return impl
