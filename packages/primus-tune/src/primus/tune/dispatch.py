@@ -164,28 +164,24 @@ class StaticPlans:
         self.table = dict(table or {})
         self.hits: dict[str, int] = {}
         self.misses: dict[str, GemmShape] = {}
-        self._memo: dict[tuple, tuple[str, GemmShape]] = {}
+        self._memo: dict[tuple, GemmShape] = {}
 
     def lookup(self, shape: GemmShape) -> Gemm | None:
-        return self._find(shape.key, shape)
+        fn = self.table.get(shape.key)
+        if fn is None:
+            self.misses.setdefault(shape.key, shape)
+            return None
+        self.hits[shape.key] = self.hits.get(shape.key, 0) + 1
+        return fn
 
     def lookup_operands(self, a: torch.Tensor, b: torch.Tensor) -> Gemm | None:
-        """``lookup(shape_of(a, b))`` with the shape and its key memoised on sizes, strides and dtype: this runs for
-        every GEMM of every patched linear, and building both each time was host time a training step felt."""
+        """``lookup(shape_of(a, b))`` with one shape object (and so one key string) per operand layout: this runs
+        for every GEMM of every patched linear, and building both each time was host time a training step felt."""
         memo = (a.shape, b.shape, a.stride(), b.stride(), a.dtype)
-        hit = self._memo.get(memo)
-        if hit is None:
-            shape = shape_of(a, b)
-            hit = self._memo[memo] = (shape.key, shape)
-        return self._find(*hit)
-
-    def _find(self, key: str, shape: GemmShape) -> Gemm | None:
-        fn = self.table.get(key)
-        if fn is None:
-            self.misses.setdefault(key, shape)
-            return None
-        self.hits[key] = self.hits.get(key, 0) + 1
-        return fn
+        shape = self._memo.get(memo)
+        if shape is None:
+            shape = self._memo[memo] = shape_of(a, b)
+        return self.lookup(shape)
 
 
 class DirectLaunch:
@@ -257,10 +253,11 @@ class NvmathPlans(StaticPlans):
         self.entries[entry.shape.key] = entry
         self.table.pop(entry.shape.key, None)
 
-    def _find(self, key: str, shape: GemmShape) -> Gemm | None:
+    def lookup(self, shape: GemmShape) -> Gemm | None:
+        key = shape.key
         if key not in self.table and key in self.entries:
             self.table[key] = self._gemm(key)
-        return super()._find(key, shape)
+        return super().lookup(shape)
 
     def _gemm(self, key: str) -> Gemm:
         from primus.tune.searchers import decode_algorithm, lt_operands

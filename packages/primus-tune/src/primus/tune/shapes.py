@@ -11,6 +11,7 @@ hipBLASLt logs name the same GEMM.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Any
 
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "scaled_mm")
@@ -29,7 +30,7 @@ class GemmShape:
     bias: bool = False
     b_dtype: str | None = None  # only when it differs from a's (fp8 e4m3 x e5m2)
 
-    @property
+    @cached_property  # made once per shape object: the tuned dispatch looks shapes up on every GEMM
     def key(self) -> str:
         """A stable string id: ``mm NT bfloat16 m8192 n2048 k2048`` (+ batch, bias, dtypes when they matter)."""
         parts = [self.op, self.layout, self.dtype]
