@@ -6,7 +6,8 @@ input gradient (``g @ W``, ``NN``) and weight gradient (``g.T @ x``, ``TN``) eac
 bias is added by torch (its gradient is a sum), so a tuned GEMM never needs a bias epilogue.
 
 :class:`NvmathPlans` is the CUDA provider: one planned nvmath ``Matmul`` per tuned shape, built on first use from
-the algorithm in the results file, then launched through nvmath's cuBLASLt binding (:class:`DirectLaunch`). :func:`patch_linears` routes a model's ``nn.Linear`` modules here.
+the algorithm in the results file, then launched through nvmath's cuBLASLt binding (:class:`DirectLaunch`).
+:func:`patch_linears` routes a model's ``nn.Linear`` modules here.
 """
 
 from __future__ import annotations
@@ -265,8 +266,6 @@ class NvmathPlans(StaticPlans):
         algorithm = decode_algorithm(self.entries[key].solution["algorithm"])
 
         def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            from nvmath.linalg.advanced import Matmul
-
             x, y, flip = lt_operands(a, b)  # a row-major result, as torch.mm gives
             launch = self._launch.get(key)
             if launch is not None:
@@ -278,6 +277,8 @@ class NvmathPlans(StaticPlans):
             stream = torch.cuda.current_stream()
             mm = self._matmuls.get(key)
             if mm is None:
+                from nvmath.linalg.advanced import Matmul
+
                 mm = Matmul(x, y, stream=stream)
                 mm.plan(algorithms=[algorithm], stream=stream)
                 self._matmuls[key] = mm
