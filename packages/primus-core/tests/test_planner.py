@@ -322,3 +322,13 @@ def test_fused_loss_memory_only_where_the_engine_fuses(registry):
     assert logits("torchtitan", True) < full / 4
     assert logits("torchtitan", True, pp=2) == logits("torchtitan", False, pp=2)
     assert logits("torchtitan", True, tp=2) == logits("torchtitan", False, tp=2)
+    # an FP8 output head is not fused (the backend's own rule, fused_loss_refusal): all logits are held
+    fp8_head = estimate(
+        m, Layout("torchtitan", "fsdp", dp=1), 4096, kernels=KernelTerms(fused_loss=True, fp8_head=True)
+    )
+    assert fp8_head.parts["logits"] == logits("torchtitan", False)
+    from primus.core.config.schema import PrimusConfig
+    from primus.core.strategies import kernel_terms
+
+    cfg = PrimusConfig.model_validate({"kernels": {"fp8": "tensorwise", "fp8_recipe": {"bf16_output_head": False}}})
+    assert kernel_terms(cfg).fp8_head and not kernel_terms(PrimusConfig()).fp8_head

@@ -60,12 +60,13 @@ def estimate_memory(cfg: PrimusConfig, world_size: int) -> MemoryEstimate:
 
 
 def kernel_terms(cfg: PrimusConfig) -> KernelTerms:
-    """What ``cfg``'s kernels change in the planner: FP8 in the recipe's layers, and the fused loss."""
+    """What ``cfg``'s kernels change in the planner: FP8 in the recipe's layers (and head), and the fused loss."""
+    from primus.core.kernels.fp8_recipe import fp8_output_head
     from primus.core.planner.memory import KernelTerms, fp8_layers
 
     k = cfg.kernels
     n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
-    return KernelTerms(k.fp8, n_fp8, fused_loss(cfg))
+    return KernelTerms(k.fp8, n_fp8, fused_loss(cfg), fp8_output_head(k))
 
 
 def fused_loss(cfg: PrimusConfig) -> bool:

@@ -118,18 +118,14 @@ def plan(
     fused = getattr(out["cross_entropy"].fn, "linear_cross_entropy", None) if "cross_entropy" in out else None
     if fused is not None:
         name = out["cross_entropy"].provider
-        why = fused_head_refusal(tp=tp, pp=pp, cp=cp) or (
-            "the output head is an FP8 linear (kernels.fp8_recipe.bf16_output_head: false): provider loss on the logits"
-            if fp8_head
-            else ""
-        )
+        why = fused_head_refusal(tp=tp, pp=pp, cp=cp, fp8_head=fp8_head)
         out["linear_cross_entropy"] = Choice("linear_cross_entropy", name, None if why else fused, why or "provider")
     return out
 
 
-def fused_head_refusal(*, tp: int, pp: int, cp: int) -> str:
+def fused_head_refusal(*, tp: int, pp: int, cp: int, fp8_head: bool = False) -> str:
     """Why the output projection + loss cannot be fused in this layout ("" where they can)."""
-    why = fused_loss_refusal("torchtitan", tp=tp, pp=pp, cp=cp)
+    why = fused_loss_refusal("torchtitan", tp=tp, pp=pp, cp=cp, fp8_head=fp8_head)
     return f"{why}: provider loss on the logits" if why else ""
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from primus.core.config.schema import PrimusConfig
+from primus.core.kernels.fp8_recipe import fp8_output_head
 from primus.core.protocols import RunContext
 
 log = logging.getLogger("primus.torchtitan")
@@ -72,9 +73,14 @@ def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
 
     loss_parallel = not compat.extra_value(cfg.backend.extra, "parallelism.disable_loss_parallel", False)
     p = cfg.parallel
-    fp8_head = "fp8" in ctx.kernels and not cfg.kernels.fp8_recipe.bf16_output_head
     choices = plan(
-        ctx.kernels, family=cfg.model.family, tp=p.tp, cp=p.cp, pp=p.pp, loss_parallel=loss_parallel, fp8_head=fp8_head
+        ctx.kernels,
+        family=cfg.model.family,
+        tp=p.tp,
+        cp=p.cp,
+        pp=p.pp,
+        loss_parallel=loss_parallel,
+        fp8_head=fp8_output_head(cfg.kernels),
     )
     if "fp8" in ctx.kernels:
         from primus.torchtitan import fp8

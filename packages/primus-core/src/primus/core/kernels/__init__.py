@@ -37,9 +37,13 @@ class KernelUnavailable(UserError, RuntimeError):
     pass
 
 
-def fused_loss_refusal(engine: str, *, tp: int, pp: int = 1, cp: int = 1) -> str:
+def fused_loss_refusal(engine: str, *, tp: int, pp: int = 1, cp: int = 1, fp8_head: bool = False) -> str:
     """Why ``engine`` keeps its own output layer + loss instead of a provider's ``linear_cross_entropy`` in
-    this layout ("" where it fuses them). One rule for both backends and the planner's memory model."""
+    this layout ("" where it fuses them). One rule for both backends and the planner's memory model.
+    ``fp8_head``: the output head is an FP8 linear (:func:`~primus.core.kernels.fp8_recipe.fp8_output_head`),
+    which the bf16 fused kernel would bypass."""
+    if fp8_head:
+        return "the output head is an FP8 linear (kernels.fp8_recipe.bf16_output_head: false)"
     if tp > 1:
         return "the output projection is vocab-sharded under tensor parallelism"
     if engine == "torchtitan" and pp > 1:

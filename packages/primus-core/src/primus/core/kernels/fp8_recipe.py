@@ -17,6 +17,11 @@ def fp8_blocks(num_layers: int, bf16_first: int, bf16_last: int) -> range:
     return range(bf16_first, num_layers - bf16_last)
 
 
+def fp8_output_head(kernels: Any) -> bool:
+    """Whether the output projection runs in FP8 too (``kernels.fp8`` on and ``bf16_output_head: false``)."""
+    return kernels.fp8 != "off" and not kernels.fp8_recipe.bf16_output_head
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """``mode``: one scale per tensor (``tensorwise``) or per row of each operand along the reduction dim

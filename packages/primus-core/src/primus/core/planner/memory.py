@@ -161,12 +161,13 @@ def fp8_layers(model: ModelConfig, fp8: str, bf16_first: int = 0, bf16_last: int
 class KernelTerms:
     """What the run's kernels change in the memory and step-time models: ``fp8`` (kernels.fp8: off |
     tensorwise | rowwise) in ``fp8_layers`` of the model's layers (None: all, see :func:`fp8_layers`), and
-    ``fused_loss``: the cross-entropy provider fuses the output projection (counted where the engine uses it).
-    ``primus.core.strategies.kernel_terms`` reads them from a config."""
+    ``fused_loss``: the cross-entropy provider fuses the output projection (counted where the engine uses it, not
+    with ``fp8_head``, an FP8 output projection). ``primus.core.strategies.kernel_terms`` reads them from a config."""
 
     fp8: str = "off"
     fp8_layers: int | None = None
     fused_loss: bool = False
+    fp8_head: bool = False
 
     def fp8_share(self, model: ModelConfig) -> float:
         """The fraction of the model's layers whose GEMMs run in FP8."""
@@ -219,7 +220,9 @@ def estimate(
     parts["activations"] = kept * in_flight_micro_batches(layout) * scale
     s = seq_len / layout.cp
     # where the engine uses it (the rule both backends apply)
-    if kernels.fused_loss and not fused_loss_refusal(layout.engine, tp=layout.tp, pp=layout.pp, cp=layout.cp):
+    if kernels.fused_loss and not fused_loss_refusal(
+        layout.engine, tp=layout.tp, pp=layout.pp, cp=layout.cp, fp8_head=kernels.fp8_head
+    ):
         # one chunk of logits, the output weight's gradient and the hidden states' (made in the forward)
         parts["logits"] = (
             cal.FUSED_LOSS_CHUNK_BYTES
