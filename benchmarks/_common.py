@@ -18,12 +18,17 @@ def overhead_args(doc: str, out: str, models: list[str]) -> Any:
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=out)
     ap.add_argument("--model", choices=sorted(models), default="1b")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=10, help="steps left out of each run's median")
+    run_shape_args(ap, steps=40, warmup=10)
     ap.add_argument("--rounds", type=int, default=2)
     return ap
+
+
+def run_shape_args(ap: Any, *, steps: int, warmup: int) -> None:
+    """``--seq``, ``--micro-batch``, ``--steps`` and ``--warmup``: the shape of every benchmark's training run."""
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--warmup", type=int, default=warmup, help="steps left out of each run's median")
 
 
 def run_overrides(out: Path | str, seq: int, micro: int, steps: int) -> list[str]:

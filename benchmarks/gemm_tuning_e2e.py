@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import run_overrides  # noqa: E402
+from _common import run_overrides, run_shape_args  # noqa: E402
 
 MODES = ("off", "offline", "online")
 
@@ -83,10 +83,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/gemm_tuning_e2e.json")
     ap.add_argument("--preset", default="llama3.2-1b")
     ap.add_argument("--offline-file", default="benchmarks/results/llama3.2-1b-gemm-h200.json")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=8, help="steps left out of each run's median")
+    run_shape_args(ap, steps=30, warmup=8)
     ap.add_argument("--online-steps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny preset, 6 steps, 1 round: checks the script")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import free_port, run_overrides, steady, versions  # noqa: E402
+from _common import free_port, run_overrides, run_shape_args, steady, versions  # noqa: E402
 
 LAYOUTS = {  # engine -> overrides for N data-parallel ranks
     "torchtitan": lambda n: [f"parallel.dp_shard={n}"],
@@ -85,10 +85,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--engines", default="torchtitan,megatron")
     ap.add_argument("--preset", default="llama3.2-1b")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=6, help="steps left out of the median")
+    run_shape_args(ap, steps=20, warmup=6)
     ap.add_argument("--case-timeout", type=int, default=240)
     ap.add_argument("--work", default="/tmp/primus-multi-gpu-profile")
     args = ap.parse_args()
