@@ -202,11 +202,12 @@ class DirectLaunch:
     def __init__(self, mm: Any) -> None:
         from nvmath.bindings import cublasLt
 
-        self._mm = mm  # owns the handle, descriptors and the buffers whose addresses are passed below
+        self._mm = mm  # owns the handle, descriptors and the buffers whose addresses are kept below
         self._matmul = cublasLt.matmul
-        self._args = (mm.handle, mm.mm_desc, mm.alpha.ctypes.data)
-        self._layouts = (mm.a_layout_ptr, mm.b_layout_ptr, mm.beta.ctypes.data, 0, mm.c_layout_ptr)
         self._algo = mm.algorithms_buffer[0]["algo"]
+        self._handle, self._desc = mm.handle, mm.mm_desc
+        self._alpha, self._beta, self._algo_ptr = mm.alpha.ctypes.data, mm.beta.ctypes.data, self._algo.ctypes.data
+        self._layouts = (mm.a_layout_ptr, mm.b_layout_ptr, mm.c_layout_ptr, mm.d_layout_ptr)
         self._ws_size = int(mm.algorithms_buffer["workspace_size"].max())
         self._shape = tuple(mm.result_traits.result_shape)
         self._strides = tuple(mm.result_traits.result_strides)
@@ -227,11 +228,10 @@ class DirectLaunch:
         out = torch.empty_strided(self._shape, self._strides, dtype=x.dtype, device=x.device)
         # a workspace per call from torch's caching allocator: stream-ordered like the GEMM that uses it
         ws = torch.empty(max(self._ws_size, 1), dtype=torch.uint8, device=x.device)
-        a_layout, b_layout, beta, c_ptr, c_layout = self._layouts
-        handle, desc, alpha = self._args
+        a_layout, b_layout, c_layout, d_layout = self._layouts
         self._matmul(
-            handle, desc, alpha, x.data_ptr(), a_layout, y.data_ptr(), b_layout, beta, c_ptr, c_layout,
-            out.data_ptr(), self._mm.d_layout_ptr, self._algo.ctypes.data, ws.data_ptr(), self._ws_size,
+            self._handle, self._desc, self._alpha, x.data_ptr(), a_layout, y.data_ptr(), b_layout, self._beta,
+            0, c_layout, out.data_ptr(), d_layout, self._algo_ptr, ws.data_ptr(), self._ws_size,  # no C: beta is 0
             torch.cuda.current_stream(x.device).cuda_stream,
         )  # fmt: skip
         return out

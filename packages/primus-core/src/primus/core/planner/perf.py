@@ -120,9 +120,8 @@ def step_time(
     compute = m * tokens_per_micro_batch * token_s / tp_slowdown
     params, _ = stage_params(model, layout)
     fp8_weight_casts = 0.0
-    if (
-        kernels.fp8 != "off" and dev.fp8_peak_flops
-    ):  # each micro-batch casts the stage's weights (and a transposed copy)
+    # each micro-batch casts the stage's weights (and a transposed copy)
+    if kernels.fp8 != "off" and dev.fp8_peak_flops:
         fp8_weight_casts = m * 2 * cal.FP8_CAST_BYTES_PER_ELEMENT * lps * pc.per_layer / layout.tp * fp8_share / hbm
     optimizer = cal.OPTIMIZER_BYTES_PER_PARAM * params / (layout.dp * layout.cp if layout.dp_mode != "ddp" else 1) / hbm
     compute += fp8_weight_casts + optimizer
