@@ -117,6 +117,59 @@ def test_fused_adam_switch_reaches_megatrons_torch_adam():
         torch.testing.assert_close(p, c, rtol=1e-5, atol=1e-6)
 
 
+def test_foreach_multi_tensor_replaces_megatrons_local_fallbacks(monkeypatch):
+    """compat.foreach_multi_tensor takes the slots megatron-core fills with its local helpers when neither TE nor
+    apex is installed (the local l2 norm syncs the host once per tensor), and megatron's grad norm and clipping
+    give the same numbers through it."""
+    import torch
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mp_optimizer
+
+    from primus.megatron import compat
+    from primus.megatron.cpu import _CudaToCpu
+
+    # what the slots hold here, how megatron calls them, and the sync the replacement removes
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is mp_optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale
+    assert clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier
+    assert "torch.tensor(l2)" in inspect.getsource(utils.local_multi_tensor_l2_norm)
+    assert "multi_tensor_applier(\n                    l2_norm_impl," in inspect.getsource(
+        clip_grads.get_grad_norm_fp32
+    )
+    for module, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    monkeypatch.setattr(mp_optimizer, "multi_tensor_scale_impl", mp_optimizer.multi_tensor_scale_impl)
+    assert compat.foreach_multi_tensor() == [
+        "megatron.core.optimizer.clip_grads.l2_norm_impl",
+        "megatron.core.optimizer.clip_grads.multi_tensor_scale_impl",
+        "megatron.core.optimizer.optimizer.multi_tensor_scale_impl",
+    ]
+    assert compat.foreach_multi_tensor() == []  # already in place
+
+    torch.manual_seed(0)
+    grads = [torch.randn(n, 8) * s for n, s in ((64, 3.0), (7, 0.1), (300, 1.0))]
+    want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    norm, per = compat.foreach_l2_norm(0, None, [grads[:2], grads[2:]], True)
+    assert norm.shape == (1,) and per.shape == (3,)
+    torch.testing.assert_close(norm[0], want)
+    torch.testing.assert_close(per, torch.stack([g.norm() for g in grads]))
+    # megatron's clipping through the new slot: scaled in place to max_norm
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    with _CudaToCpu():  # megatron's device="cuda" literals and CUDA type check, on this CPU machine
+        clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, float(want))
+    for p, g in zip(params, grads, strict=True):
+        torch.testing.assert_close(p.grad, g * (1.0 / (float(want) + 1e-6)))
+    # a copy into another list (megatron's main -> model params, fp16), with a dtype change
+    dst = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
+    compat.foreach_scale(0, None, [grads, dst], 1.0)
+    compat.foreach_scale(0, None, [grads, dst[:0] + dst], 0.5)
+    for d, g in zip(dst, grads, strict=True):
+        torch.testing.assert_close(d, (g * 0.5).bfloat16())
+
+
 def test_checkpoint_writer_results_queue_is_a_module_global():
     """compat.checkpoint_writer_dies_with_rank pre-fills the global megatron's save reuses."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async

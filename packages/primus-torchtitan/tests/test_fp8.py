@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY, losses, primus_train, summary
 
 from primus.core.config.schema import Fp8Recipe, PrimusConfig
-from primus.torchtitan.fp8 import choice, compile_refusal, issues, keeps_bf16
+from primus.torchtitan.fp8 import issues, keeps_bf16
 from primus.torchtitan.validate import validate
 
 
@@ -41,37 +41,20 @@ def test_refusals_name_the_reason():
     tp = cfg().model_copy(update={"parallel": cfg().parallel.model_copy(update={"tp": 2})})
     assert any("DTensors" in i.message for i in validate(tp, world_size=2))
     assert issues(cfg(fp8_recipe={"scaling": "delayed"})) == []
+    compiled_delayed = PrimusConfig.model_validate(
+        {
+            "train": {"precision": "bf16", "compile": True},
+            "kernels": {"fp8": "tensorwise", "fp8_recipe": {"scaling": "delayed"}},
+        }
+    )
+    (why,) = issues(compiled_delayed)
+    assert why.path == "kernels.fp8_recipe.scaling" and "torch.compile" in why.message
     rowdelayed = PrimusConfig.model_validate(
         {"train": {"precision": "bf16"}, "kernels": {"fp8": "rowwise", "fp8_recipe": {"scaling": "delayed"}}}
     )
     assert any(i.path == "kernels.fp8_recipe.scaling" for i in issues(rowdelayed))
     none_left = cfg(fp8_recipe={"bf16_first_layers": 1, "bf16_last_layers": 1})  # tiny-llama: 2 layers
     assert any("leaves none" in i.message for i in issues(none_left))
-
-
-def test_primus_fp8_under_compile_on_cuda_is_refused():
-    """The H200 (torch 2.11) showed zero block-linear gradients for primus-turbo's FP8 linear under torch.compile
-    (the compile check in benchmarks/); such a run is refused there, torchao's linear, eager mode and torch
-    releases without 2.11's dynamo regression are not."""
-    from types import SimpleNamespace
-
-    compiled = PrimusConfig.model_validate(
-        {"train": {"precision": "bf16", "compile": True}, "kernels": {"fp8": "tensorwise"}}
-    )
-    why = compile_refusal(compiled, "fp8", cuda=True, torch_version="2.11.0+cu130")
-    assert "zero block-linear gradients" in why and "implementation: torchao" in why and "#180642" in why
-    assert compile_refusal(compiled, "fp8", cuda=True, torch_version="2.12.1+cu130") == ""  # fixed upstream
-    assert compile_refusal(compiled, "torchao", cuda=True, torch_version="2.11.0") == ""
-    assert compile_refusal(compiled, "fp8", cuda=False, torch_version="2.11.0") == ""
-    assert compile_refusal(cfg(), "fp8", cuda=True, torch_version="2.11.0") == ""  # eager
-    choice(compiled, SimpleNamespace(name="fp8", load=lambda: None))  # this machine has no CUDA: accepted
-    with pytest.MonkeyPatch.context() as mp:
-        import torch
-
-        mp.setattr(torch.cuda, "is_available", lambda: True)
-        mp.setattr(torch, "__version__", "2.11.0+cu130")
-        with pytest.raises(ValueError, match="kernels.fp8: primus-turbo's FP8 linear under torch.compile"):
-            choice(compiled, SimpleNamespace(name="fp8", load=lambda: None))
 
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])

@@ -155,8 +155,8 @@ def test_trains_a_small_mlp_like_fp32():
 def test_compiled_linear_equals_eager_with_auto_as_on_cuda(monkeypatch, mode):
     """With ``auto`` made to behave as on CUDA (Triton in eager mode, PyTorch ops while compiling), a compiled
     forward + backward equals the eager one bit for bit and the "Triton" quantizer (a stand-in that refuses
-    fake tensors) only ever sees real ones. On CPU this holds; on the H200 the compiled backward is wrong for
-    a reason this test cannot reach (dynamo's tracing on CUDA, ``primus.torchtitan.fp8.COMPILE_ON_CUDA``)."""
+    fake tensors) only ever sees real ones. (On the GPU, ``benchmarks/fp8_compile_check.py`` checks the same
+    against fp32 for a compiled torchtitan model.)"""
     from torch._subclasses.fake_tensor import is_fake
 
     from primus.turbo.fp8 import quantize as qmod
@@ -193,3 +193,34 @@ def test_compiled_linear_equals_eager_with_auto_as_on_cuda(monkeypatch, mode):
     torch.testing.assert_close(y, eager, rtol=0, atol=0)
     torch.testing.assert_close(x.grad, gx, rtol=0, atol=0)
     torch.testing.assert_close(w.grad, gw, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_traced_gemm_has_no_same_dtype_copy(mode):
+    """Dynamo's graph of ``_mm`` ends at the GEMM op when its output already has the wanted dtype. A same-dtype
+    ``.to()`` there (a no-op in eager mode) is a traced output aliasing an intermediate, for which torch 2.11's
+    dynamo routed the backward's gradient to the wrong slot (pytorch#180642): compiled block linears trained on
+    zero gradients on the H200 until it was removed."""
+    import primus.turbo.fp8.linear as lin
+
+    rowwise = mode == "rowwise"
+    a = quantize_torch(torch.randn(32, 16), "e4m3", rowwise=rowwise)
+    b = quantize_torch(torch.randn(48, 16), "e4m3", rowwise=rowwise)
+
+    def to_nodes(out_dtype):
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        mm = lambda ad, asi, bd, bsi: lin._mm(  # noqa: E731
+            lin.Quantized(ad, asi, asi), lin.Quantized(bd, bsi, bsi), out_dtype, rowwise=rowwise, fast_accum=True
+        )
+        y = torch.compile(mm, backend=capture, fullgraph=True)(a.data, a.scale_inv, b.data, b.scale_inv)
+        assert y.dtype == out_dtype
+        return [n for g in graphs for n in g.graph.nodes if n.op == "call_method" and n.target == "to"]
+
+    assert to_nodes(torch.bfloat16) == []
+    assert len(to_nodes(torch.float32)) == (1 if rowwise else 0)  # rowwise GEMMs give bf16: cast after

@@ -207,6 +207,7 @@ def run(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         optimizer = mc.get_megatron_optimizer(_optimizer_config(cfg, mc), model)
         if device != "cpu" and cfg.train.optimizer.name in ("adam", "adamw"):
             mc.fuse_torch_adam(optimizer)
+        mc.foreach_multi_tensor()
         scheduler = _scheduler(cfg, optimizer, mc)
 
         def one_or_list(items: list[Any]) -> Any:

@@ -57,39 +57,11 @@ def fp8_swap(cfg: Any, provider: Any) -> Callable[[Any], list[str]]:
     return swap
 
 
-COMPILE_ON_CUDA = (
-    "primus-turbo's FP8 linear under torch.compile on CUDA with torch 2.11 trains with zero block-linear gradients "
-    "(benchmarks/results/fp8_compile_check.json): 2.11's dynamo returns the autograd function's intermediates as "
-    "extra forward outputs and routes the backward's gradient to the wrong one, a regression reported upstream as "
-    "pytorch/pytorch#180642 and fixed for 2.12 (#180921). Use kernels.fp8_recipe.implementation: torchao (install "
-    "torchao), train.compile: false, or another torch"
-)
-# where the refusal holds: the torch releases with the regression (2.11) on the device it was seen on
-BROKEN_TORCH = ((2, 11),)
-
-
-def compile_refusal(cfg: Any, provider_name: str, *, cuda: bool, torch_version: str | None = None) -> str:
-    """Why this run cannot take ``provider_name``'s FP8 linears ("" where it can). Other torch releases are let
-    through: on 2.13 the compiled linear's gradients equal eager's (CPU test); no GPU with 2.12+ was at hand."""
-    if provider_name != "fp8" or not cfg.train.compile or not cuda:
-        return ""
-    if torch_version is None:
-        import torch
-
-        torch_version = torch.__version__
-    release = tuple(int(p) for p in torch_version.split("+")[0].split(".")[:2])
-    return COMPILE_ON_CUDA if release in BROKEN_TORCH else ""
-
-
 def choice(cfg: Any, provider: Any) -> Any:
-    """The ``fp8`` entry of the run's kernel plan (:class:`primus.torchtitan.kernels.Choice`); refuses what
-    :func:`compile_refusal` names (a run that would train wrong)."""
-    import torch
-
+    """The ``fp8`` entry of the run's kernel plan (:class:`primus.torchtitan.kernels.Choice`). Both providers
+    run under ``train.compile``: on the H200 with torch 2.11, primus-turbo's compiled FP8 linear has eager's
+    gradients (``benchmarks/fp8_compile_check.py``, the gate to run on a new torch or GPU)."""
     from primus.torchtitan.kernels import Choice
-
-    if why := compile_refusal(cfg, provider.name, cuda=torch.cuda.is_available()):
-        raise ValueError(f"kernels.fp8: {why}")
 
     r = cfg.kernels.fp8_recipe
     note = (

@@ -62,7 +62,7 @@ def delayed_rowwise_reason() -> str:
 
 def config_issues(cfg: Any, *, engine: str) -> list[Any]:
     """What both engines refuse for ``kernels.fp8`` (without importing torch): fp32 compute, delayed
-    rowwise, no block left in FP8, and GEMM dims ``_scaled_mm`` cannot take (each named)."""
+    rowwise, delayed under torch.compile, no block left in FP8, and GEMM dims ``_scaled_mm`` cannot take (each named)."""
     from primus.core.protocols import ConfigIssue
 
     k, m, t = cfg.kernels, cfg.model, cfg.train
@@ -82,6 +82,16 @@ def config_issues(cfg: Any, *, engine: str) -> list[Any]:
         )
     if r.scaling == "delayed" and k.fp8 == "rowwise":
         out.append(ConfigIssue("kernels.fp8_recipe.scaling", delayed_rowwise_reason(), value="delayed"))
+    if r.scaling == "delayed" and t.compile:
+        out.append(
+            ConfigIssue(
+                "kernels.fp8_recipe.scaling",
+                "delayed scaling updates amax histories held outside the model inside the FP8 linear's autograd "
+                "function, which torch.compile cannot trace as one graph",
+                value="delayed",
+                allowed="current with train.compile, or train.compile: false",
+            )
+        )
     if not fp8_blocks(m.num_layers, r.bf16_first_layers, r.bf16_last_layers):
         out.append(
             ConfigIssue(

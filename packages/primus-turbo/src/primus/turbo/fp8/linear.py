@@ -71,8 +71,7 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``a [m, k] · bᵀ`` (``b`` [n, k]) on ``torch._scaled_mm``, as one opaque op that makes its operands'
     layouts itself (first row-major, second column-major): under torch.compile inductor may hand it the fp8
-    transposed copies in any layout. It did not cure the zero gradients seen under torch.compile on CUDA with
-    torch 2.11 (benchmarks/fp8_compile_check.py measured both this op and an inline ``_scaled_mm`` there)."""
+    transposed copies in any layout."""
     return torch._scaled_mm(
         a.contiguous(),
         b.contiguous().t(),
@@ -95,7 +94,8 @@ def _mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, rowwise: bool, fa
     dtype = torch.bfloat16 if rowwise else out_dtype
     y = scaled_mm(a.data, b.data, a.scale_inv, scale_b, dtype, fast_accum)
     # no same-dtype .to(): traced, it is a second node for the same tensor, an output aliasing an intermediate,
-    # which torch 2.11's dynamo mis-routes gradients for (pytorch#180642; primus.torchtitan.fp8.COMPILE_ON_CUDA)
+    # which torch 2.11's dynamo mis-routes gradients for (pytorch#180642): with it, the compiled block linears
+    # trained on zero gradients on the H200; without it their gradients equal eager's (fp8_compile_check.py)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 

@@ -46,9 +46,7 @@ def resolve_impl(x: torch.Tensor, impl: Impl) -> Impl:
     copy the backward needs) where the hand-written kernel would stay a separate launch and an extra pass.
 
     The FP8 linear resolves this once, in its forward, and hands the result to its backward, so both passes
-    of one call use the same quantizer. (This did not cure the zero gradients seen under torch.compile on
-    the H200: those come from torch 2.11's dynamo tracing of the autograd function, with either quantizer, see
-    ``primus.torchtitan.fp8.COMPILE_ON_CUDA``.)"""
+    of one call use the same quantizer."""
     if impl != "auto":
         return impl
     return "triton" if x.is_cuda and not torch.compiler.is_compiling() else "torch"
