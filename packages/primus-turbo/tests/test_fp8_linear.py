@@ -224,3 +224,113 @@ def test_traced_gemm_has_no_same_dtype_copy(mode):
 
     assert to_nodes(torch.bfloat16) == []
     assert len(to_nodes(torch.float32)) == (1 if rowwise else 0)  # rowwise GEMMs give bf16: cast after
+
+
+class _Projections(torch.nn.Module):
+    """Three linears called in order on one input, as torchtitan's q/k/v."""
+
+    def __init__(self, bias: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q = torch.nn.Linear(64, 64, bias=bias)
+        self.k = torch.nn.Linear(64, 32, bias=bias)
+        self.v = torch.nn.Linear(64, 32, bias=bias)
+
+    def forward(self, x):
+        return (self.q(x) * 1.5).sum() + self.k(x).pow(2).sum() + self.v(x).sum()
+
+
+def _grads(module, fn, x):
+    x.grad = None
+    module.zero_grad(set_to_none=True)
+    y = fn(x)
+    y.backward()
+    return [y.detach(), x.grad.clone(), *(p.grad.clone() for p in module.parameters())]
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_input_group_is_one_fp8_gemm_over_the_concatenated_weights(mode):
+    from primus.turbo.fp8.linear import group_inputs
+
+    recipe = Fp8Recipe(mode=mode)
+    m = _Projections()
+    convert_to_fp8(m, recipe)
+    assert group_inputs([m.q, m.k, m.v])
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    got = _grads(m, m, x)
+    assert m.q.fp8_group.last is None  # nothing held after the last member
+
+    weight = torch.cat([m.q.weight, m.k.weight, m.v.weight]).detach().requires_grad_()
+    x.grad = None
+    q, k, v = fp8_linear(x, weight, recipe=recipe).split([64, 32, 32], dim=-1)
+    ((q * 1.5).sum() + k.pow(2).sum() + v.sum()).backward()
+    want = [x.grad, *weight.grad.split([64, 32, 32])]
+    for a, b in zip(got[1:], want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    # out of order (k first), or on another input: the group runs its GEMM again, and each member's output is
+    # the slice of a GEMM over its own input
+    with torch.no_grad():
+        want_q, want_k, want_v = fp8_linear(x, weight, recipe=recipe).split([64, 32, 32], dim=-1)
+        other = torch.randn_like(x)
+        assert torch.equal(m.k(x), want_k) and torch.equal(
+            m.q(other), fp8_linear(other, weight, recipe=recipe)[..., :64]
+        )
+        assert torch.equal(m.v(x), want_v) and m.q.fp8_group.last is None
+
+
+def test_input_group_compiles_to_one_quantisation_of_the_input():
+    """Under torch.compile (fullgraph) the grouped linears' gradients equal eager's, and AOTAutograd's forward
+    graph holds one GEMM and two amax reductions (input, concatenated weight) instead of three of each; its
+    backward one transposed copy per operand instead of one per linear."""
+    import collections
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    from primus.turbo.fp8.linear import group_inputs
+
+    def counts(grouped):
+        m = _Projections()
+        convert_to_fp8(m, Fp8Recipe())
+        if grouped:
+            group_inputs([m.q, m.k, m.v])
+        graphs = {}
+
+        def capture(name):
+            def compiler(gm, example_inputs):
+                graphs[name] = gm
+                return gm.forward
+
+            return compiler
+
+        torch._dynamo.reset()
+        backend = aot_autograd(fw_compiler=capture("fw"), bw_compiler=capture("bw"))
+        x = torch.randn(4, 32, 64, requires_grad=True)
+        compiled = _grads(m, torch.compile(m, backend=backend, fullgraph=True), x)
+        eager = _grads(m, m, x)
+        for a, b in zip(compiled[1:], eager[1:], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        ops = {n: collections.Counter(str(node.target) for node in g.graph.nodes) for n, g in graphs.items()}
+        pick = ("aten.amax.default", "primus_turbo.scaled_mm.default", "aten.clone.default")
+        return {n: [c[k] for k in pick] for n, c in ops.items()}
+
+    alone, grouped = counts(grouped=False), counts(grouped=True)
+    assert alone["fw"][:2] == [6, 3] and alone["bw"][:2] == [3, 6]  # amax, GEMMs
+    assert grouped["fw"][:2] == [2, 1] and grouped["bw"][:2] == [1, 2]
+    assert grouped["bw"][2] == 3 < alone["bw"][2]  # transposed copies: x, dy, W once each
+
+
+def test_input_group_refuses_what_it_cannot_fuse():
+    from primus.turbo.fp8.linear import group_inputs
+
+    m = _Projections()
+    convert_to_fp8(m, Fp8Recipe())
+    assert not group_inputs([m.q])  # one member: nothing to share
+    biased = _Projections(bias=True)
+    convert_to_fp8(biased, Fp8Recipe())
+    assert not group_inputs([biased.q, biased.k])
+    plain = _Projections()
+    assert not group_inputs([plain.q, plain.k])  # not FP8 linears
+    m.k.fp8_recipe = Fp8Recipe(grad_dtype="e4m3")
+    assert not group_inputs([m.q, m.k, m.v]) and m.q.fp8_group is None
+    assert group_inputs([m.q, m.v]) and m.k.fp8_group is None
