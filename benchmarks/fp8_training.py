@@ -46,8 +46,6 @@ PRIMUS, TORCHAO = "kernels.fp8_recipe.implementation=primus", "kernels.fp8_recip
 CASES = {
     "bf16": (),
     "fp8_tensorwise": ("kernels.fp8=tensorwise", PRIMUS),
-    # each linear on its own: q/k/v and w1/w3 quantise their shared input once per linear
-    "fp8_tensorwise_ungrouped": ("kernels.fp8=tensorwise", PRIMUS, "kernels.fp8_recipe.group_projections=false"),
     "fp8_rowwise": ("kernels.fp8=rowwise", "kernels.fp8_recipe.grad_dtype=e4m3", PRIMUS),
     "fp8_tensorwise_torchao": ("kernels.fp8=tensorwise", TORCHAO),
     "fp8_rowwise_torchao": ("kernels.fp8=rowwise", "kernels.fp8_recipe.grad_dtype=e4m3", TORCHAO),

@@ -57,37 +57,12 @@ def test_refusals_name_the_reason():
     assert any("leaves none" in i.message for i in issues(none_left))
 
 
-def test_shared_input_linears_follow_torchtitans_call_order():
-    """The groups are the linears torchtitan's llama3 / qwen3 blocks call in this order on one input; a group
-    called in another order still computes right (Fp8InputGroup recomputes), but saves nothing."""
-    import inspect
-
-    import torch
-    from torchtitan.models.llama3.model import model as llama3
-    from torchtitan.models.llama3.model.args import TransformerModelArgs
-    from torchtitan.models.qwen3.model import model as qwen3
-
-    from primus.torchtitan.fp8 import SHARED_INPUT, shared_input_linears
-
-    assert SHARED_INPUT == (("wq", "wk", "wv"), ("w1", "w3"))
-    for attention in (llama3.Attention, qwen3.Attention):
-        assert "self.wq(x), self.wk(x), self.wv(x)" in inspect.getsource(attention.forward)
-    assert "self.w2(F.silu(self.w1(x)) * self.w3(x))" in inspect.getsource(llama3.FeedForward.forward)
-    with torch.device("meta"):
-        model = llama3.Transformer(TransformerModelArgs(dim=64, n_layers=3, n_heads=4, vocab_size=32))
-    groups = shared_input_linears(model)
-    assert len(groups) == 6 and [len(g) for g in groups] == [3, 2] * 3
-    assert groups[0][1] is model.layers["0"].attention.wk and groups[1][1] is model.layers["0"].feed_forward.w3
-
-
-@pytest.mark.parametrize("mode,grouped", [("tensorwise", True), ("rowwise", True), ("tensorwise", False)])
-def test_tiny_run_fp8_tracks_bf16(mode, grouped, tmp_path):
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_tiny_run_fp8_tracks_bf16(mode, tmp_path):
     common = ("train.precision=bf16", "checkpoint.enabled=false")
     ref = primus_train(TINY, tmp_path / "bf16", *common)
-    group = f"kernels.fp8_recipe.group_projections={str(grouped).lower()}"
-    fp8 = primus_train(TINY, tmp_path / "fp8", *common, f"kernels.fp8={mode}", group)
-    swapped = f"fp8 (fp8, {mode}): 14 linears swapped, {4 if grouped else 0} shared-input groups"  # 2 blocks × 7
-    assert swapped in " ".join(fp8.stderr.split())
+    fp8 = primus_train(TINY, tmp_path / "fp8", *common, f"kernels.fp8={mode}")
+    assert f"fp8 (fp8, {mode}): 14 linears swapped" in " ".join(fp8.stderr.split())  # 2 blocks × 7
     assert summary(fp8)["kernels"]["fp8"] == "fp8" and "fp8" not in summary(ref)["kernels"]
     a, b = losses(tmp_path / "fp8"), losses(tmp_path / "bf16")
     assert a[-1] < a[0] - 0.15

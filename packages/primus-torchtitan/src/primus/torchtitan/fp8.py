@@ -41,39 +41,17 @@ def skip_rule(kernels: Any, num_layers: int) -> Callable[[str, Any], bool]:
     return lambda name, module: keeps_bf16(name, num_layers=num_layers, recipe=kernels.fp8_recipe)
 
 
-# The linears torchtitan's blocks call one after another on one input, in that order: Attention.forward's
-# ``self.wq(x), self.wk(x), self.wv(x)`` and FeedForward.forward's ``self.w2(F.silu(self.w1(x)) * self.w3(x))``
-# (test_fp8.py pins both).
-SHARED_INPUT = (("wq", "wk", "wv"), ("w1", "w3"))
-
-
-def shared_input_linears(model: Any) -> list[list[Any]]:
-    """Per block, the linears that take the same input (:data:`SHARED_INPUT`), in call order."""
-    return [
-        [getattr(module, n) for n in names]
-        for module in model.modules()
-        for names in SHARED_INPUT
-        if all(hasattr(module, n) for n in names) and not hasattr(module, "experts")
-    ]
-
-
 def fp8_swap(cfg: Any, provider: Any) -> Callable[[Any], list[str]]:
-    """``model -> names swapped``: the provider's ``convert_to_fp8`` with this run's recipe and skip rule, then
-    (``fp8_recipe.group_projections``, a provider that offers ``group_inputs``) one FP8 GEMM per group of
-    linears sharing an input."""
+    """``model -> names swapped``: the provider's ``convert_to_fp8`` with this run's recipe and skip rule."""
     from primus.core.kernels.fp8_recipe import Fp8Recipe
 
     recipe = Fp8Recipe.from_config(cfg.kernels)
     convert = provider.load()
     skip = skip_rule(cfg.kernels, cfg.model.num_layers)
-    group = getattr(convert, "group_inputs", None) if cfg.kernels.fp8_recipe.group_projections else None
 
     def swap(model: Any) -> list[str]:
         names = convert(model, recipe, skip)
-        groups = sum(group(linears) for linears in shared_input_linears(model)) if group else 0
-        log.info(
-            "fp8 (%s, %s): %d linears swapped, %d shared-input groups", provider.name, recipe.mode, len(names), groups
-        )
+        log.info("fp8 (%s, %s): %d linears swapped", provider.name, recipe.mode, len(names))
         return names
 
     return swap

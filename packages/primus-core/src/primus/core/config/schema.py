@@ -152,11 +152,6 @@ class Fp8Recipe(Section):
     implementation: Literal["auto", "primus", "torchao"] = Field(
         "auto", description="primus: primus-turbo's torch._scaled_mm linear; torchao: torchao.float8 where installed"
     )
-    group_projections: bool = Field(
-        True,
-        description="primus implementation, torchtitan: q/k/v and gate/up projections run as one FP8 GEMM each (one "
-        "quantisation of their shared input, one scale for their weights, as megatron's fused linear_qkv / fc1)",
-    )
 
 
 class KernelsConfig(Section):

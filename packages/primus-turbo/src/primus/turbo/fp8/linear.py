@@ -173,60 +173,13 @@ class Float8Linear(nn.Linear):
 
     fp8_recipe: Fp8Recipe
     fp8_state: Fp8State
-    fp8_group: Fp8InputGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_group is not None:
-            return self.fp8_group.output(self, x)
         return fp8_linear(x, self.weight, self.bias, recipe=self.fp8_recipe, state=self.fp8_state)
 
     def extra_repr(self) -> str:
         r = self.fp8_recipe
         return f"{super().extra_repr()}, fp8={r.mode}, grad={r.grad_dtype}, scaling={r.scaling}"
-
-
-class Fp8InputGroup:
-    """FP8 linears a model calls one after another on the same input (attention's q/k/v, the MLP's gate/up):
-    the first one called runs a single FP8 GEMM over the members' concatenated weights and the others take
-    their slices of its output. The shared input is quantised, saved and transposed once instead of once per
-    linear, and one larger GEMM replaces several small ones. The group's weight and output gradient share one
-    scale each, as they do in Megatron's fused ``linear_qkv`` / ``fc1``; delayed scaling keeps its histories in
-    the first member's state.
-
-    A member called on another input than the one the group last ran on (or called out of order) gets the GEMM
-    run again for that input, so the result is always right; only the saving depends on the call order."""
-
-    def __init__(self, members: list[Float8Linear]) -> None:
-        self.members = members
-        self.sizes = [m.out_features for m in members]
-        self.last: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
-
-    def output(self, member: Float8Linear, x: torch.Tensor) -> torch.Tensor:
-        i = member.fp8_group_index
-        if i == 0 or self.last is None or self.last[0] is not x:
-            head = self.members[0]
-            weight = torch.cat([m.weight for m in self.members])
-            y = fp8_linear(x, weight, recipe=head.fp8_recipe, state=head.fp8_state)
-            self.last = (x, y.split(self.sizes, dim=-1))
-        out = self.last[1][i]
-        if i == len(self.members) - 1:
-            self.last = None  # the group's turn is over: hold no tensors between calls
-        return out
-
-
-def group_inputs(members: list[nn.Module]) -> bool:
-    """Make ``members`` (FP8 linears the model calls in this order on one input) an :class:`Fp8InputGroup`.
-    Returns False, changing nothing, unless all are bias-free :class:`Float8Linear` with one recipe and input
-    width (a group needs at least two)."""
-    if len(members) < 2 or any(type(m) is not Float8Linear or m.bias is not None for m in members):
-        return False
-    head = members[0]
-    if any(m.fp8_recipe != head.fp8_recipe or m.in_features != head.in_features for m in members):
-        return False
-    group = Fp8InputGroup(members)
-    for i, m in enumerate(members):
-        m.fp8_group, m.fp8_group_index = group, i
-    return True
 
 
 def make_fp8(module: nn.Linear, recipe: Fp8Recipe) -> None:
@@ -273,4 +226,3 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, skip: Skip = None) -> li
 # the provider's impl is convert_to_fp8, and the function and state it is built on ride along with it.
 convert_to_fp8.fp8_linear = fp8_linear
 convert_to_fp8.Fp8State = Fp8State
-convert_to_fp8.group_inputs = group_inputs
