@@ -46,6 +46,8 @@ PRIMUS, TORCHAO = "kernels.fp8_recipe.implementation=primus", "kernels.fp8_recip
 CASES = {
     "bf16": (),
     "fp8_tensorwise": ("kernels.fp8=tensorwise", PRIMUS),
+    # the backward GEMMs accumulate in the tensor cores' reduced precision too (faster, less exact)
+    "fp8_tensorwise_fastacc": ("kernels.fp8=tensorwise", PRIMUS, "kernels.fp8_recipe.fast_accum_backward=true"),
     "fp8_rowwise": ("kernels.fp8=rowwise", "kernels.fp8_recipe.grad_dtype=e4m3", PRIMUS),
     "fp8_tensorwise_torchao": ("kernels.fp8=tensorwise", TORCHAO),
     "fp8_rowwise_torchao": ("kernels.fp8=rowwise", "kernels.fp8_recipe.grad_dtype=e4m3", TORCHAO),

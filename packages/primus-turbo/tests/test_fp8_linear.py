@@ -224,3 +224,72 @@ def test_traced_gemm_has_no_same_dtype_copy(mode):
 
     assert to_nodes(torch.bfloat16) == []
     assert len(to_nodes(torch.float32)) == (1 if rowwise else 0)  # rowwise GEMMs give bf16: cast after
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("fast_backward", [False, True])
+def test_fast_accumulation_reaches_the_backward_gemms_only_when_asked(monkeypatch, mode, fast_backward):
+    """The forward GEMM always accumulates fast (as torchao's and TE's recipes do); the two backward GEMMs promote
+    partial sums to fp32 unless ``fast_accum_backward`` is set."""
+    import primus.turbo.fp8.linear as lin
+
+    seen = []
+    real = lin.scaled_mm
+
+    def recording(a, b, scale_a, scale_b, out_dtype, fast_accum):
+        seen.append(fast_accum)
+        return real(a, b, scale_a, scale_b, out_dtype, fast_accum)
+
+    monkeypatch.setattr(lin, "scaled_mm", recording)
+    x, w, dy = inputs()
+    fp8_linear(x, w, recipe=Fp8Recipe(mode=mode, fast_accum_backward=fast_backward)).backward(dy)
+    assert seen == [True, fast_backward, fast_backward]
+
+
+def test_torchao_config_carries_the_recipe(monkeypatch):
+    """float8_config against a stand-in with torchao 0.18's names and defaults (torchao is not installed here):
+    gradient dtype, rowwise recipe, fast accumulation of the backward GEMMs."""
+    import dataclasses
+    import sys
+    import types
+
+    @dataclasses.dataclass(frozen=True)
+    class CastConfig:
+        target_dtype: object = None
+
+    @dataclasses.dataclass(frozen=True)
+    class Float8GemmConfig:
+        use_fast_accum: bool = False
+
+    @dataclasses.dataclass(frozen=True)
+    class Float8LinearConfig:
+        cast_config_grad_output: CastConfig = CastConfig()
+        gemm_config_output: Float8GemmConfig = Float8GemmConfig(use_fast_accum=True)
+        gemm_config_grad_input: Float8GemmConfig = Float8GemmConfig()
+        gemm_config_grad_weight: Float8GemmConfig = Float8GemmConfig()
+        recipe: str = "tensorwise"
+
+        @staticmethod
+        def from_recipe_name(name):
+            return Float8LinearConfig(recipe=name)
+
+    float8 = types.ModuleType("torchao.float8")
+    float8.CastConfig, float8.Float8GemmConfig, float8.Float8LinearConfig = (
+        CastConfig,
+        Float8GemmConfig,
+        Float8LinearConfig,
+    )
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
+    from primus.turbo.fp8.torchao_backend import float8_config
+
+    plain = float8_config(Fp8Recipe())
+    assert plain.cast_config_grad_output.target_dtype == torch.float8_e5m2
+    assert not plain.gemm_config_grad_input.use_fast_accum and not plain.gemm_config_grad_weight.use_fast_accum
+    fast = float8_config(Fp8Recipe(fast_accum_backward=True))
+    assert fast.gemm_config_grad_input.use_fast_accum and fast.gemm_config_grad_weight.use_fast_accum
+    assert fast.gemm_config_output.use_fast_accum
+    rowwise = float8_config(Fp8Recipe(mode="rowwise", grad_dtype="e4m3", fast_accum_backward=True))
+    assert rowwise.recipe == "rowwise" and rowwise.gemm_config_grad_weight.use_fast_accum
+    with pytest.raises(ValueError, match="dynamic"):
+        float8_config(Fp8Recipe(scaling="delayed"))

@@ -146,6 +146,11 @@ class Fp8Recipe(Section):
         "current", description="scale from this step's amax (current) or from an amax history (delayed)"
     )
     amax_history: int = Field(16, gt=0, description="delayed scaling: steps of amax history")
+    fast_accum_backward: bool = Field(
+        False,
+        description="backward FP8 GEMMs accumulate in the tensor cores' reduced precision as the forward does "
+        "(faster; default: partial sums promoted to fp32)",
+    )
     bf16_first_layers: int = Field(0, ge=0, description="first N transformer blocks keep bf16 linears")
     bf16_last_layers: int = Field(0, ge=0, description="last N transformer blocks keep bf16 linears")
     bf16_output_head: bool = Field(True, description="the output projection (vocab GEMM) stays bf16")

@@ -27,12 +27,14 @@ class Fp8Recipe:
     """``mode``: one scale per tensor (``tensorwise``) or per row of each operand along the reduction dim
     (``rowwise``); ``grad_dtype``: the output gradient's fp8 format in the two backward GEMMs;
     ``scaling``: ``current`` (this step's amax) or ``delayed`` (max of the last ``amax_history`` steps,
-    tensorwise only)."""
+    tensorwise only); ``fast_accum_backward``: the two backward GEMMs accumulate as the forward does, in the
+    tensor cores' reduced precision, instead of promoting partial sums to fp32 (faster, less exact)."""
 
     mode: Literal["tensorwise", "rowwise"] = "tensorwise"
     grad_dtype: Literal["e4m3", "e5m2"] = "e5m2"
     scaling: Literal["current", "delayed"] = "current"
     amax_history: int = 16
+    fast_accum_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("tensorwise", "rowwise"):
@@ -50,7 +52,13 @@ class Fp8Recipe:
         if kernels.fp8 == "off":
             return None
         r = kernels.fp8_recipe
-        return cls(mode=kernels.fp8, grad_dtype=r.grad_dtype, scaling=r.scaling, amax_history=r.amax_history)
+        return cls(
+            mode=kernels.fp8,
+            grad_dtype=r.grad_dtype,
+            scaling=r.scaling,
+            amax_history=r.amax_history,
+            fast_accum_backward=r.fast_accum_backward,
+        )
 
 
 def delayed_rowwise_reason() -> str:

@@ -123,22 +123,22 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         recipe, state, impl = ctx.recipe, ctx.state, ctx.impl
-        g = recipe.grad_dtype
+        g, fast = recipe.grad_dtype, recipe.fast_accum_backward
         dy = dy.contiguous()
         if recipe.mode == "rowwise":
             x, weight = ctx.saved_tensors
             dyq = quantize(dy, g, rowwise=True, impl=impl)
             wtq = quantize(weight.t().contiguous(), "e4m3", rowwise=True, impl=impl)  # per input column of W
-            dx = _mm(dyq, wtq, ctx.x_dtype, rowwise=True, fast_accum=False)
+            dx = _mm(dyq, wtq, ctx.x_dtype, rowwise=True, fast_accum=fast)
             dytq = quantize(dy.t().contiguous(), g, rowwise=True, impl=impl)  # per output feature, over tokens
             xtq = quantize(x.t().contiguous(), "e4m3", rowwise=True, impl=impl)  # per input feature, over tokens
-            dw = _mm(dytq, xtq, ctx.w_dtype, rowwise=True, fast_accum=False)
+            dw = _mm(dytq, xtq, ctx.w_dtype, rowwise=True, fast_accum=fast)
             return dx, dw, None, None, None, None
         xd, xs, wd, ws = ctx.saved_tensors
         dyq = _quantize(dy, g, "dy", recipe, state, impl)
         wt = _transposed(Quantized(wd, ws, ws))  # W [n, k] → [k, n]: dx = dy · W
-        dx = _mm(dyq, wt, ctx.x_dtype, rowwise=False, fast_accum=False)
-        dw = _mm(_transposed(dyq), _transposed(Quantized(xd, xs, xs)), ctx.w_dtype, rowwise=False, fast_accum=False)
+        dx = _mm(dyq, wt, ctx.x_dtype, rowwise=False, fast_accum=fast)
+        dw = _mm(_transposed(dyq), _transposed(Quantized(xd, xs, xs)), ctx.w_dtype, rowwise=False, fast_accum=fast)
         return dx, dw, None, None, None, None
 
 

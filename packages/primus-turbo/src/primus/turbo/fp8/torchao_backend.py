@@ -26,15 +26,21 @@ def unsupported(recipe: Fp8Recipe) -> str:
 
 
 def float8_config(recipe: Fp8Recipe):
+    import dataclasses
+
     import torch
-    from torchao.float8 import CastConfig, Float8LinearConfig
+    from torchao.float8 import CastConfig, Float8GemmConfig, Float8LinearConfig
 
     if why := unsupported(recipe):
         raise ValueError(f"kernels.fp8_recipe: {why}")
+    backward = {}
+    if recipe.fast_accum_backward:
+        fast = Float8GemmConfig(use_fast_accum=True)
+        backward = {"gemm_config_grad_input": fast, "gemm_config_grad_weight": fast}
     if recipe.mode == "rowwise":
-        return Float8LinearConfig.from_recipe_name("rowwise")
+        return dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), **backward)
     grad = torch.float8_e5m2 if recipe.grad_dtype == "e5m2" else torch.float8_e4m3fn
-    return Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=grad))
+    return Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=grad), **backward)
 
 
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, skip: Callable[[str, nn.Module], bool] | None = None):

@@ -1,0 +1,42 @@
+"""kernels.fp8_recipe: the config section becomes the GEMM recipe the FP8 providers run, every field carried."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from primus.core.config.schema import PrimusConfig
+from primus.core.kernels.fp8_recipe import Fp8Recipe, config_issues
+
+
+def test_recipe_carries_every_gemm_setting_from_the_config():
+    kernels = PrimusConfig.model_validate(
+        {
+            "kernels": {
+                "fp8": "tensorwise",
+                "fp8_recipe": {
+                    "grad_dtype": "e4m3",
+                    "scaling": "delayed",
+                    "amax_history": 4,
+                    "fast_accum_backward": True,
+                },
+            }
+        }
+    ).kernels
+    recipe = Fp8Recipe.from_config(kernels)
+    assert recipe == Fp8Recipe("tensorwise", "e4m3", "delayed", 4, fast_accum_backward=True)
+    # every recipe field is a config field of the same name (mode is kernels.fp8 itself)
+    assert {f.name for f in dataclasses.fields(Fp8Recipe)} - {"mode"} <= set(type(kernels.fp8_recipe).model_fields)
+    assert Fp8Recipe.from_config(PrimusConfig().kernels) is None  # fp8 off
+
+
+def test_delayed_scaling_is_refused_under_compile():
+    cfg = PrimusConfig.model_validate(
+        {
+            "train": {"precision": "bf16", "compile": True},
+            "kernels": {"fp8": "tensorwise", "fp8_recipe": {"scaling": "delayed"}},
+        }
+    )
+    (issue,) = config_issues(cfg, engine="torchtitan")
+    assert issue.path == "kernels.fp8_recipe.scaling" and "torch.compile" in issue.message
+    eager = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
+    assert config_issues(eager, engine="torchtitan") == []
