@@ -41,14 +41,6 @@ def test_refusals_name_the_reason():
     tp = cfg().model_copy(update={"parallel": cfg().parallel.model_copy(update={"tp": 2})})
     assert any("DTensors" in i.message for i in validate(tp, world_size=2))
     assert issues(cfg(fp8_recipe={"scaling": "delayed"})) == []
-    compiled_delayed = PrimusConfig.model_validate(
-        {
-            "train": {"precision": "bf16", "compile": True},
-            "kernels": {"fp8": "tensorwise", "fp8_recipe": {"scaling": "delayed"}},
-        }
-    )
-    (why,) = issues(compiled_delayed)
-    assert why.path == "kernels.fp8_recipe.scaling" and "torch.compile" in why.message
     rowdelayed = PrimusConfig.model_validate(
         {"train": {"precision": "bf16"}, "kernels": {"fp8": "rowwise", "fp8_recipe": {"scaling": "delayed"}}}
     )

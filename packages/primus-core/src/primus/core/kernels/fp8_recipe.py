@@ -70,7 +70,8 @@ def delayed_rowwise_reason() -> str:
 
 def config_issues(cfg: Any, *, engine: str) -> list[Any]:
     """What both engines refuse for ``kernels.fp8`` (without importing torch): fp32 compute, delayed
-    rowwise, delayed under torch.compile, no block left in FP8, and GEMM dims ``_scaled_mm`` cannot take (each named)."""
+    rowwise, delayed under torch.compile, no block left in FP8, and GEMM dims ``_scaled_mm`` cannot take
+    (each named)."""
     from primus.core.protocols import ConfigIssue
 
     k, m, t = cfg.kernels, cfg.model, cfg.train

@@ -34,7 +34,7 @@ def float8_config(recipe: Fp8Recipe):
     if why := unsupported(recipe):
         raise ValueError(f"kernels.fp8_recipe: {why}")
     backward = {}
-    if recipe.fast_accum_backward:
+    if recipe.fast_accum_backward:  # torchao 0.18's per-GEMM configs; this path was not run on the GPU
         fast = Float8GemmConfig(use_fast_accum=True)
         backward = {"gemm_config_grad_input": fast, "gemm_config_grad_weight": fast}
     if recipe.mode == "rowwise":
