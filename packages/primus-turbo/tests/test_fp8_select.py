@@ -21,6 +21,17 @@ def test_cpu_selects_primus_fp8(registry):
     assert select_fp8(KernelsConfig(fp8="rowwise"), registry, "cpu").name == "fp8"
 
 
+def test_auto_prefers_primus_fp8_where_both_run(registry, monkeypatch):
+    """Both FP8 linears available (as on a CUDA GPU with torchao installed): ``auto`` takes primus-turbo's, the
+    faster of the two on the H200 in 4 of 5 compiled runs; torchao's is there when asked for."""
+    ok = availability.Availability(True, "")
+    monkeypatch.setattr(availability, "fp8", lambda device, **_: ok)
+    monkeypatch.setattr(availability, "torchao_fp8", lambda device, **_: ok)
+    assert select_fp8(KernelsConfig(fp8="tensorwise"), registry, "cuda").name == "fp8"
+    asked = KernelsConfig(fp8="tensorwise", fp8_recipe={"implementation": "torchao"})
+    assert select_fp8(asked, registry, "cuda").name == "torchao"
+
+
 def test_torchao_asked_for_on_cpu_names_why(registry):
     cfg = KernelsConfig(fp8="tensorwise", fp8_recipe={"implementation": "torchao"})
     with pytest.raises(KernelUnavailable, match=r"kernels.fp8=tensorwise: cannot run on cpu \(torchao: .*CUDA"):

@@ -5,7 +5,10 @@ flash 10, core's plain SDPA 0. The Triton kernels (rms_norm, swiglu, rope, cross
 core's plain-PyTorch ones (0), on any CUDA or ROCm device with ``triton`` installed.
 
 FP8 linears are ``gemm`` providers, chosen by ``kernels.fp8`` / ``fp8_recipe.implementation`` (not by
-``auto`` over the ops): ``torchao`` (30, where torchao is installed) before primus-turbo's ``fp8`` (20).
+``auto`` over the ops): primus-turbo's ``fp8`` (30) before ``torchao`` (20, where torchao is installed). On the
+H200, compiled, primus-turbo's linear ran 1-3% faster than torchao's on Llama 3.2 3B and 1B with an accumulated
+batch (slower on 1B with one micro-batch per step; ``benchmarks/README.md``, session 5), and it alone offers
+delayed scaling, rowwise with e5m2 gradients and megatron's linears.
 Their impl is the model swap ``convert_to_fp8(model, recipe, skip) -> names swapped``.
 """
 
@@ -69,7 +72,7 @@ def primus_kernels() -> list[KernelProvider]:
             name="torchao",
             impl="primus.turbo.fp8.torchao_backend:convert_to_fp8",
             available=f"{_CHECK}:torchao_fp8",
-            priority=30,
+            priority=20,
             description="FP8 training linears from torchao.float8 (CUDA sm_89+)",
         ),
         KernelProvider(
@@ -77,7 +80,7 @@ def primus_kernels() -> list[KernelProvider]:
             name="fp8",
             impl="primus.turbo.fp8.linear:convert_to_fp8",
             available=f"{_CHECK}:fp8",
-            priority=20,
+            priority=30,
             description="primus-turbo FP8 linear: torch._scaled_mm e4m3 / e5m2, Triton quantization",
         ),
     ]

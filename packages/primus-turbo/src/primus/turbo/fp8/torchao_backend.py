@@ -1,6 +1,6 @@
 """The FP8 swap through ``torchao.float8`` (torchao 0.1x API), for ``fp8_recipe.implementation`` torchao
-(or auto, where torchao is installed): ``convert_to_float8_training(module, module_filter_fn=...,
-config=Float8LinearConfig)``, the filter called as ``(module, fqn)``.
+(asked for by name: ``auto`` prefers primus-turbo's linear): ``convert_to_float8_training(module,
+module_filter_fn=..., config=Float8LinearConfig)``, the filter called as ``(module, fqn)``.
 
 What torchao's float8 training does not offer is refused here with the reason (:func:`unsupported`):
 delayed scaling (torchao keeps only dynamic scaling), and rowwise with e5m2 gradients (its rowwise recipe
