@@ -28,13 +28,15 @@ from primus.turbo.fp8.recipe import GEMM_ALIGN, Fp8Recipe
 
 
 class Fp8State:
-    """Delayed scaling's amax histories of one linear (x, W, dy), newest first."""
+    """Delayed scaling's amax histories of one linear (x, W, dy): per role a ring of the last ``length`` amaxes
+    (only their max is read, so a write position replaces rolling the history every call)."""
 
     ROLES = ("x", "w", "dy")
 
     def __init__(self, length: int) -> None:
         self.length = length
         self.history: dict[str, torch.Tensor] = {}
+        self.next: dict[str, int] = {}
 
     def scale_amax(self, role: str, device: torch.device) -> torch.Tensor | None:
         """The amax to scale with: the history's max, or None until the history has a step in it."""
@@ -45,9 +47,9 @@ class Fp8State:
         return hist.amax()
 
     def record(self, role: str, amax: torch.Tensor) -> None:
-        hist = self.history[role]
-        hist.copy_(torch.roll(hist, 1))
-        hist[0] = amax.reshape(())
+        i = self.next.get(role, 0)
+        self.history[role][i] = amax.reshape(())
+        self.next[role] = (i + 1) % self.length
 
 
 def _quantize(t: torch.Tensor, fmt: str, role: str, recipe: Fp8Recipe, state: Fp8State | None, impl: Impl) -> Quantized:
