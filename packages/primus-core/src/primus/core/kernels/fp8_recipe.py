@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 E4M3_MAX = 448.0  # torch.float8_e4m3fn
@@ -51,14 +51,9 @@ class Fp8Recipe:
         """From a :class:`primus.core.config.schema.KernelsConfig`; None when ``kernels.fp8`` is off."""
         if kernels.fp8 == "off":
             return None
-        r = kernels.fp8_recipe
-        return cls(
-            mode=kernels.fp8,
-            grad_dtype=r.grad_dtype,
-            scaling=r.scaling,
-            amax_history=r.amax_history,
-            fast_accum_backward=r.fast_accum_backward,
-        )
+        # every field but the mode is the config section's field of the same name
+        gemm = {f.name: getattr(kernels.fp8_recipe, f.name) for f in fields(cls) if f.name != "mode"}
+        return cls(mode=kernels.fp8, **gemm)
 
 
 def delayed_rowwise_reason() -> str:
