@@ -15,9 +15,10 @@ Sections of the JSON (each written as soon as it is measured; a failing case rec
   (``*_torchao``, where torchao is installed), interleaved over
   ``--rounds``; median tokens/s of the steps after ``--warmup``, MFU at the bf16 peak (989 TFLOP/s), peak
   memory; the speedup of each FP8 case over bf16 (goal: ≥ 1.3× on 3B).
-- ``loss``: a 4-layer Llama 3.2 1B (vocab 2048, the bundled tokenizer) on the bundled text corpus
-  (``data.source=bundled``: stdlib docstrings), ``--loss-steps`` (300) steps per case from the same seed;
-  measure: mean |Δloss| / loss_bf16 over the last 100 steps, per FP8 case.
+- ``loss``: a 4-layer Llama 3.2 1B (``--loss-model 3b --loss-layers 0``: the 3B preset at its full depth; vocab
+  2048, the bundled tokenizer) on the bundled text corpus (``data.source=bundled``: stdlib docstrings),
+  ``--loss-steps`` (300) steps per case from the same seed; measure: mean |Δloss| / loss_bf16 over the last 100
+  steps, per FP8 case.
 
 Expected full-run GPU time: ~4-5 min (linear ~20 s; throughput 6 runs of 14 steps incl. model build;
 loss 3 × 300 steps of a 4-layer model at 4k tokens/step).
@@ -53,8 +54,10 @@ CASES = {
     "fp8_rowwise_torchao": ("kernels.fp8=rowwise", "kernels.fp8_recipe.grad_dtype=e4m3", TORCHAO),
     # the output head (the vocab GEMMs, ~12% of the 3B model's FLOPs) in FP8 too; its loss then runs on the logits
     "fp8_tensorwise_torchao_head": ("kernels.fp8=tensorwise", TORCHAO, "kernels.fp8_recipe.bf16_output_head=false"),
+    # bf16 from another seed (init and data order): how far two bf16 runs drift apart, the floor of the loss measure
+    "bf16_seed2": ("train.seed=2",),
 }
-FP8_CASES = [c for c in CASES if c != "bf16"]
+FP8_CASES = [c for c in CASES if not c.startswith("bf16")]
 PRESETS = {"1b": "llama3.2-1b", "3b": "llama3.2-3b"}
 # Llama 3.2 3B linears at 8192 tokens: (tokens, in, out)
 SHAPES_3B = {
@@ -63,7 +66,7 @@ SHAPES_3B = {
     "gate_up": (8192, 3072, 16384),
     "down": (8192, 8192, 3072),
 }
-LOSS_MODEL = ("model.num_layers=4", "model.vocab_size=2048", "data.source=bundled", "data.tokenizer=bundled")
+LOSS_MODEL = ("model.vocab_size=2048", "data.source=bundled", "data.tokenizer=bundled")
 
 
 def save(out: Path, result: dict) -> None:
@@ -204,13 +207,18 @@ def summarize(runs: dict[str, list[dict]], model: str, seq: int) -> dict:
 def loss_curves(args: argparse.Namespace, result: dict, out: Path) -> None:
     steps = 20 if args.smoke else args.loss_steps
     window = min(100, steps // 2)
-    extra = (*LOSS_MODEL, "train.optimizer.lr=1.0e-3", "train.optimizer.min_lr=1.0e-4")
-    sec = result.setdefault("loss", {"steps": steps, "window": window, "model": "llama3.2-1b " + " ".join(LOSS_MODEL)})
+    depth = (f"model.num_layers={args.loss_layers}",) if args.loss_layers else ()
+    lr = (f"train.optimizer.lr={args.loss_lr}", f"train.optimizer.min_lr={args.loss_lr / 10}")
+    extra = (*depth, *LOSS_MODEL, *lr, f"train.schedule.warmup_steps={args.loss_warmup}")
+    preset = PRESETS[args.loss_model]
+    sec = result.setdefault(
+        "loss", {"steps": steps, "window": window, "model": " ".join((preset, *depth, *LOSS_MODEL))}
+    )
     curves = {}
     for case in args.cases:
         try:
             r = train_case(
-                "llama3.2-1b",
+                preset,
                 case,
                 steps=steps,
                 seq=args.loss_seq,
@@ -226,7 +234,7 @@ def loss_curves(args: argparse.Namespace, result: dict, out: Path) -> None:
             print(f"loss {case} failed:\n{sec[case]['error']}", flush=True)
         save(out, result)
     ref = curves.get("bf16")
-    for case in FP8_CASES:
+    for case in [*FP8_CASES, "bf16_seed2"]:
         if ref and case in curves:
             tail = list(zip(curves[case][-window:], ref[-window:], strict=True))
             sec[case]["mean_abs_rel_dloss_last_window"] = statistics.mean(abs(a - b) / b for a, b in tail)
@@ -251,6 +259,10 @@ def main() -> None:
     ap.add_argument("--loss-steps", type=int, default=300)
     ap.add_argument("--loss-seq", type=int, default=1024)
     ap.add_argument("--loss-micro-batch", type=int, default=4)
+    ap.add_argument("--loss-model", choices=sorted(PRESETS), default="1b")
+    ap.add_argument("--loss-layers", type=int, default=4, help="the loss model's depth (0: the preset's)")
+    ap.add_argument("--loss-lr", type=float, default=1.0e-3)
+    ap.add_argument("--loss-warmup", type=int, default=30, help="LR warmup steps of the loss runs")
     ap.add_argument("--loss-compile", action="store_true", help="compile the blocks in the loss section too")
     ap.add_argument("--sections", nargs="+", default=["linear", "throughput", "loss"])
     args = ap.parse_args()

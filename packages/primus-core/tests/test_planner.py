@@ -251,8 +251,7 @@ def test_step_time_reproduces_the_h200_baseline(registry, name, seq, micro, meas
     assert c.mfu == pytest.approx(measured_mfu, rel=0.05)
 
 
-def test_fp8_gemms_run_at_the_fp8_rate_and_keep_an_e4m3_weight_copy(registry):
-    from primus.core.planner import calibration as cal
+def test_fp8_gemms_run_at_the_fp8_rate(registry):
     from primus.core.planner.memory import fp8_layers
     from primus.core.planner.perf import gemm_rate, layer_seconds_per_token, step_time
 
@@ -272,12 +271,32 @@ def test_fp8_gemms_run_at_the_fp8_rate_and_keep_an_e4m3_weight_copy(registry):
     # only the FP8 layers' GEMMs speed up
     t_some = step_time(m, lay, 8192, 32, h200, 8, KernelTerms("rowwise", fp8_layers(m, "rowwise", 8, 8))).total
     assert t_fp8 < t_some < t_bf16
-    per_layer = count_params(m).per_layer
-    mem = estimate(m, lay, 8192, "bf16", KernelTerms("tensorwise")).parts
-    assert mem["fp8"] == pytest.approx(cal.FP8_WEIGHT_COPY_BYTES * m.num_layers * per_layer)
-    assert "fp8" not in estimate(m, lay, 8192).parts
-    half = estimate(m, lay, 8192, "bf16", KernelTerms("tensorwise", m.num_layers // 2)).parts["fp8"]
+
+
+def test_fp8_memory_trades_weight_copies_and_saved_inputs(registry):
+    from primus.core.planner import calibration as cal
+
+    m = _model(registry, "llama3.1-8b")
+    per_layer, d, f, s, L = count_params(m).per_layer, m.hidden_size, m.ffn_hidden_size, 8192, m.num_layers
+    inputs = s * (3 * d + f)  # per layer: the FP8 linears' input elements of one micro-batch
+    # FSDP gathers bf16 weights (no autocast copy): tensorwise adds its e4m3 copy, keeps its inputs in e4m3
+    fsdp = Layout("torchtitan", "fsdp", dp=8, micro_batch=1, micro_batches=4)
+    mem = estimate(m, fsdp, s, "bf16", KernelTerms("tensorwise")).parts
+    assert mem["fp8"] == pytest.approx(L * (1 * per_layer - 1 * inputs))
+    assert "fp8" not in estimate(m, fsdp, s).parts
+    half = estimate(m, fsdp, s, "bf16", KernelTerms("tensorwise", L // 2)).parts["fp8"]
     assert half == pytest.approx(mem["fp8"] / 2)
+    # one device: autocast's 2-byte copies are what FP8 layers no longer make; rowwise keeps its inputs in bf16
+    one = Layout("torchtitan", "ddp", dp=1, micro_batch=2)
+    row = estimate(m, one, s, "bf16", KernelTerms("rowwise")).parts["fp8"]
+    assert row == pytest.approx(-cal.AUTOCAST_WEIGHT_COPY_BYTES * L * per_layer)
+    # compiled, the partitioner keeps 2 bytes fewer per input element in either recipe (measured on the H200)
+    comp = estimate(m, one, s, "bf16", KernelTerms("rowwise", compiled=True)).parts["fp8"]
+    assert comp == pytest.approx(row - 2 * L * 2 * inputs)
+    # FP8 is below bf16 where autocast made copies, and its recomputed layers save no inputs
+    assert estimate(m, one, s, "bf16", KernelTerms("tensorwise")).total < estimate(m, one, s).total
+    full = Layout("torchtitan", "ddp", dp=1, micro_batch=2, recompute="full")
+    assert estimate(m, full, s, "bf16", KernelTerms("tensorwise")).parts["fp8"] == pytest.approx(-L * per_layer)
 
 
 def test_plan_shows_fp8():

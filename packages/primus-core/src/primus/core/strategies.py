@@ -66,7 +66,7 @@ def kernel_terms(cfg: PrimusConfig) -> KernelTerms:
 
     k = cfg.kernels
     n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
-    return KernelTerms(k.fp8, n_fp8, fused_loss(cfg), fp8_output_head(k))
+    return KernelTerms(k.fp8, n_fp8, fused_loss(cfg), fp8_output_head(k), cfg.train.compile)
 
 
 def fused_loss(cfg: PrimusConfig) -> bool:

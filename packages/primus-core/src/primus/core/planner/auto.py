@@ -124,7 +124,7 @@ def check_fits(cfg: PrimusConfig, world_size: int, dev: Device | None = None) ->
     need, have = est.total / GIB, dev.memory_gib
     if need <= have * (1 + cal.FIT_TOLERANCE):
         return
-    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in est.parts.items() if v >= 0.05 * GIB)
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in est.parts.items() if abs(v) >= 0.05 * GIB)
     raise UserError(
         f"{cfg.model.name} does not fit: an estimated {need:.1f} GiB per device ({parts}) on "
         f"{dev.name} with {have:.0f} GiB; use more devices, parallel.recompute, parallel.strategy=auto, or "

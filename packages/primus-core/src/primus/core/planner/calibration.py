@@ -37,9 +37,24 @@ SELECTIVE_KEPT = {"megatron": 1.0, "torchtitan": 0.32}
 # attention block's output sum, both saved for the norms' backward) stays fp32; the norm outputs are saved
 # as the bf16 copies autocast makes for the next GEMM.
 AUTOCAST_RESIDUAL_BYTES = 4
-# FP8 (kernels.fp8 != off): an e4m3 copy of each weight of the layers that run in FP8, made in forward and
-# kept for backward; per-tensor / per-row scales are a few bytes per tensor and left out.
-FP8_WEIGHT_COPY_BYTES = 1
+# TorchTitan without FSDP: torch.autocast keeps a bf16 copy of each fp32 weight from the forward to the backward.
+# The bf16 fits above absorb it (its 2 bytes per parameter are in no other term); FP8 layers run with autocast off
+# and do not make it, which is what FP8 takes off (memory.fp8_bytes). Measured on the H200 (fp8_training.json,
+# eager, 3B micro-batch 2): FP8 rowwise, which keeps the weights themselves, peaked 4.2 GiB below bf16; 2 bytes
+# of its 2.8 G block parameters are 5.2 GiB.
+AUTOCAST_WEIGHT_COPY_BYTES = 2
+# FP8 (kernels.fp8 != off): the weight copy kept from forward to backward, per FP8 layer parameter: e4m3
+# (tensorwise); rowwise re-quantizes the weight in the backward and keeps the weight itself. Per-tensor / per-row
+# scales are a few bytes per tensor and left out.
+FP8_WEIGHT_COPY_BYTES = {"tensorwise": 1, "rowwise": 0}
+# FP8: bytes fewer per element of each FP8 linear's input (per token and layer: the two norm outputs, the
+# attention output, the SwiGLU product) kept for the backward. Eager: tensorwise keeps the input in e4m3 (2 → 1
+# byte); rowwise re-quantizes it per column in the backward and keeps the bf16 (0). Measured on the H200
+# (fp8_training.json, eager, 3B micro-batch 2): tensorwise 3.2 GiB below rowwise, against 3.7 GiB for 1 byte.
+# Compiled (torch.compile's partitioner picks what is saved, in either recipe): FP8 3B peaked 12.0 (micro-batch 2)
+# and 15.9 GiB (4) below bf16 (fp8_training_compiled_primus.json, fp8_training_3b_mbs4_gb8.json), 3.85 GiB per
+# sample apart, against 1.86 GiB per sample for 1 byte: 2.
+FP8_INPUT_BYTES_SAVED = {"eager": {"tensorwise": 1, "rowwise": 0}, "compiled": {"tensorwise": 2, "rowwise": 2}}
 
 # A run is refused before it starts when the estimate exceeds the device's memory by more than this (the
 # error benchmarks/memory_validation.py holds the model to), so a layout the model over-estimates still runs.

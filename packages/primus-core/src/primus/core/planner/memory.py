@@ -25,7 +25,9 @@ Megatron's interleaving penalty 1 + (pp − 1)/(pp · vpp). The last stage also 
 s·b·V/t elements at a (logits) + 4 (fp32 loss) + 4 (their gradient) bytes, or with a fused linear +
 cross-entropy one chunk of them plus the output weight's and hidden states' gradients. TorchTitan without FSDP
 runs fp32 weights under autocast: its layer input and residual are fp32 (4 bytes), the rest bf16.
-With FP8 GEMMs (``fp8`` not off) an e4m3 copy of the FP8 layers' weights is kept from forward to backward.
+With FP8 GEMMs (``fp8`` not off) the "fp8" part is what FP8 adds and takes off, and is mostly negative: an e4m3
+copy of the FP8 layers' weights (tensorwise) replaces autocast's bf16 one, and their linears keep their inputs in
+fewer bytes (:func:`fp8_bytes`).
 Framework memory: outside the allocator the CUDA/HIP context and, with more than one rank, NCCL/RCCL
 buffers ("context"); inside it GEMM workspaces plus allocator fragmentation ("overhead"). All constants:
 :mod:`primus.core.planner.calibration`; measured against real runs by ``benchmarks/memory_validation.py``.
@@ -157,6 +159,23 @@ def fp8_layers(model: ModelConfig, fp8: str, bf16_first: int = 0, bf16_last: int
     return 0 if fp8 == "off" else len(fp8_blocks(model.num_layers, bf16_first, bf16_last))
 
 
+def fp8_bytes(model: ModelConfig, layout: Layout, seq_len: int, kernels: KernelTerms, autocast: bool) -> float:
+    """What FP8 GEMMs change in the peak, per device (negative: they save): per FP8 layer parameter, the
+    recipe's weight copy less autocast's bf16 one where the engine makes it (``autocast``); per element of the
+    FP8 linears' inputs kept for the backward (the layers not recomputed), the bytes FP8 saves on them."""
+    share = kernels.fp8_share(model)
+    nl = layers_per_stage(model, layout)
+    _, layer = stage_params(model, layout)
+    copy = cal.FP8_WEIGHT_COPY_BYTES[kernels.fp8] - (cal.AUTOCAST_WEIGHT_COPY_BYTES if autocast else 0)
+    t_sp = layout.tp if layout.sequence_parallel else 1
+    d, f = model.hidden_size, model.ffn_hidden_size
+    elements = seq_len / layout.cp * layout.micro_batch * (3 * d / t_sp + f / layout.tp)  # per layer
+    kept = {"none": nl, "selective": nl * cal.SELECTIVE_KEPT.get(layout.engine, 1.0), "full": 0}
+    kept_layers = kept.get(layout.recompute, nl - layout.recompute_layers)  # partial: the layers not recomputed
+    saved = cal.FP8_INPUT_BYTES_SAVED["compiled" if kernels.compiled else "eager"][kernels.fp8]
+    return share * (copy * nl * layer - saved * elements * kept_layers * in_flight_micro_batches(layout))
+
+
 @dataclass(frozen=True)
 class KernelTerms:
     """What the run's kernels change in the memory and step-time models: ``fp8`` (kernels.fp8: off |
@@ -168,6 +187,7 @@ class KernelTerms:
     fp8_layers: int | None = None
     fused_loss: bool = False
     fp8_head: bool = False
+    compiled: bool = False  # torch.compile: its partitioner, not the FP8 linear, picks what FP8 layers save
 
     def fp8_share(self, model: ModelConfig) -> float:
         """The fraction of the model's layers whose GEMMs run in FP8."""
@@ -233,8 +253,7 @@ def estimate(
         parts["logits"] = s * layout.micro_batch * model.vocab_size / layout.tp * (a + cal.LOGITS_EXTRA_BYTES)
     parts["buffers"] = buffers
     if kernels.fp8 != "off":
-        share = kernels.fp8_share(model)
-        parts["fp8"] = cal.FP8_WEIGHT_COPY_BYTES * layers_per_stage(model, layout) * layer * share
+        parts["fp8"] = fp8_bytes(model, layout, seq_len, kernels, autocast)
     parts["workspace"] = cal.WORKSPACE_BYTES
     parts["fragmentation"] = cal.FRAGMENTATION * sum(parts.values())
     parts["context"] = cal.CONTEXT_BYTES + (cal.COMM_BUFFER_BYTES if layout.world > 1 else 0.0)
