@@ -4,7 +4,8 @@ provider's (primus-turbo's ``Float8Linear`` or torchao's), before TP / FSDP / AC
 Swapped: ``layers.<i>.attention.{wq,wk,wv,wo}`` and ``layers.<i>.feed_forward.{w1,w2,w3}`` of blocks
 outside the recipe's first/last ``bf16_*_layers``; the output head only with ``bf16_output_head: false``.
 Under FSDP the parameters are all-gathered in bf16 as usual and cast to fp8 inside each GEMM (no FP8
-all-gather). Tensor parallelism is refused in :func:`issues` (its linears run on DTensors).
+all-gather). Under tensor parallelism primus-turbo's linear runs its GEMMs on the DTensor shards
+(``primus.turbo.fp8.linear.fp8_linear_tp``); torchao's is refused there (:func:`issues`).
 
 This module imports torch only inside the functions that swap (``issues`` runs in config validation).
 """
@@ -61,8 +62,14 @@ def choice(cfg: Any, provider: Any) -> Any:
     """The ``fp8`` entry of the run's kernel plan (:class:`primus.torchtitan.kernels.Choice`). Both providers
     run under ``train.compile``: on the H200 with torch 2.11, primus-turbo's compiled FP8 linear has eager's
     gradients (``benchmarks/fp8_compile_check.py``, the gate to run on a new torch or GPU)."""
+    from primus.core.errors import UserError
     from primus.torchtitan.kernels import Choice
 
+    if provider.name == "torchao" and cfg.parallel.tp > 1:  # `auto` fell to torchao (primus-turbo's unavailable)
+        raise UserError(
+            "kernels.fp8: torchao's FP8 linears cannot run under parallel.tp > 1 in this backend, and "
+            "primus-turbo's FP8 linear is not available here; use parallel.tp: 1 or kernels.fp8: off"
+        )
     r = cfg.kernels.fp8_recipe
     note = (
         f"{cfg.kernels.fp8}, grads {r.grad_dtype}, {r.scaling} scaling; bf16 first {r.bf16_first_layers} / last "
@@ -76,14 +83,14 @@ def issues(cfg: Any) -> list[ConfigIssue]:
     if cfg.kernels.fp8 == "off":
         return []
     out = config_issues(cfg, engine="torchtitan")
-    if cfg.parallel.tp > 1:
+    if cfg.parallel.tp > 1 and cfg.kernels.fp8_recipe.implementation == "torchao":
         out.append(
             ConfigIssue(
-                "kernels.fp8",
-                "torchtitan's tensor parallelism runs the block linears on DTensors; the FP8 linears take plain "
-                "tensors (FSDP, which all-gathers plain weights, works)",
-                value=cfg.kernels.fp8,
-                allowed="off, or parallel.tp: 1",
+                "kernels.fp8_recipe.implementation",
+                "torchao's FP8 linears under tensor parallelism need torchao's own Float8 parallel styles, which "
+                "this backend does not apply; primus-turbo's FP8 linear runs on the DTensor shards",
+                value="torchao",
+                allowed="primus or auto (with parallel.tp > 1)",
             )
         )
     return out

@@ -23,6 +23,11 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without torch.distributed
+    DTensor = None
+
 from primus.turbo.fp8.quantize import Impl, Quantized, quantize, resolve_impl
 from primus.turbo.fp8.recipe import GEMM_ALIGN, Fp8Recipe
 
@@ -170,13 +175,50 @@ def fp8_linear(
     return y if bias is None else y + bias.to(out_dtype)
 
 
+def fp8_linear_tp(x, weight, bias, *, recipe: Fp8Recipe, state: Fp8State | None = None):
+    """:func:`fp8_linear` on a tensor-parallel linear: ``weight`` a DTensor on a 1-D mesh, sharded by output rows
+    (``Shard(0)``, torch's ColwiseParallel) or by input columns (``Shard(1)``, RowwiseParallel). The GEMMs run on
+    the local shards, each shard quantized with its own scales (a shard's scale covers only what its GEMM
+    multiplies); the output is the DTensor ``nn.Linear`` would give there: sharded on its last dim (colwise) or a
+    partial sum (rowwise), which the parallel style's output layout then reduces or keeps.
+
+    Backward: colwise, the local dgrad is one rank's share of a replicated input's gradient, so the input's local
+    view takes ``Partial`` as its gradient placement (summed over the mesh when the caller redistributes); rowwise,
+    the output's gradient arrives replicated and each rank's dgrad is its own input shard's. Weight gradients
+    are the local shards' in both."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    mesh, (placement,) = weight.device_mesh, weight.placements
+    if placement == Shard(0):
+        x_in, x_grad, out = Replicate(), Partial(), Shard(x.dim() - 1)
+    elif placement == Shard(1):
+        x_in, x_grad, out = Shard(x.dim() - 1), Shard(x.dim() - 1), Partial()
+    else:
+        raise ValueError(f"fp8 tensor parallel: weight placement {placement} (expected Shard(0) or Shard(1))")
+    if not isinstance(x, DTensor):  # a plain input is this rank's view under the expected layout
+        x = DTensor.from_local(x, mesh, [x_in], run_check=False)
+    elif x.placements != (x_in,):
+        x = x.redistribute(mesh, [x_in])
+    local_bias = bias.to_local() if bias is not None and placement == Shard(0) else None
+    y = fp8_linear(x.to_local(grad_placements=[x_grad]), weight.to_local(), local_bias, recipe=recipe, state=state)
+    y = DTensor.from_local(y, mesh, [out], run_check=False)
+    return y if bias is None or placement == Shard(0) else y + bias
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
 class Float8Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state-dict keys) whose GEMMs run in FP8."""
+    """``nn.Linear`` (same parameters and state-dict keys) whose GEMMs run in FP8; tensor-parallel (DTensor
+    weights, see :func:`fp8_linear_tp`) or not."""
 
     fp8_recipe: Fp8Recipe
     fp8_state: Fp8State
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_dtensor(self.weight):
+            return fp8_linear_tp(x, self.weight, self.bias, recipe=self.fp8_recipe, state=self.fp8_state)
         return fp8_linear(x, self.weight, self.bias, recipe=self.fp8_recipe, state=self.fp8_state)
 
     def extra_repr(self) -> str:
