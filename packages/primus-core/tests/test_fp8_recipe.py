@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from primus.core.config.schema import PrimusConfig
 from primus.core.kernels.fp8_recipe import Fp8Recipe, config_issues
 
@@ -24,9 +26,21 @@ def test_recipe_carries_every_gemm_setting_from_the_config():
     ).kernels
     recipe = Fp8Recipe.from_config(kernels)
     assert recipe == Fp8Recipe("tensorwise", "e4m3", "delayed", 4, fast_accum_backward=True)
-    # every recipe field is a config field of the same name (mode is kernels.fp8 itself)
-    assert {f.name for f in dataclasses.fields(Fp8Recipe)} - {"mode"} <= set(type(kernels.fp8_recipe).model_fields)
+    # every recipe field is a config field of the same name (mode is kernels.fp8 itself; fnuz is the device's)
+    names = {f.name for f in dataclasses.fields(Fp8Recipe)} - {"mode", *Fp8Recipe.DEVICE_FIELDS}
+    assert names <= set(type(kernels.fp8_recipe).model_fields) and "rocm_gemm" in names
     assert Fp8Recipe.from_config(PrimusConfig().kernels) is None  # fp8 off
+    assert not recipe.fnuz and (recipe.forward_format, recipe.grad_format) == ("e4m3", "e4m3")
+
+
+def test_fnuz_formats_are_the_mi300_ones():
+    from primus.core.kernels.fp8_recipe import FP8_MAX
+
+    r = Fp8Recipe(fnuz=True)
+    assert (r.forward_format, r.grad_format) == ("e4m3fnuz", "e5m2fnuz")
+    assert FP8_MAX[r.forward_format] == 240.0 and FP8_MAX["e4m3"] == 448.0  # fnuz's exponent bias is one higher
+    with pytest.raises(ValueError, match="rocm_gemm"):
+        Fp8Recipe(rocm_gemm="rocblas")
 
 
 def test_delayed_scaling_is_refused_under_compile():

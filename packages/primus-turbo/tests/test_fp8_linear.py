@@ -238,9 +238,9 @@ def test_fast_accumulation_reaches_the_backward_gemms_only_when_asked(monkeypatc
     seen = []
     real = lin.scaled_mm
 
-    def recording(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    def recording(a, b, scale_a, scale_b, out_dtype, fast_accum, aiter=False):
         seen.append(fast_accum)
-        return real(a, b, scale_a, scale_b, out_dtype, fast_accum)
+        return real(a, b, scale_a, scale_b, out_dtype, fast_accum, aiter)
 
     monkeypatch.setattr(lin, "scaled_mm", recording)
     x, w, dy = inputs()

@@ -68,9 +68,10 @@ def _build_classes(provider: Any) -> tuple[type, type]:
             "need one that offers fp8_linear (set kernels.fp8_recipe.implementation=primus)"
         )
     Fp8State, fp8_linear = impl.Fp8State, impl.fp8_linear  # noqa: N806 (a class)
+    for_device = getattr(impl, "for_device", lambda recipe: recipe)  # the device's FP8 formats (fnuz on MI300)
 
     def setup(self: Any, fp8_recipe: Any) -> None:
-        self.fp8_recipe = fp8_recipe
+        self.fp8_recipe = for_device(fp8_recipe)
         self.fp8_state = Fp8State(fp8_recipe.amax_history)
 
     def forward_impl(

@@ -97,11 +97,20 @@ def triton_kernels(device: str, **_: Any) -> Availability:
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 
 
+# AMD architectures whose matrix cores take FP8 through hipBLASLt's torch._scaled_mm: gfx942 (MI300X/MI325X, the
+# fnuz formats) and gfx950 (MI350X/MI355X, the OCP ones)
+FP8_ROCM_ARCHES = ("gfx942", "gfx950")
+
+
 def _fp8_reason(device: str) -> str:
     """Why ``torch._scaled_mm`` FP8 GEMMs cannot run on ``device`` ("" when they can)."""
-    if device == "rocm":
-        return "ROCm GPUs use the fp8 *fnuz* formats, which primus-turbo's FP8 linear does not handle yet"
     import torch
+
+    if device == "rocm":  # written against torch's ROCm API; not run here (no AMD GPU)
+        arch = torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.split(":")[0]
+        if arch not in FP8_ROCM_ARCHES:
+            return f"{arch} has no FP8 GEMMs in torch._scaled_mm (ROCm: {', '.join(FP8_ROCM_ARCHES)})"
+        return ""
 
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
         return f"torch {torch.__version__} has no float8 dtypes / torch._scaled_mm"
@@ -127,12 +136,20 @@ def _cpu_scaled_mm_reason() -> str:
     return ""
 
 
-def fp8(device: str, *, mode: str = "tensorwise", scaling: str = "current", **_: Any) -> Availability:
-    """primus-turbo's FP8 linear (torch._scaled_mm): CUDA sm_89+, or CPU where torch runs _scaled_mm there."""
+def fp8(
+    device: str, *, mode: str = "tensorwise", scaling: str = "current", rocm_gemm: str = "hipblaslt", **_: Any
+) -> Availability:
+    """primus-turbo's FP8 linear (torch._scaled_mm): CUDA sm_89+, ROCm gfx942 / gfx950, or CPU where torch runs
+    _scaled_mm there; ``rocm_gemm: aiter`` on ROCm also needs the aiter package."""
     from primus.turbo.fp8.recipe import delayed_rowwise_reason
 
     if mode == "rowwise" and scaling == "delayed":
         return Availability(False, delayed_rowwise_reason())
+    if device == "rocm" and rocm_gemm == "aiter":
+        try:
+            import aiter  # noqa: F401 - the import is the check
+        except ImportError as exc:
+            return Availability(False, f"kernels.fp8_recipe.rocm_gemm=aiter: aiter is not installed ({exc})")
     return _verdict(_fp8_reason(device))
 
 

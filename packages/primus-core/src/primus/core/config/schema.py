@@ -157,6 +157,11 @@ class Fp8Recipe(Section):
     implementation: Literal["auto", "primus", "torchao"] = Field(
         "auto", description="primus: primus-turbo's torch._scaled_mm linear; torchao: torchao.float8 where installed"
     )
+    rocm_gemm: Literal["hipblaslt", "aiter"] = Field(
+        "hipblaslt",
+        description="ROCm, primus-turbo's linear: FP8 GEMMs on hipBLASLt (torch._scaled_mm) or AITER's gemm_a8w8 "
+        "(CK; bf16/fp16 outputs, the fp32 weight gradients stay on hipBLASLt). Not run: no AMD GPU here",
+    )
 
 
 class KernelsConfig(Section):

@@ -113,7 +113,12 @@ def select_fp8(kernels: KernelsConfig, registry: Registry, device: str) -> Kerne
     if kernels.fp8 == "off":
         return None
     recipe = kernels.fp8_recipe
-    constraints = {"mode": kernels.fp8, "scaling": recipe.scaling, "grad_dtype": recipe.grad_dtype}
+    constraints = {
+        "mode": kernels.fp8,
+        "scaling": recipe.scaling,
+        "grad_dtype": recipe.grad_dtype,
+        "rocm_gemm": recipe.rocm_gemm,
+    }
     want = FP8_PROVIDERS.get(recipe.implementation)
     providers = [p for p in registry.providers("gemm") if p.name in FP8_PROVIDERS.values()]
     candidates = [p for p in providers if want in (None, p.name)]

@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 E4M3_MAX = 448.0  # torch.float8_e4m3fn
 E5M2_MAX = 57344.0  # torch.float8_e5m2
-FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}
+# the OCP formats (NVIDIA, AMD gfx950) and AMD's fnuz variants (gfx942, the MI300 series: no negative zero, one
+# NaN, exponent bias one higher, so e4m3fnuz tops out at 240)
+FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX, "e4m3fnuz": 240.0, "e5m2fnuz": 57344.0}
 GEMM_ALIGN = 16  # torch._scaled_mm on CUDA: every GEMM dim a multiple of 16
 
 
@@ -28,31 +30,52 @@ class Fp8Recipe:
     (``rowwise``); ``grad_dtype``: the output gradient's fp8 format in the two backward GEMMs;
     ``scaling``: ``current`` (this step's amax) or ``delayed`` (max of the last ``amax_history`` steps,
     tensorwise only); ``fast_accum_backward``: the two backward GEMMs accumulate as the forward does, in the
-    tensor cores' reduced precision, instead of promoting partial sums to fp32 (faster, less exact)."""
+    tensor cores' reduced precision, instead of promoting partial sums to fp32 (faster, less exact);
+    ``rocm_gemm``: on ROCm, ``hipblaslt`` (torch._scaled_mm) or ``aiter`` (AITER's gemm_a8w8 where the output is
+    bf16/fp16). ``fnuz`` is the device's, not the config's: set by primus-turbo on the MI300 series (gfx942), whose
+    FP8 GEMMs take the fnuz formats (:attr:`forward_format`, :attr:`grad_format`)."""
 
     mode: Literal["tensorwise", "rowwise"] = "tensorwise"
     grad_dtype: Literal["e4m3", "e5m2"] = "e5m2"
     scaling: Literal["current", "delayed"] = "current"
     amax_history: int = 16
     fast_accum_backward: bool = False
+    rocm_gemm: Literal["hipblaslt", "aiter"] = "hipblaslt"
+    fnuz: bool = False
+
+    # fields that come from the device, not from the config section
+    DEVICE_FIELDS = ("fnuz",)
 
     def __post_init__(self) -> None:
         if self.mode not in ("tensorwise", "rowwise"):
             raise ValueError(f"fp8 mode must be tensorwise or rowwise (got {self.mode!r})")
-        if self.grad_dtype not in FP8_MAX:
+        if self.grad_dtype not in ("e4m3", "e5m2"):
             raise ValueError(f"fp8 grad_dtype must be e4m3 or e5m2 (got {self.grad_dtype!r})")
         if self.scaling == "delayed" and self.mode == "rowwise":
             raise ValueError(delayed_rowwise_reason())
         if self.amax_history < 1:
             raise ValueError(f"amax_history must be >= 1 (got {self.amax_history})")
+        if self.rocm_gemm not in ("hipblaslt", "aiter"):
+            raise ValueError(f"fp8 rocm_gemm must be hipblaslt or aiter (got {self.rocm_gemm!r})")
+
+    @property
+    def forward_format(self) -> str:
+        """The fp8 format of the forward operands and of every e4m3 operand of the backward."""
+        return "e4m3fnuz" if self.fnuz else "e4m3"
+
+    @property
+    def grad_format(self) -> str:
+        """The fp8 format of the output gradient in the backward GEMMs."""
+        return self.grad_dtype + ("fnuz" if self.fnuz else "")
 
     @classmethod
     def from_config(cls, kernels: Any) -> Fp8Recipe | None:
         """From a :class:`primus.core.config.schema.KernelsConfig`; None when ``kernels.fp8`` is off."""
         if kernels.fp8 == "off":
             return None
-        # every field but the mode is the config section's field of the same name
-        gemm = {f.name: getattr(kernels.fp8_recipe, f.name) for f in fields(cls) if f.name != "mode"}
+        # every field but the mode and the device's is the config section's field of the same name
+        skip = ("mode", *cls.DEVICE_FIELDS)
+        gemm = {f.name: getattr(kernels.fp8_recipe, f.name) for f in fields(cls) if f.name not in skip}
         return cls(mode=kernels.fp8, **gemm)
 
 

@@ -12,13 +12,22 @@ scales along the reduction dim:
   saved in their own dtype. Output in bf16 (``_scaled_mm`` rowwise on CUDA requires it), cast after.
 
 Master weights stay what they are (fp32 or bf16) and get their gradient in their own dtype; only the GEMM
-operands are cast. Delayed scaling (tensorwise) keeps amax histories in :class:`Fp8State`, plain tensors
+operands are cast.
+
+ROCm (written against torch's and AITER's APIs; **not run**: no AMD GPU here): ``torch._scaled_mm`` runs on
+hipBLASLt there. The MI300 series (gfx942) multiplies AMD's fnuz formats (e4m3fnuz tops out at 240, not 448):
+:func:`for_device` sets the recipe's ``fnuz`` from the GPU's architecture, and every cast follows
+``recipe.forward_format`` / ``grad_format``. ``rocm_gemm: aiter`` sends the GEMMs with a bf16/fp16 output to
+AITER's ``gemm_a8w8`` (CK; scales per row of each operand, so tensorwise scales are broadcast); the fp32 weight
+gradients stay on hipBLASLt, which AITER's kernel does not write. Delayed scaling (tensorwise) keeps amax histories in :class:`Fp8State`, plain tensors
 made on first use (not buffers: they are not model weights and never enter a checkpoint).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -67,6 +76,32 @@ def _quantize(t: torch.Tensor, fmt: str, role: str, recipe: Fp8Recipe, state: Fp
     return q
 
 
+def rocm_fp8_formats_are_fnuz() -> bool:
+    """Whether this process's GPU multiplies the fnuz FP8 formats: AMD's gfx94x (MI300 series). gfx950 (MI350
+    series) and NVIDIA take the OCP ones."""
+    if not getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.startswith("gfx94")
+
+
+def for_device(recipe: Fp8Recipe) -> Fp8Recipe:
+    """``recipe`` with this device's FP8 formats (``fnuz`` on the MI300 series) and its ROCm GEMM library
+    where there is one (``rocm_gemm`` means nothing elsewhere)."""
+    rocm = bool(getattr(torch.version, "hip", None))
+    return replace(recipe, fnuz=rocm_fp8_formats_are_fnuz(), rocm_gemm=recipe.rocm_gemm if rocm else "hipblaslt")
+
+
+def aiter_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """``a [m, k] · bᵀ`` on AITER's ``gemm_a8w8``: ``XQ`` [m, k] and ``WQ`` [n, k] both row-major, fp32 scales
+    ``x_scale`` [m, 1] and ``w_scale`` [1, n] applied to the product, output bf16 or fp16."""
+    import aiter
+
+    m, n = a.shape[0], b.shape[0]
+    x_scale = scale_a.reshape(-1, 1).expand(m, 1).contiguous()
+    w_scale = scale_b.reshape(1, -1).expand(1, n).contiguous()
+    return aiter.gemm_a8w8(a.contiguous(), b.contiguous(), x_scale, w_scale, None, out_dtype)
+
+
 @torch.library.custom_op("primus_turbo::scaled_mm", mutates_args=())
 def scaled_mm(
     a: torch.Tensor,
@@ -75,10 +110,13 @@ def scaled_mm(
     scale_b: torch.Tensor,
     out_dtype: torch.dtype,
     fast_accum: bool,
+    aiter: bool = False,
 ) -> torch.Tensor:
     """``a [m, k] · bᵀ`` (``b`` [n, k]) on ``torch._scaled_mm``, as one opaque op that makes its operands'
     layouts itself (first row-major, second column-major): under torch.compile inductor may hand it the fp8
-    transposed copies in any layout."""
+    transposed copies in any layout. ``aiter``: on AITER's ``gemm_a8w8`` instead (bf16/fp16 outputs)."""
+    if aiter and out_dtype in (torch.bfloat16, torch.float16):
+        return aiter_scaled_mm(a, b, scale_a, scale_b, out_dtype)
     return torch._scaled_mm(
         a.contiguous(),
         b.contiguous().t(),
@@ -90,16 +128,18 @@ def scaled_mm(
 
 
 @scaled_mm.register_fake
-def _scaled_mm_shape(a, b, scale_a, scale_b, out_dtype, fast_accum):
+def _scaled_mm_shape(a, b, scale_a, scale_b, out_dtype, fast_accum, aiter=False):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-def _mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, rowwise: bool, fast_accum: bool) -> torch.Tensor:
+def _mm(
+    a: Quantized, b: Quantized, out_dtype: torch.dtype, *, rowwise: bool, fast_accum: bool, aiter: bool = False
+) -> torch.Tensor:
     """``a.data [m, k] · b.dataᵀ`` where ``b.data`` is [n, k] row-major; scales (m, 1) and (1, n) rowwise,
     scalars tensorwise."""
     scale_b = b.scale_inv.reshape(1, -1) if rowwise else b.scale_inv
     dtype = torch.bfloat16 if rowwise else out_dtype
-    y = scaled_mm(a.data, b.data, a.scale_inv, scale_b, dtype, fast_accum)
+    y = scaled_mm(a.data, b.data, a.scale_inv, scale_b, dtype, fast_accum, aiter)
     # no same-dtype .to(): traced, it is a second node for the same tensor, an output aliasing an intermediate,
     # which torch 2.11's dynamo mis-routes gradients for (pytorch#180642): with it, the compiled block linears
     # trained on zero gradients on the H200; without it their gradients equal eager's (fp8_compile_check.py)
@@ -114,11 +154,11 @@ def _transposed(q: Quantized) -> Quantized:
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: Fp8Recipe, state: Fp8State | None, impl: Impl, out_dtype: torch.dtype):
-        rowwise = recipe.mode == "rowwise"
+        rowwise, fmt, aiter = recipe.mode == "rowwise", recipe.forward_format, recipe.rocm_gemm == "aiter"
         impl = resolve_impl(x, impl)  # here, not in backward (see resolve_impl)
-        xq = _quantize(x, "e4m3", "x", recipe, state, impl)
-        wq = _quantize(weight, "e4m3", "w", recipe, state, impl)
-        y = _mm(xq, wq, out_dtype, rowwise=rowwise, fast_accum=True)
+        xq = _quantize(x, fmt, "x", recipe, state, impl)
+        wq = _quantize(weight, fmt, "w", recipe, state, impl)
+        y = _mm(xq, wq, out_dtype, rowwise=rowwise, fast_accum=True, aiter=aiter)
         ctx.recipe, ctx.state, ctx.impl = recipe, state, impl
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         if rowwise:
@@ -130,22 +170,23 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         recipe, state, impl = ctx.recipe, ctx.state, ctx.impl
-        g, fast = recipe.grad_dtype, recipe.fast_accum_backward
+        g, f, fast = recipe.grad_format, recipe.forward_format, recipe.fast_accum_backward
+        mm = partial(_mm, fast_accum=fast, aiter=recipe.rocm_gemm == "aiter")
         dy = dy.contiguous()
         if recipe.mode == "rowwise":
             x, weight = ctx.saved_tensors
             dyq = quantize(dy, g, rowwise=True, impl=impl)
-            wtq = quantize(weight.t().contiguous(), "e4m3", rowwise=True, impl=impl)  # per input column of W
-            dx = _mm(dyq, wtq, ctx.x_dtype, rowwise=True, fast_accum=fast)
+            wtq = quantize(weight.t().contiguous(), f, rowwise=True, impl=impl)  # per input column of W
+            dx = mm(dyq, wtq, ctx.x_dtype, rowwise=True)
             dytq = quantize(dy.t().contiguous(), g, rowwise=True, impl=impl)  # per output feature, over tokens
-            xtq = quantize(x.t().contiguous(), "e4m3", rowwise=True, impl=impl)  # per input feature, over tokens
-            dw = _mm(dytq, xtq, ctx.w_dtype, rowwise=True, fast_accum=fast)
+            xtq = quantize(x.t().contiguous(), f, rowwise=True, impl=impl)  # per input feature, over tokens
+            dw = mm(dytq, xtq, ctx.w_dtype, rowwise=True)
             return dx, dw, None, None, None, None
         xd, xs, wd, ws = ctx.saved_tensors
         dyq = _quantize(dy, g, "dy", recipe, state, impl)
         wt = _transposed(Quantized(wd, ws, ws))  # W [n, k] → [k, n]: dx = dy · W
-        dx = _mm(dyq, wt, ctx.x_dtype, rowwise=False, fast_accum=fast)
-        dw = _mm(_transposed(dyq), _transposed(Quantized(xd, xs, xs)), ctx.w_dtype, rowwise=False, fast_accum=fast)
+        dx = mm(dyq, wt, ctx.x_dtype, rowwise=False)
+        dw = mm(_transposed(dyq), _transposed(Quantized(xd, xs, xs)), ctx.w_dtype, rowwise=False)
         return dx, dw, None, None, None, None
 
 
@@ -227,7 +268,8 @@ class Float8Linear(nn.Linear):
 
 
 def make_fp8(module: nn.Linear, recipe: Fp8Recipe) -> None:
-    """Retype one ``nn.Linear`` in place (its parameters, hooks and name stay)."""
+    """Retype one ``nn.Linear`` in place (its parameters, hooks and name stay); ``recipe`` as
+    :func:`for_device` made it."""
     module.__class__ = Float8Linear
     module.fp8_recipe = recipe
     module.fp8_state = Fp8State(recipe.amax_history)
@@ -255,6 +297,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, skip: Skip = None) -> li
     else:
         names = set(skip)
         skipped = lambda name, module: name in names  # noqa: E731
+    recipe = for_device(recipe)
     swapped = []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or skipped(name, module):
@@ -270,3 +313,4 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, skip: Skip = None) -> li
 # the provider's impl is convert_to_fp8, and the function and state it is built on ride along with it.
 convert_to_fp8.fp8_linear = fp8_linear
 convert_to_fp8.Fp8State = Fp8State
+convert_to_fp8.for_device = for_device

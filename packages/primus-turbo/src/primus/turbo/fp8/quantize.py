@@ -24,7 +24,12 @@ import torch
 from primus.turbo.fp8.recipe import FP8_MAX
 
 AMAX_EPS = 1e-12
-DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+DTYPES = {
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "e4m3fnuz": torch.float8_e4m3fnuz,  # AMD gfx942 (MI300 series)
+    "e5m2fnuz": torch.float8_e5m2fnuz,
+}
 Impl = Literal["auto", "torch", "triton"]
 
 
@@ -55,7 +60,7 @@ def resolve_impl(x: torch.Tensor, impl: Impl) -> Impl:
 def quantize(
     x: torch.Tensor, fmt: str, *, rowwise: bool, amax: torch.Tensor | None = None, impl: Impl = "auto"
 ) -> Quantized:
-    """``x`` [rows, cols] to fp8 ``fmt`` ("e4m3"/"e5m2"). ``amax`` (tensorwise only) scales with a given
+    """``x`` [rows, cols] to fp8 ``fmt`` (a key of :data:`DTYPES`). ``amax`` (tensorwise only) scales with a given
     amax (delayed scaling) instead of this tensor's own; values beyond it saturate at fp8_max."""
     if x.dim() != 2:
         raise ValueError(f"quantize takes a 2-D tensor (got shape {tuple(x.shape)})")
