@@ -7,7 +7,7 @@ a relative 1% of the bf16 run's from the same seed (measured: ~1e-4), and its lo
 from __future__ import annotations
 
 import pytest
-from megatron_helpers import TINY, losses, primus, read_metrics
+from megatron_helpers import TINY, losses, primus, read_metrics, train
 
 from primus.core.config.schema import KernelsConfig, PrimusConfig
 from primus.megatron.fp8 import fp8_layer_numbers, issues
@@ -22,7 +22,7 @@ def test_refusals_name_the_reason():
     base = {"train": {"precision": "bf16"}, "kernels": {"fp8": "tensorwise"}}
     assert issues(PrimusConfig.model_validate(base)) == []
     sp = PrimusConfig.model_validate({**base, "parallel": {"tp": 2, "sequence_parallel": True}})
-    assert [i.path for i in issues(sp)] == ["parallel.sequence_parallel"]
+    assert issues(sp) == []  # the FP8 column linear all-gathers the sequence itself
     ao = PrimusConfig.model_validate(
         {
             **base,
@@ -45,3 +45,17 @@ def test_tiny_run_fp8_tracks_bf16(mode, tmp_path):
     assert a[-1] < a[0] - 0.15
     assert max(abs(x - y) / y for x, y in zip(a, b, strict=True)) < 0.01
     assert a != b  # FP8 really ran
+
+
+def test_tp2_sequence_parallel_fp8_matches_tp2(reference, tmp_path):
+    """FP8 (tensorwise) TP 2 with sequence parallelism against TP 2 without it, from the reference's seed weights:
+    the same weight shards quantized the same way, only where the sequence is gathered differs, so the runs agree
+    to reduction order (measured: losses 1.5e-4, grad norms 3.9e-3 apart over 6 steps). The column linears gather
+    the sequence-sharded input before the FP8 GEMM and reduce-scatter its gradient; with the gradient split
+    instead of summed, the grad norms drift 69% apart."""
+    common = ("train.precision=bf16", "kernels.fp8=tensorwise", f"backend.extra.seed_checkpoint={reference['seed']}")
+    tp = train(TINY, tmp_path / "tp2", 2, *common, "parallel.tp=2")
+    sp = train(TINY, tmp_path / "tp2sp", 2, *common, "parallel.tp=2", "parallel.sequence_parallel=true")
+    assert losses(sp) == pytest.approx(losses(tp), rel=1e-3)
+    assert [r["grad_norm"] for r in sp] == pytest.approx([r["grad_norm"] for r in tp], rel=2e-2)
+    assert losses(sp)[-1] < losses(sp)[0] - 0.15

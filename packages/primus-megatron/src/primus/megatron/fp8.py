@@ -8,10 +8,14 @@ with :func:`primus.turbo.fp8.fp8_linear`, so the tensor-parallel communication s
   dgrad backward) instead of the async all-reduce overlapped inside megatron's autograd function: the
   subclass sets ``allreduce_dgrad = False`` (what megatron itself does for explicit expert comm), so the
   dgrad all-reduce is synchronous but correct.
-- Row: the local GEMM, then megatron's all-reduce of the output as before.
+- Row: the local GEMM, then megatron's all-reduce of the output as before (with sequence parallelism:
+  megatron's reduce-scatter of the output, outside ``_forward_impl``).
+- Column under sequence parallelism: megatron hands ``_forward_impl`` the sequence-sharded input and does the
+  all-gather / dgrad reduce-scatter inside its autograd GEMM function; here megatron's own
+  ``gather_from_sequence_parallel_region`` (all-gather forward, reduce-scatter backward) runs before the FP8 GEMM,
+  synchronously, where megatron overlaps them.
 
-Refused (:func:`issues`): sequence parallelism (its all-gather / reduce-scatter of the input and dgrad
-live inside megatron's autograd function), ``fp8_recipe.implementation: torchao`` (torchao swaps
+Refused (:func:`issues`): ``fp8_recipe.implementation: torchao`` (torchao swaps
 ``nn.Linear``; these are megatron modules). Delayed-scaling histories are plain tensors on the module,
 never in its state dict. The recipe's first/last bf16 blocks are counted in global layer numbers
 (pipeline stages and virtual stages included); the output head is megatron's vocab-parallel linear and
@@ -87,11 +91,13 @@ def _build_classes(provider: Any) -> tuple[type, type]:
         tp_group: Any = None,
         **_: Any,
     ) -> Any:
-        if sequence_parallel or allreduce_dgrad or grad_output_buffer is not None:
+        if allreduce_dgrad or grad_output_buffer is not None:
             raise RuntimeError(
-                "FP8 linear: sequence parallelism / in-GEMM dgrad all-reduce / deferred wgrad are megatron's "
-                "autograd-function features the FP8 linear does not implement (refused in config validation)"
+                "FP8 linear: in-GEMM dgrad all-reduce / deferred wgrad are megatron's autograd-function features the "
+                "FP8 linear does not implement"
             )
+        if sequence_parallel:  # [s/tp, b, h] -> [s, b, h]; the input's gradient is reduce-scattered back
+            input = mc.tensor_parallel.gather_from_sequence_parallel_region(input, True, group=tp_group)
         return fp8_linear(input, weight, bias, recipe=self.fp8_recipe, state=self.fp8_state)
 
     class Fp8ColumnParallelLinear(mc.ColumnParallelLinear):
@@ -135,16 +141,6 @@ def issues(cfg: Any) -> list[ConfigIssue]:
     if k.fp8 == "off":
         return []
     out = config_issues(cfg, engine="megatron")
-    if cfg.parallel.sequence_parallel:
-        out.append(
-            ConfigIssue(
-                "parallel.sequence_parallel",
-                "with kernels.fp8 the linears' all-gather / reduce-scatter (inside megatron's autograd GEMM "
-                "function) are not reproduced by the FP8 linear",
-                value=True,
-                allowed="false (tensor parallelism without sequence parallelism works)",
-            )
-        )
     if k.fp8_recipe.implementation == "torchao":
         out.append(
             ConfigIssue(
