@@ -24,6 +24,7 @@ FILES = (
     "fp8_training_compiled_primus.json",
     "fp8_training_3b_mbs4_gb8.json",
     "fp8_training_3b_mbs8_fit.json",
+    "fp8_training_mbs8_1b_3b.json",
 )
 GIB = 2**30
 
@@ -35,6 +36,15 @@ def _runs():
             for case, result in per_model["cases"].items():
                 run = result["runs"][0]
                 yield name, model, case, shlex.split(run["command"])[2:], run["memory_gib"]
+
+
+def _validation_runs():
+    """``benchmarks/memory_validation.py --fp8``: compiled bf16 / FP8 pairs, one global batch per step."""
+    data = json.loads((RESULTS / "memory_validation_fp8.json").read_text())
+    for case in data["cases"]:
+        argv = [a for a in shlex.split(case["command"])[2:] if not a.startswith("logging.output_dir=")]
+        fp8 = "kernels.fp8=tensorwise" in argv
+        yield "memory_validation_fp8.json", f"{argv[0]} mbs{case['case']['micro_batch']}", fp8, argv, case
 
 
 def _predicted(argv: list[str]) -> float:
@@ -63,3 +73,17 @@ def test_fp8_peaks_below_bf16_as_measured(points):
 def test_fp8_estimates_within_the_bf16_models_spread(points):
     for key, (pred, meas) in points.items():
         assert -0.10 <= pred / meas - 1 <= 0.20, f"{key}: predicted {pred:.1f} GiB, measured {meas:.1f}"
+
+
+def test_fp8_saving_as_memory_validation_measured():
+    """The planner's FP8 saving (bf16 estimate minus FP8's) against the measured max_reserved difference of each
+    bf16 / FP8 pair (measured on the H200: 1B 3.8 GiB, 3B 11.9 and 15.7 GiB), within a third."""
+    pairs: dict[str, dict[bool, tuple[float, float]]] = {}
+    for _, key, fp8, argv, case in _validation_runs():
+        pairs.setdefault(key, {})[fp8] = (_predicted(argv), case["max_reserved_gib"])
+    assert len(pairs) == 3
+    for key, pair in pairs.items():
+        (pred_bf16, meas_bf16), (pred_fp8, meas_fp8) = pair[False], pair[True]
+        saved, measured = pred_bf16 - pred_fp8, meas_bf16 - meas_fp8
+        assert measured > 0 and abs(saved / measured - 1) < 1 / 3, (key, saved, measured)
+        assert 0 <= pred_fp8 / meas_fp8 - 1 <= 0.20, (key, pred_fp8, meas_fp8)  # over, as the bf16 estimates are
