@@ -13,7 +13,9 @@ with :func:`primus.turbo.fp8.fp8_linear`, so the tensor-parallel communication s
 - Column under sequence parallelism: megatron hands ``_forward_impl`` the sequence-sharded input and does the
   all-gather / dgrad reduce-scatter inside its autograd GEMM function; here megatron's own
   ``gather_from_sequence_parallel_region`` (all-gather forward, reduce-scatter backward) runs before the FP8 GEMM,
-  synchronously, where megatron overlaps them.
+  synchronously, where megatron overlaps them. The FP8 linear keeps the gathered input for its backward, in e4m3
+  (1 byte × the whole sequence); megatron keeps its shard in bf16 (2 bytes × 1/tp of it) and gathers again in
+  the backward, so beyond tp = 2 this holds more activation memory than megatron's own linear.
 
 Refused (:func:`issues`): ``fp8_recipe.implementation: torchao`` (torchao swaps
 ``nn.Linear``; these are megatron modules). Delayed-scaling histories are plain tensors on the module,

@@ -169,7 +169,8 @@ def fp8_bytes(model: ModelConfig, layout: Layout, seq_len: int, kernels: KernelT
     copy = cal.FP8_WEIGHT_COPY_BYTES[kernels.fp8] - (cal.AUTOCAST_WEIGHT_COPY_BYTES if autocast else 0)
     t_sp = layout.tp if layout.sequence_parallel else 1
     d, f = model.hidden_size, model.ffn_hidden_size
-    elements = seq_len / layout.cp * layout.micro_batch * (3 * d / t_sp + f / layout.tp)  # per layer
+    # per layer: the two norm outputs (sequence-sharded with SP), the attention output and the SwiGLU product
+    elements = seq_len / layout.cp * layout.micro_batch * (2 * d / t_sp + (d + f) / layout.tp)
     kept = {"none": nl, "selective": nl * cal.SELECTIVE_KEPT.get(layout.engine, 1.0), "full": 0}
     kept_layers = kept.get(layout.recompute, nl - layout.recompute_layers)  # partial: the layers not recomputed
     saved = cal.FP8_INPUT_BYTES_SAVED["compiled" if kernels.compiled else "eager"][kernels.fp8]
