@@ -1,6 +1,6 @@
 """The FP8 linear: ``y = x · Wᵀ (+ b)`` with three ``torch._scaled_mm`` GEMMs.
 
-Forward ``y = x·Wᵀ``: x and W in e4m3. Backward ``dx = dy·W`` and ``dW = dyᵀ·x``: dy in the recipe's
+Forward ``y = x·Wᵀ``: x and W in e4m3 (e4m3fnuz on the MI300 series, below). Backward ``dx = dy·W`` and ``dW = dyᵀ·x``: dy in the recipe's
 grad dtype (e5m2 by default: more range for gradients), the other operand in e4m3. ``_scaled_mm`` wants
 its first operand row-major and its second column-major (and on CUDA every dim a multiple of 16), and
 scales along the reduction dim:
@@ -12,15 +12,16 @@ scales along the reduction dim:
   saved in their own dtype. Output in bf16 (``_scaled_mm`` rowwise on CUDA requires it), cast after.
 
 Master weights stay what they are (fp32 or bf16) and get their gradient in their own dtype; only the GEMM
-operands are cast.
+operands are cast. Delayed scaling (tensorwise) keeps amax histories in :class:`Fp8State`, plain tensors
+made on first use (not buffers: they are not model weights and never enter a checkpoint). Under tensor
+parallelism the GEMMs run on the local shards (:func:`fp8_linear_tp`).
 
 ROCm (written against torch's and AITER's APIs; **not run**: no AMD GPU here): ``torch._scaled_mm`` runs on
 hipBLASLt there. The MI300 series (gfx942) multiplies AMD's fnuz formats (e4m3fnuz tops out at 240, not 448):
 :func:`for_device` sets the recipe's ``fnuz`` from the GPU's architecture, and every cast follows
 ``recipe.forward_format`` / ``grad_format``. ``rocm_gemm: aiter`` sends the GEMMs with a bf16/fp16 output to
 AITER's ``gemm_a8w8`` (CK; scales per row of each operand, so tensorwise scales are broadcast); the fp32 weight
-gradients stay on hipBLASLt, which AITER's kernel does not write. Delayed scaling (tensorwise) keeps amax histories in :class:`Fp8State`, plain tensors
-made on first use (not buffers: they are not model weights and never enter a checkpoint).
+gradients stay on hipBLASLt, which AITER's kernel does not write.
 """
 
 from __future__ import annotations
