@@ -52,10 +52,32 @@ def test_shares_of_a_synthetic_step():
         ("LinearWithGradAccumulationAndAsyncCommunication", "gemm"),  # megatron's linear, outermost on a CPU trace
         ("autograd::engine::evaluate_function: AddmmBackward0", "gemm"),  # a CPU trace's backward GEMM
         ("some_unknown_thing", "other"),
+        # inductor's fused FP8 cast feeding a GEMM is not one (a dtype copy); its GEMM templates are
+        ("triton_poi_fused__to_copy_abs_clamp_clone_div_eq_mul_ne_reciprocal_scalar_tensor_scaled_mm_silu", "memory"),
+        ("triton_tem_fused_mm_0", "gemm"),
+        ("nvjet_sm90_qrtst_192x192_128x4_2x1_v_bz_coopB_TNN", "gemm"),
     ],
 )
 def test_categories(name, cat):
     assert categorize(name) == cat
+
+
+def test_fp8_gemms_are_told_apart_by_name():
+    """cuBLASLt's FP8 kernels (operand types q e4m3 / r e5m2 after the arch) against its bf16 ones (t), from the
+    H200 traces; the report gives their share of GEMM time."""
+    from primus.core.profile.report import markdown
+
+    events = [
+        _k("nvjet_sm90_qrtst_192x192_128x4_2x1_v_bz_coopB_TNN", 0, 30),
+        _k("nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN", 30, 20),
+        _k("nvjet_sm90_qrsss_128x256_128x4_2x1_v_bz_coopA_TNN", 50, 10),
+        _k("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT", 60, 40),  # the bf16 output head
+        _k("triton_poi_fused__to_copy_abs_clamp_mul_reciprocal_scaled_mm_0", 100, 5),
+    ]
+    r = analyze_events(events)
+    assert r.categories["gemm"] == 100 and r.fp8_gemm_us == 60 and r.categories["memory"] == 5
+    assert "FP8 GEMMs (FP8 operands, by kernel name), share of GEMM time: rank 0 60.0%" in markdown([r])
+    assert "FP8 GEMMs" not in markdown([analyze_events([_k(GEMM, 0, 40)])])
 
 
 def test_real_cpu_trace_and_cli(tmp_path):

@@ -47,7 +47,7 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     (
         "gemm",
         re.compile(
-            r"gemm|cutlass|xmma|nvjet|cublas|hipblaslt|Cijk_|matmul|\bmm\b|aten::mm|aten::addmm|linearwith|"
+            r"gemm|cutlass|xmma|nvjet|cublas|hipblaslt|Cijk_|matmul|\bmm\b|aten::mm|aten::addmm|linearwith|triton_tem_|"
             r"aten::bmm|aten::linear|sm90_|sm80_|wgmma|scaled_mm|mmbackward",  # CPU traces: autograd's (Add|B)mmBackward0
             re.I,
         ),
@@ -65,9 +65,22 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
 ]
 
 
+# GEMM kernels with FP8 operands, by name. cuBLASLt's nvjet kernels spell their operand types after the arch
+# (t bf16, s fp32, q e4m3, r e5m2): every bf16 H200 trace here runs nvjet_sm90_tst_*, the FP8 runs nvjet_sm90_qqtst_,
+# _qrtst_ and _qrsss_* (benchmarks/results/profile_3b_fp8_fastacc_mbs8.txt). CUTLASS names the fp8 type; hipBLASLt's
+# Cijk_* kernels carry F8 in their type field (not seen here: no AMD GPU); a CPU trace shows aten::_scaled_mm.
+FP8_GEMM = re.compile(r"nvjet_sm\d+_[qr]{2}|e4m3|e5m2|float8|_scaled_mm|Cijk_\w*F8", re.I)
+
+
+# inductor's pointwise / reduction kernels are named after every op they fuse, a GEMM's neighbours included
+# (triton_poi_fused_..._scaled_mm_silu is an FP8 cast): never a GEMM (its GEMM templates are triton_tem_*)
+INDUCTOR_FUSED = re.compile(r"^triton_(poi|red|per)_")
+
+
 def categorize(name: str) -> str:
+    fused = INDUCTOR_FUSED.match(name) is not None
     for cat, pat in CATEGORIES:
-        if pat.search(name):
+        if pat.search(name) and not (fused and cat == "gemm"):
             return cat
     return "other"
 
@@ -86,6 +99,7 @@ class RankReport:
     kernels: int = 0
     model_flops_per_step: float | None = None
     peak_flops: float | None = None
+    fp8_gemm_us: float = 0.0  # of the "gemm" category: kernels with FP8 operands (FP8_GEMM)
 
     @property
     def step_us(self) -> float:
@@ -184,9 +198,12 @@ def analyze_events(
     comm, compute = [], []
     cats: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, list[float]] = defaultdict(list)
+    fp8_gemm = 0.0
     for e in dev:
         cat = categorize(e["name"])
         cats[cat] += e["dur"]
+        if cat == "gemm" and FP8_GEMM.search(e["name"]):
+            fp8_gemm += e["dur"]
         per_kernel[e["name"]].append(e["dur"])
         (comm if cat == "communication" else compute).append((e["ts"], e["ts"] + e["dur"]))
     cu, mu = _union(compute), _union(comm)
@@ -206,6 +223,7 @@ def analyze_events(
         len(dev),
         flops_per_step,
         peak_flops,
+        fp8_gemm,
     )
 
 

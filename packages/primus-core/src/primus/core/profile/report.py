@@ -67,6 +67,9 @@ def markdown(reports: list[RankReport], title: str = "Step time breakdown") -> s
             + " | ".join(f"{r.categories.get(c, 0) / total:.1%}" for c in CAT_COLORS)
             + f" | {total / 1e3:.1f} |"
         )
+    if any(r.fp8_gemm_us for r in reports):
+        shares = ", ".join(f"rank {r.rank} {r.fp8_gemm_us / (r.categories.get('gemm') or 1.0):.1%}" for r in reports)
+        lines += ["", f"FP8 GEMMs (FP8 operands, by kernel name), share of GEMM time: {shares}"]
     for r in reports[:1]:
         lines += ["", f"## Top kernels (rank {r.rank})", "", "| kernel | total ms | calls |", "|---|---|---|"]
         lines += [f"| `{n[:100]}` | {t / 1e3:.2f} | {c} |" for n, t, c in r.top]
