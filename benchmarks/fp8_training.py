@@ -17,8 +17,9 @@ Sections of the JSON (each written as soon as it is measured; a failing case rec
   memory; the speedup of each FP8 case over bf16 (goal: ≥ 1.3× on 3B).
 - ``loss``: a 4-layer Llama 3.2 1B (``--loss-model 3b --loss-layers 0``: the 3B preset at its full depth; vocab
   2048, the bundled tokenizer) on the bundled text corpus (``data.source=bundled``: stdlib docstrings),
-  ``--loss-steps`` (300) steps per case from the same seed; measure: mean |Δloss| / loss_bf16 over the last 100
-  steps, per FP8 case.
+  ``--loss-steps`` (300) steps per case from the same seed, LR warmup ``--loss-warmup`` (30) steps; measure:
+  mean |Δloss| / loss_bf16 over the last 100 steps, per FP8 case and for ``bf16_seed2`` (bf16 from another seed,
+  the measure's floor). Sessions 3-5's loss results ran a 2-step warmup, which spikes every run's loss early.
 
 Expected full-run GPU time: ~4-5 min (linear ~20 s; throughput 6 runs of 14 steps incl. model build;
 loss 3 × 300 steps of a 4-layer model at 4k tokens/step).
