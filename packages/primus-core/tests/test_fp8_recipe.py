@@ -26,11 +26,12 @@ def test_recipe_carries_every_gemm_setting_from_the_config():
     ).kernels
     recipe = Fp8Recipe.from_config(kernels)
     assert recipe == Fp8Recipe("tensorwise", "e4m3", "delayed", 4, fast_accum_backward=True)
-    # every recipe field is a config field of the same name (mode is kernels.fp8 itself; fnuz is the device's)
-    names = {f.name for f in dataclasses.fields(Fp8Recipe)} - {"mode", *Fp8Recipe.DEVICE_FIELDS}
+    # every recipe field is a config field of the same name (mode is kernels.fp8 itself; the run fields are not)
+    names = {f.name for f in dataclasses.fields(Fp8Recipe)} - {"mode", *Fp8Recipe.RUN_FIELDS}
     assert names <= set(type(kernels.fp8_recipe).model_fields) and "rocm_gemm" in names
     assert Fp8Recipe.from_config(PrimusConfig().kernels) is None  # fp8 off
     assert not recipe.fnuz and (recipe.forward_format, recipe.grad_format) == ("e4m3", "e4m3")
+    assert not recipe.fp8_all_gather
 
 
 def test_fnuz_formats_are_the_mi300_ones():

@@ -79,3 +79,17 @@ def test_fsdp_tp_fp8_matches_fsdp(tmp_path, seed_checkpoint):
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-3)
     assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=5e-4)
     assert a[-1]["loss"] < a[0]["loss"] - 0.15
+
+
+def test_fsdp_all_gathers_fp8_weights_with_torchao_tensorwise():
+    from types import SimpleNamespace
+
+    from primus.torchtitan.fp8 import fsdp_fp8_all_gather
+
+    torchao, primus = SimpleNamespace(name="torchao"), SimpleNamespace(name="fp8")
+    fsdp = cfg().model_copy(update={"parallel": cfg().parallel.model_copy(update={"dp_shard": 2})})
+    assert fsdp_fp8_all_gather(fsdp, torchao, world_size=2)
+    assert not fsdp_fp8_all_gather(fsdp, primus, world_size=2)  # primus-turbo's linear gathers bf16
+    assert not fsdp_fp8_all_gather(cfg(), torchao, world_size=1)  # no FSDP
+    row = fsdp.model_copy(update={"kernels": fsdp.kernels.model_copy(update={"fp8": "rowwise"})})
+    assert not fsdp_fp8_all_gather(row, torchao, world_size=2)  # torchao gathers tensorwise weights only

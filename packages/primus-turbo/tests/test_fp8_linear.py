@@ -250,7 +250,7 @@ def test_fast_accumulation_reaches_the_backward_gemms_only_when_asked(monkeypatc
 
 def test_torchao_config_carries_the_recipe(monkeypatch):
     """float8_config against a stand-in with torchao 0.18's names and defaults (torchao is not installed here):
-    gradient dtype, rowwise recipe, fast accumulation of the backward GEMMs."""
+    gradient dtype, rowwise recipe, fast accumulation of the backward GEMMs, FP8 all-gather under FSDP."""
     import dataclasses
     import sys
     import types
@@ -269,6 +269,7 @@ def test_torchao_config_carries_the_recipe(monkeypatch):
         gemm_config_output: Float8GemmConfig = Float8GemmConfig(use_fast_accum=True)
         gemm_config_grad_input: Float8GemmConfig = Float8GemmConfig()
         gemm_config_grad_weight: Float8GemmConfig = Float8GemmConfig()
+        enable_fsdp_float8_all_gather: bool = False
         recipe: str = "tensorwise"
 
         @staticmethod
@@ -293,5 +294,8 @@ def test_torchao_config_carries_the_recipe(monkeypatch):
     assert fast.gemm_config_output.use_fast_accum
     rowwise = float8_config(Fp8Recipe(mode="rowwise", grad_dtype="e4m3", fast_accum_backward=True))
     assert rowwise.recipe == "rowwise" and rowwise.gemm_config_grad_weight.use_fast_accum
+    # FSDP2 all-gathers tensorwise weights in e4m3 where the engine says FSDP shards them
+    assert float8_config(Fp8Recipe(fp8_all_gather=True)).enable_fsdp_float8_all_gather
+    assert not plain.enable_fsdp_float8_all_gather
     with pytest.raises(ValueError, match="dynamic"):
         float8_config(Fp8Recipe(scaling="delayed"))

@@ -3,8 +3,9 @@ provider's (primus-turbo's ``Float8Linear`` or torchao's), before TP / FSDP / AC
 
 Swapped: ``layers.<i>.attention.{wq,wk,wv,wo}`` and ``layers.<i>.feed_forward.{w1,w2,w3}`` of blocks
 outside the recipe's first/last ``bf16_*_layers``; the output head only with ``bf16_output_head: false``.
-Under FSDP the parameters are all-gathered in bf16 as usual and cast to fp8 inside each GEMM (no FP8
-all-gather). Under tensor parallelism primus-turbo's linear runs its GEMMs on the DTensor shards
+Under FSDP primus-turbo's linear gets its parameters all-gathered in bf16 as usual and casts them to fp8 inside
+each GEMM; torchao's tensorwise linear has FSDP2 all-gather them in e4m3 (:func:`fsdp_fp8_all_gather`).
+Under tensor parallelism primus-turbo's linear runs its GEMMs on the DTensor shards
 (``primus.turbo.fp8.linear.fp8_linear_tp``); torchao's is refused there (:func:`issues`).
 
 This module imports torch only inside the functions that swap (``issues`` runs in config validation).
@@ -42,17 +43,32 @@ def skip_rule(kernels: Any, num_layers: int) -> Callable[[str, Any], bool]:
     return lambda name, module: keeps_bf16(name, num_layers=num_layers, recipe=kernels.fp8_recipe)
 
 
+def fsdp_fp8_all_gather(cfg: Any, provider: Any, world_size: int) -> bool:
+    """Whether FSDP2 all-gathers this run's FP8 weights in FP8: torchao's tensorwise linear wraps its weights in a
+    tensor subclass that FSDP2 gathers in e4m3 (torchtitan's own float8 converter does the same under FSDP);
+    primus-turbo's linear quantizes the gathered bf16 weight inside its GEMM."""
+    sharded = cfg.parallel.shard_size(world_size) * cfg.parallel.cp > 1
+    return sharded and provider.name == "torchao" and cfg.kernels.fp8 == "tensorwise"
+
+
 def fp8_swap(cfg: Any, provider: Any) -> Callable[[Any], list[str]]:
     """``model -> names swapped``: the provider's ``convert_to_fp8`` with this run's recipe and skip rule."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
     from primus.core.kernels.fp8_recipe import Fp8Recipe
 
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     recipe = Fp8Recipe.from_config(cfg.kernels)
+    recipe = replace(recipe, fp8_all_gather=fsdp_fp8_all_gather(cfg, provider, world))
     convert = provider.load()
     skip = skip_rule(cfg.kernels, cfg.model.num_layers)
 
     def swap(model: Any) -> list[str]:
         names = convert(model, recipe, skip)
-        log.info("fp8 (%s, %s): %d linears swapped", provider.name, recipe.mode, len(names))
+        gather = "fp8" if recipe.fp8_all_gather else "bf16"
+        log.info("fp8 (%s, %s): %d linears swapped; FSDP all-gather %s", provider.name, recipe.mode, len(names), gather)
         return names
 
     return swap
@@ -73,7 +89,7 @@ def choice(cfg: Any, provider: Any) -> Any:
     r = cfg.kernels.fp8_recipe
     note = (
         f"{cfg.kernels.fp8}, grads {r.grad_dtype}, {r.scaling} scaling; bf16 first {r.bf16_first_layers} / last "
-        f"{r.bf16_last_layers} blocks{', output head bf16' if r.bf16_output_head else ''}; bf16 FSDP all-gather"
+        f"{r.bf16_last_layers} blocks{', output head bf16' if r.bf16_output_head else ''}"
     )
     return Choice("fp8", provider.name, fp8_swap(cfg, provider), note)
 

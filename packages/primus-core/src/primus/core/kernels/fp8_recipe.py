@@ -32,8 +32,10 @@ class Fp8Recipe:
     tensorwise only); ``fast_accum_backward``: the two backward GEMMs accumulate as the forward does, in the
     tensor cores' reduced precision, instead of promoting partial sums to fp32 (faster, less exact);
     ``rocm_gemm``: on ROCm, ``hipblaslt`` (torch._scaled_mm) or ``aiter`` (AITER's gemm_a8w8 where the output is
-    bf16/fp16). ``fnuz`` is the device's, not the config's: set by primus-turbo on the MI300 series (gfx942), whose
-    FP8 GEMMs take the fnuz formats (:attr:`forward_format`, :attr:`grad_format`)."""
+    bf16/fp16). Two fields come from the run, not the config: ``fnuz``, set by primus-turbo on the MI300 series
+    (gfx942), whose FP8 GEMMs take the fnuz formats (:attr:`forward_format`, :attr:`grad_format`); and
+    ``fp8_all_gather``, set by the torchtitan backend where FSDP2 can all-gather the weights in FP8 (torchao's
+    tensorwise linear)."""
 
     mode: Literal["tensorwise", "rowwise"] = "tensorwise"
     grad_dtype: Literal["e4m3", "e5m2"] = "e5m2"
@@ -42,9 +44,10 @@ class Fp8Recipe:
     fast_accum_backward: bool = False
     rocm_gemm: Literal["hipblaslt", "aiter"] = "hipblaslt"
     fnuz: bool = False
+    fp8_all_gather: bool = False
 
-    # fields that come from the device, not from the config section
-    DEVICE_FIELDS = ("fnuz",)
+    # fields that come from the device and the run's layout, not from the config section
+    RUN_FIELDS = ("fnuz", "fp8_all_gather")
 
     def __post_init__(self) -> None:
         if self.mode not in ("tensorwise", "rowwise"):
@@ -73,8 +76,8 @@ class Fp8Recipe:
         """From a :class:`primus.core.config.schema.KernelsConfig`; None when ``kernels.fp8`` is off."""
         if kernels.fp8 == "off":
             return None
-        # every field but the mode and the device's is the config section's field of the same name
-        skip = ("mode", *cls.DEVICE_FIELDS)
+        # every field but the mode and the run's is the config section's field of the same name
+        skip = ("mode", *cls.RUN_FIELDS)
         gemm = {f.name: getattr(kernels.fp8_recipe, f.name) for f in fields(cls) if f.name not in skip}
         return cls(mode=kernels.fp8, **gemm)
 

@@ -4,7 +4,10 @@ module_filter_fn=..., config=Float8LinearConfig)``, the filter called as ``(modu
 
 What torchao's float8 training does not offer is refused here with the reason (:func:`unsupported`):
 delayed scaling (torchao keeps only dynamic scaling), and rowwise with e5m2 gradients (its rowwise recipe
-casts gradients to e4m3).
+casts gradients to e4m3). Under FSDP2 the tensorwise weights are all-gathered in e4m3
+(``enable_fsdp_float8_all_gather``; not run: one GPU here, and torchao is not installed on the CPU machines).
+torchtitan's per-step ``precompute_float8_dynamic_scale_for_fsdp`` (one amax pass for all weights) is not wired:
+each weight computes its own scale before its all-gather.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ def float8_config(recipe: Fp8Recipe):
     if recipe.mode == "rowwise":
         return dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), **backward)
     grad = torch.float8_e5m2 if recipe.grad_dtype == "e5m2" else torch.float8_e4m3fn
-    return Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=grad), **backward)
+    # FSDP2 all-gathers the weights in e4m3 (torchao's tensorwise only; the engine sets fp8_all_gather under FSDP)
+    gather = {"enable_fsdp_float8_all_gather": True} if recipe.fp8_all_gather else {}
+    return Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=grad), **backward, **gather)
 
 
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, skip: Callable[[str, nn.Module], bool] | None = None):
