@@ -59,13 +59,14 @@ def fp8_swap(cfg: Any, provider: Any) -> Callable[[Any], list[str]]:
 
     from primus.core.kernels.fp8_recipe import Fp8Recipe
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    recipe = Fp8Recipe.from_config(cfg.kernels)
-    recipe = replace(recipe, fp8_all_gather=fsdp_fp8_all_gather(cfg, provider, world))
+    config_recipe = Fp8Recipe.from_config(cfg.kernels)
     convert = provider.load()
     skip = skip_rule(cfg.kernels, cfg.model.num_layers)
 
     def swap(model: Any) -> list[str]:
+        # at model build, where the process group (and so the FSDP degree) is known
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        recipe = replace(config_recipe, fp8_all_gather=fsdp_fp8_all_gather(cfg, provider, world))
         names = convert(model, recipe, skip)
         gather = "fp8" if recipe.fp8_all_gather else "bf16"
         log.info("fp8 (%s, %s): %d linears swapped; FSDP all-gather %s", provider.name, recipe.mode, len(names), gather)
