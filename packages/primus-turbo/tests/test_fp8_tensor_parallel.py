@@ -64,6 +64,9 @@ def _worker(rank: int, port: int, mode: str, out: dict) -> None:
         got = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in got.items()}
         if rank == 0:
             out.update({k: v.clone() for k, v in got.items()})
+        # both ranks done (rank 0's hand-off included) before either tears gloo down: a rank that closes its
+        # connections while the other still holds them can abort the other (seen once in CI)
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
