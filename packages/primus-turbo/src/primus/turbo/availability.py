@@ -102,12 +102,19 @@ FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and new
 FP8_ROCM_ARCHES = ("gfx942", "gfx950")
 
 
+def rocm_arch() -> str:
+    """The current AMD GPU's architecture, ``gfx942`` from ``gfx942:sramecc+:xnack-``."""
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.split(":")[0]
+
+
 def _fp8_reason(device: str) -> str:
     """Why ``torch._scaled_mm`` FP8 GEMMs cannot run on ``device`` ("" when they can)."""
     import torch
 
     if device == "rocm":  # written against torch's ROCm API; not run here (no AMD GPU)
-        arch = torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.split(":")[0]
+        arch = rocm_arch()
         if arch not in FP8_ROCM_ARCHES:
             return f"{arch} has no FP8 GEMMs in torch._scaled_mm (ROCm: {', '.join(FP8_ROCM_ARCHES)})"
         return ""

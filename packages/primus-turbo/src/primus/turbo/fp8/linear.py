@@ -38,6 +38,7 @@ try:
 except ImportError:  # a torch built without torch.distributed
     DTensor = None
 
+from primus.turbo.availability import rocm_arch
 from primus.turbo.fp8.quantize import Impl, Quantized, quantize, resolve_impl
 from primus.turbo.fp8.recipe import GEMM_ALIGN, Fp8Recipe
 
@@ -82,7 +83,7 @@ def rocm_fp8_formats_are_fnuz() -> bool:
     series) and NVIDIA take the OCP ones."""
     if not getattr(torch.version, "hip", None) or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.startswith("gfx94")
+    return rocm_arch().startswith("gfx94")
 
 
 def for_device(recipe: Fp8Recipe) -> Fp8Recipe:
