@@ -9,9 +9,6 @@ not summed over the ranks) puts the input gradient ~50% off, a missing output re
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -47,13 +44,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _worker(rank: int, port: int, mode: str, out: dict) -> None:
+def _worker(rank: int, store: str, mode: str, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
         model = _mlp()
@@ -71,19 +67,13 @@ def _worker(rank: int, port: int, mode: str, out: dict) -> None:
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
-def test_tp2_fp8_mlp_matches_one_process(mode):
+def test_tp2_fp8_mlp_matches_one_process(mode, tmp_path):
     if not torch.distributed.is_gloo_available():
         pytest.skip("torch built without gloo")
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_worker, args=(_free_port(), mode, out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "store"), mode, out), nprocs=2, join=True)
     tp = dict(out)
     one = _mlp()
     convert_to_fp8(one, Fp8Recipe(mode=mode))
