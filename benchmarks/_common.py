@@ -48,11 +48,16 @@ def run_overrides(out: Path | str, seq: int, micro: int, steps: int) -> list[str
 
 
 def release() -> None:
-    """Between in-process runs: the process group, the cached GPU memory and the peak counter go."""
+    """Between in-process runs: megatron's parallel state (left set up by a run that failed), the process
+    group, the cached GPU memory and the peak counter go."""
     import gc
+    import sys
 
     import torch
 
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    if mpu is not None and mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     gc.collect()
@@ -136,17 +141,19 @@ class LastStepsProfiler:
 
 def breakdown(trace: Path | None) -> dict[str, Any] | None:
     """GEMM / attention / other shares of the traced device time (primus.core.profile.analyze), the step
-    time and the top kernels; None without a trace."""
+    time and the top 20 kernels (ms summed over the traced steps) with their category; None without a trace."""
     if trace is None or not trace.is_file():
         return None
-    from primus.core.profile.analyze import analyze_files
+    from primus.core.profile.analyze import analyze_files, categorize
 
-    report = analyze_files([trace], top_n=5)[0]
+    report = analyze_files([trace], top_n=20)[0]
     busy = sum(report.categories.values()) or 1.0
     return {
         "traced_steps": report.steps,
         "step_ms": report.step_us / 1e3,
         "idle_share": report.shares()["idle"],
         "kernel_time_shares": {k: round(v / busy, 4) for k, v in report.categories.items()},
-        "top_kernels": [{"name": n[:120], "ms": round(t / 1e3, 3), "calls": c} for n, t, c in report.top],
+        "top_kernels": [
+            {"name": n[:120], "category": categorize(n), "ms": round(t / 1e3, 3), "calls": c} for n, t, c in report.top
+        ],
     }

@@ -17,9 +17,11 @@ Cases (``--cases``), each a fresh model trained on uniform random tokens, bf16, 
 - ``mg_core`` / ``mg_turbo``: Primus-Megatron with core's providers pinned / turbo's (+ Triton RoPE and
   the fused output layer + loss).
 
-Turbo cases run at ``TURBO_MICRO_BATCH`` (the fused loss frees the [tokens x vocab] logits); if that
-runs out of memory the case is re-run at the base micro-batch. Every case records its micro-batch:
-compare tokens/s, which is per token whatever the batch.
+Turbo cases run at the model's turbo micro-batch (``MODELS``, or ``--turbo-micro-batch``; the fused loss frees
+the [tokens x vocab] logits); if that runs out of memory the case is re-run at half of it, down to the base
+micro-batch. Every case records its micro-batch: compare tokens/s, which is per token whatever the batch. A larger micro-batch
+also spreads the optimizer step over more tokens, so ``--same-batch`` gives the plain and core cases the same
+first try (and the same fallback): where they fit, the ratio is then at equal micro-batch.
 
 Timing: ``--steps`` steps per run, the median tokens/s of steps ``--warmup``+1 .. steps-2 (the last 2 steps
 are profiled by torch.profiler and excluded). The cases of one engine and model run in one worker process,
@@ -53,9 +55,9 @@ from _common import PEAK_BF16, breakdown, flops_per_token, release, steady, vers
 
 # model config -> (model key in the engine benchmarks, seq, base micro-batch, turbo micro-batch)
 MODELS = {
-    "1b-4096": ("1b", 4096, 2, 4),
+    "1b-4096": ("1b", 4096, 2, 8),  # megatron + turbo at 8: 1.48x plain (session 7; 1.41x at 4)
     "3b-4096": ("3b", 4096, 2, 8),  # turbo: the fused loss lets 3B run micro-batch 8 (135 GiB, session 6)
-    "1b-8192": ("1b", 8192, 1, 2),
+    "1b-8192": ("1b", 8192, 1, 4),
     "tiny-64": ("tiny", 64, 2, 4),  # --smoke
 }
 SHAPES = {  # for the FLOPs formula
@@ -123,20 +125,35 @@ def run_mg(case: str, key: str, seq: int, micro: int, steps: int, out: Path, glo
     return {**mg.run_primus(args), "trace": str(out / "traces" / "rank0.json")}
 
 
-def measure(case: str, config: str, steps: int, warmup: int, out: Path, global_batch: int | None = None) -> dict:
-    """One run of ``case``; turbo cases at the larger micro-batch first, the base one if that runs out of memory."""
+def measure(
+    case: str,
+    config: str,
+    steps: int,
+    warmup: int,
+    out: Path,
+    global_batch: int | None = None,
+    turbo_micro: int | None = None,
+    same_batch: bool = False,
+) -> dict:
+    """One run of ``case``; turbo cases (every case with ``same_batch``) at the larger micro-batch first, the
+    base one if that runs out of memory."""
     key, seq, base, turbo = MODELS[config]
-    tries = [turbo, base] if "turbo" in case and turbo != base else [base]
+    turbo = turbo_micro or turbo
+    larger = "turbo" in case or same_batch
+    tries = [turbo] if larger else []
+    while tries and tries[-1] // 2 > base:  # halving down to the base micro-batch
+        tries.append(tries[-1] // 2)
+    tries = [*dict.fromkeys([*tries, base])]
     run = run_tt if case.startswith("tt") else run_mg
-    oom = None
+    oom = []
     for micro in tries:
+        release()  # the previous case's cached memory and peak counter go
         try:
             r = run(case, key, seq, micro, steps, out / f"mbs{micro}", global_batch)
         except Exception as exc:  # noqa: BLE001 - out of memory is retried at the base micro-batch
             if "out of memory" not in str(exc).lower() or micro == tries[-1]:
                 raise
-            oom = f"micro-batch {micro}: {str(exc).splitlines()[0][:200]}"
-            release()
+            oom.append(f"micro-batch {micro}: {str(exc).splitlines()[0][:200]}")
             continue
         last = steps - PROFILED
         tps = steady(r["tps"], warmup, r.get("steps"), last=last)
@@ -175,7 +192,14 @@ def worker(args: argparse.Namespace) -> None:
                 print(f"[{args.config}] round {r + 1}: {case}", flush=True)
                 try:
                     row = measure(
-                        case, args.config, args.steps, args.warmup, Path(tmp) / f"{case}{r}", args.global_batch
+                        case,
+                        args.config,
+                        args.steps,
+                        args.warmup,
+                        Path(tmp) / f"{case}{r}",
+                        args.global_batch,
+                        args.turbo_micro_batch,
+                        args.same_batch,
                     )
                 except Exception:  # noqa: BLE001 - record and go on with the other cases
                     row = {"error": traceback.format_exc()[-3000:]}
@@ -199,6 +223,8 @@ def summarize(runs: list[dict]) -> dict:
             continue
         med = {k: statistics.median(r[k] for r in ok) for k in ("tokens_per_s", "tflops_per_s", "mfu")}
         cases[case] = {**ok[-1], **med, "rounds": [round(r["tokens_per_s"], 1) for r in ok]}
+        if failed := [r["error"][-600:] for r in runs if r["case"] == case and "error" in r]:
+            cases[case]["failed_rounds"] = failed
         cases[case].pop("round", None)
         cases[case].pop("case", None)
     return cases
@@ -222,6 +248,10 @@ def spawn(engine: str, config: str, cases: list[str], rounds: int, args: argpars
     cmd += ["--rounds", str(rounds), "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", str(result)]
     if args.global_batch:
         cmd += ["--global-batch", str(args.global_batch)]
+    if args.turbo_micro_batch:
+        cmd += ["--turbo-micro-batch", str(args.turbo_micro_batch)]
+    if args.same_batch:
+        cmd.append("--same-batch")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, text=True)
@@ -246,6 +276,12 @@ def main() -> None:
         type=int,
         help="samples per optimizer step in every case (gradient accumulation; default one micro-batch); "
         "TorchTitan cases only",
+    )
+    ap.add_argument("--turbo-micro-batch", type=int, help="micro-batch the turbo cases try first (default per model)")
+    ap.add_argument(
+        "--same-batch",
+        action="store_true",
+        help="the plain and core cases try the turbo micro-batch first too (a same-batch comparison where they fit)",
     )
     ap.add_argument("--smoke", action="store_true", help="tiny model, 3 steps, 1 round: checks the script")
     ap.add_argument("--worker", choices=["tt", "mg"], help=argparse.SUPPRESS)
@@ -287,7 +323,8 @@ def main() -> None:
                     result["models"][config] = {
                         "seq_len": seq,
                         "base_micro_batch": base,
-                        "turbo_micro_batch_tried_first": turbo,
+                        "turbo_micro_batch_tried_first": args.turbo_micro_batch or turbo,
+                        "plain_cases_tried_turbo_micro_batch": args.same_batch,
                         "cases": cases_done,
                         "goals": goals(cases_done),
                     }
