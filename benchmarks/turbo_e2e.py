@@ -13,8 +13,6 @@ Cases (``--cases``), each a fresh model trained on uniform random tokens, bf16, 
   norm/SwiGLU, fused output projection + cross-entropy);
 - ``tt_turbo_lean``: as ``tt_turbo`` with the norms and SwiGLU left to torchtitan's modules (inductor fuses
   them with their neighbours; turbo keeps attention and the fused output projection + loss);
-- ``tt_turbo_lean_unfused``: as ``tt_turbo_lean`` with ``kernels.fuse_projections=false`` (the Primus-TorchTitan
-  cases run q/k/v and gate/up as one GEMM each unless told otherwise; plain TorchTitan runs them separately);
 - ``mg_plain``: plain megatron-core, local spec + SDPA core attention (megatron_vs_primus.run_plain, tied);
 - ``mg_core`` / ``mg_turbo``: Primus-Megatron with core's providers pinned / turbo's (+ Triton RoPE and
   the fused output layer + loss).
@@ -67,15 +65,13 @@ SHAPES = {  # for the FLOPs formula
     "3b": dict(layers=28, dim=3072, heads=24, kv_heads=8, head_dim=128, ffn=8192, vocab=128256),
     "tiny": dict(layers=2, dim=128, heads=4, kv_heads=2, head_dim=32, ffn=352, vocab=2048),
 }
-TT_CASES = ("tt_plain", "tt_core", "tt_turbo", "tt_turbo_lean", "tt_turbo_lean_unfused")
+TT_CASES = ("tt_plain", "tt_core", "tt_turbo", "tt_turbo_lean")
 LEAN = ("kernels.rms_norm=torch", "kernels.swiglu=torch")  # inductor's fusion instead of the Triton kernels
-UNFUSED = ("kernels.fuse_projections=false",)  # q/k/v and gate/up as torchtitan's separate GEMMs
 MG_CASES = ("mg_plain", "mg_core", "mg_turbo")
 PROFILED = 2  # last steps of each run under the profiler, left out of the median
 GOALS = {  # case -> (baseline case, least speed-up)
     "tt_turbo": ("tt_plain", 1.15),
     "tt_turbo_lean": ("tt_plain", 1.15),
-    "tt_turbo_lean_unfused": ("tt_plain", 1.15),
     "mg_turbo": ("mg_plain", 1.45),
     "mg_core": ("mg_plain", 1.0),
 }
@@ -95,7 +91,7 @@ def run_tt(case: str, key: str, seq: int, micro: int, steps: int, out: Path, glo
     from megatron_vs_primus import CORE_KERNELS
 
     wait = max(0, steps - PROFILED - 1)
-    pins = {"tt_core": CORE_KERNELS, "tt_turbo_lean": LEAN, "tt_turbo_lean_unfused": (*LEAN, *UNFUSED)}.get(case, [])
+    pins = {"tt_core": CORE_KERNELS, "tt_turbo_lean": LEAN}.get(case, [])
     extra = [*pins, "profile.enabled=true", f"profile.wait={wait}", f"profile.active={PROFILED}"]
     if global_batch:
         extra.append(f"train.global_batch_size={global_batch}")

@@ -260,7 +260,6 @@ def test_turbo_triton_kernels_give_the_same_loss(tmp_path, reference, seed_check
         "cross_entropy": "triton",
         "linear_cross_entropy": "triton",  # the output projection + loss: one fused call
         "rope": "torchtitan",  # layouts differ: never swapped
-        "fuse_projections": "primus",  # q/k/v and gate/up as one GEMM each, Triton SwiGLU on the split views
     }
     got = metrics(tmp_path)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5)

@@ -175,7 +175,7 @@ def _retype(module: nn.Module, cls: type, kernel: Callable[..., Any]) -> None:
     module.kernel = kernel
 
 
-def is_feed_forward(module: nn.Module) -> bool:
+def _is_feed_forward(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("w1", "w2", "w3")) and not hasattr(
         module, "experts"
     )
@@ -195,7 +195,7 @@ def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]
         elif "attention" in fns and type(module) is ScaledDotProductAttentionWrapper:
             _retype(module, ProviderAttention, fns["attention"])
             counts["attention"] += 1
-        elif "swiglu" in fns and is_feed_forward(module) and type(module).forward is not _swiglu_forward:
+        elif "swiglu" in fns and _is_feed_forward(module) and type(module).forward is not _swiglu_forward:
             _retype(module, _swiglu_class(type(module)), fns["swiglu"])
             counts["swiglu"] += 1
     return counts
@@ -209,8 +209,6 @@ def swapping_parallelize(parallelize_fn: Callable[..., nn.Module], choices: dict
         swap_modules(model, choices)
         if (fp8 := choices.get("fp8")) is not None and fp8.fn is not None:
             fp8.fn(model)  # FP8 linears (primus.torchtitan.fp8), before TP / FSDP / AC / compile
-        if (fuse := choices.get("fuse_projections")) is not None and fuse.fn is not None:
-            fuse.fn(model)  # after the FP8 swap: FP8 linears keep their own GEMMs (primus.torchtitan.projections)
         return parallelize_fn(model, parallel_dims, job_config)
 
     return parallelize

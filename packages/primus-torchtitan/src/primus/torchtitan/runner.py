@@ -69,7 +69,7 @@ def _exit_quietly_after_success() -> None:
 def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
     """op -> :class:`primus.torchtitan.kernels.Choice`: what this run swaps into torchtitan's model."""
     from primus.torchtitan import compat
-    from primus.torchtitan.kernels import Choice, plan
+    from primus.torchtitan.kernels import plan
 
     loss_parallel = not compat.extra_value(cfg.backend.extra, "parallelism.disable_loss_parallel", False)
     p = cfg.parallel
@@ -86,14 +86,6 @@ def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         from primus.torchtitan import fp8
 
         choices["fp8"] = fp8.choice(cfg, ctx.kernels["fp8"])
-    if cfg.kernels.fuse_projections:
-        from primus.torchtitan import projections
-
-        why = projections.refusal(tp=p.tp)
-        fn = None if why else projections.fuse_projections
-        choices["fuse_projections"] = Choice(
-            "fuse_projections", "primus", fn, why or "q/k/v and gate/up: one GEMM each"
-        )
     return choices
 
 

@@ -170,11 +170,6 @@ class KernelsConfig(Section):
     swiglu: KernelChoice = Field("auto", description="SwiGLU activation provider")
     cross_entropy: KernelChoice = Field("auto", description="(fused linear +) cross-entropy provider")
     rope: KernelChoice = Field("auto", description="rotary embedding provider")
-    fuse_projections: bool = Field(
-        True,
-        description="torchtitan: q/k/v and the MLP's gate/up projections run as one GEMM each (megatron-core's "
-        "layers always do)",
-    )
     gemm_tuning: Literal["off", "online", "offline"] = Field("off", description="GEMM algorithm tuning mode")
     gemm_tuning_file: str | None = Field(None, description="offline tuning results file")
     gemm_tuning_mismatch: Literal["warn", "refuse"] = Field(
