@@ -3,12 +3,15 @@
     python3 benchmarks/projection_fusion.py --out benchmarks/results/projection_fusion.json
 
 TorchTitan's Llama runs q, k and v (and the MLP's gate and up) as separate linears of one input; megatron-core
-runs each group as one GEMM over the concatenated weights. This measures what the fusion is worth before a
-module swap does it: per preset and token count, the group's forward + backward (input and weight gradients)
+runs each group as one GEMM over the concatenated weights. This measures what the fusion is worth in eager
+mode: per preset and token count, the group's forward + backward (input and weight gradients)
 as separate ``F.linear`` calls (autograd sums the input's gradients) against one ``F.linear`` over a weight
 concatenated in the forward (``torch.cat`` of the separate parameters, as a swap that keeps the checkpoint's
 parameters must do) and over a weight stored concatenated. bf16, ``triton.testing.do_bench`` medians,
-TFLOP/s of the group's 3 GEMMs. ``--small`` runs tiny shapes on CPU (a check of this script).
+TFLOP/s of the GEMMs of the group. ``--small`` runs tiny shapes on CPU (a check of this script).
+
+The swap it measured for (commit 8e53bf1) gained nothing under torch.compile end to end and was reverted
+(benchmarks/README.md, session 7).
 """
 
 from __future__ import annotations
