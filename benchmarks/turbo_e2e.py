@@ -19,9 +19,9 @@ Cases (``--cases``), each a fresh model trained on uniform random tokens, bf16, 
 
 Turbo cases run at the model's turbo micro-batch (``MODELS``, or ``--turbo-micro-batch``; the fused loss frees
 the [tokens x vocab] logits); if that runs out of memory the case is re-run at half of it, down to the base
-micro-batch. Every case records its micro-batch: compare tokens/s, which is per token whatever the batch. A larger micro-batch
-also spreads the optimizer step over more tokens, so ``--same-batch`` gives the plain and core cases the same
-first try (and the same fallback): where they fit, the ratio is then at equal micro-batch.
+micro-batch. Every case records its micro-batch: compare tokens/s, which is per token whatever the batch.
+A larger micro-batch also spreads the optimizer step over more tokens, so ``--same-batch`` gives the plain
+and core cases the same first try (and the same fallback): where they fit, the ratio is at equal micro-batch.
 
 Timing: ``--steps`` steps per run, the median tokens/s of steps ``--warmup``+1 .. steps-2 (the last 2 steps
 are profiled by torch.profiler and excluded). The cases of one engine and model run in one worker process,
@@ -135,8 +135,8 @@ def measure(
     turbo_micro: int | None = None,
     same_batch: bool = False,
 ) -> dict:
-    """One run of ``case``; turbo cases (every case with ``same_batch``) at the larger micro-batch first, the
-    base one if that runs out of memory."""
+    """One run of ``case``; turbo cases (every case with ``same_batch``) at the turbo micro-batch first, then
+    at half of it down to the base one while they run out of memory."""
     key, seq, base, turbo = MODELS[config]
     turbo = turbo_micro or turbo
     larger = "turbo" in case or same_batch
@@ -150,7 +150,7 @@ def measure(
         release()  # the previous case's cached memory and peak counter go
         try:
             r = run(case, key, seq, micro, steps, out / f"mbs{micro}", global_batch)
-        except Exception as exc:  # noqa: BLE001 - out of memory is retried at the base micro-batch
+        except Exception as exc:  # noqa: BLE001 - out of memory is retried at a smaller micro-batch
             if "out of memory" not in str(exc).lower() or micro == tries[-1]:
                 raise
             oom.append(f"micro-batch {micro}: {str(exc).splitlines()[0][:200]}")
