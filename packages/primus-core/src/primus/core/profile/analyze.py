@@ -43,7 +43,8 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
         ),
     ),
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|cudnn.*(mha|sdpa)|_efficient_", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor|foreach|optimizer|lamb|sgd_", re.I)),
+    # "lamb" as a word only: CUDA's elementwise kernels name their functor "{lambda(float, float)#1}"
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|optimizer|\blamb\b|lamb_|sgd_", re.I)),
     (
         "gemm",
         re.compile(
