@@ -3,8 +3,8 @@
     python benchmarks/turbo_kernels.py --out benchmarks/results/turbo_kernels.json
 
 Shapes are Llama-3.2-1B-like, 8192 tokens (``--tokens``, as ``--batch`` x seq): d 2048, ffn 8192, 32 heads
-of 64, vocab 128256. For each kernel -- rms_norm, add_rms_norm, swiglu, rope, cross_entropy, and the fused
-linear_cross_entropy -- in bf16:
+of 64, vocab 128256. For each kernel -- rms_norm, add_rms_norm, swiglu, swiglu_packed (on one [tokens, 2 x ffn]
+input, also against the chunked kernel), rope, cross_entropy, and the fused linear_cross_entropy -- in bf16:
 
 - correctness: the Triton result and gradients against core's reference run in fp32 on the same
   (bf16-rounded) inputs; max |error| / max |reference| per tensor, finite or not, within the bound or not;
@@ -81,9 +81,17 @@ def fp32_copies(tensors):
 
 
 def run_case(
-    fn: Callable, ref: Callable, inputs: list[torch.Tensor], extra: tuple, bytes_fwd: int, bytes_bwd: int, args
+    fn: Callable,
+    ref: Callable,
+    inputs: list[torch.Tensor],
+    extra: tuple,
+    bytes_fwd: int,
+    bytes_bwd: int,
+    args,
+    others: dict[str, Callable] | None = None,
 ) -> dict:
-    """Correctness (bf16 kernel vs fp32 reference) and timings of one op whose first output is the result."""
+    """Correctness (bf16 kernel vs fp32 reference) and timings of one op whose first output is the result;
+    ``others``: more variants timed against the Triton kernel."""
     differentiable = [t for t in inputs if t.requires_grad]
 
     def first(out):
@@ -108,7 +116,7 @@ def run_case(
     def fwd_bwd(f):
         return lambda: first(f(*inputs, *extra)).backward(grad_out)
 
-    variants = {"triton": fn, "torch": ref}
+    variants = {"triton": fn, "torch": ref, **(others or {})}
     if args.compile:
         variants["torch_compile"] = torch.compile(ref)
     for name, f in variants.items():
@@ -123,7 +131,7 @@ def run_case(
     if "fwd_ms" in t:
         t["fwd_GBps"] = bytes_fwd / t["fwd_ms"] / 1e6
         t["fwd_bwd_GBps"] = (bytes_fwd + bytes_bwd) / t["fwd_bwd_ms"] / 1e6
-        for name in ("torch", "torch_compile"):
+        for name in [v for v in variants if v != "triton"]:
             if "fwd_ms" in result.get(name, {}):
                 result[f"speedup_vs_{name}"] = {
                     "fwd": result[name]["fwd_ms"] / t["fwd_ms"],
@@ -250,6 +258,18 @@ def main() -> None:
             3 * n * ffn * e,
             5 * n * ffn * e,
             args,
+        ),
+        # megatron's fused fc1 output [n, 2 ffn]: the packed kernel against the chunked one, whose gradient
+        # autograd's chunk backward concatenates
+        "swiglu_packed": lambda: run_case(
+            swiglu.swiglu_packed,
+            lambda x: reference.swiglu(*x.chunk(2, -1)),
+            [leaf((n, 2 * ffn))],
+            (),
+            3 * n * ffn * e,
+            5 * n * ffn * e,
+            args,
+            others={"triton_chunked": lambda x: swiglu.swiglu(*x.chunk(2, -1))},
         ),
         "rope": lambda: run_case(
             rope.rope,

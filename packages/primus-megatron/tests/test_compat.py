@@ -208,6 +208,15 @@ NUMERICS = textwrap.dedent("""
     h = torch.randn(s, b, 2 * 96)
     gate, up = h.chunk(2, -1)
     torch.testing.assert_close(KernelSwiGLU(cfg, kernel="primus.core.kernels.reference:swiglu")(h), F.silu(gate) * up)
+    # a provider's packed form, where it offers one, gets fc1's output whole (primus-turbo's: no cat in the backward)
+    calls = []
+    def chunked(g, u):
+        calls.append("chunked"); return F.silu(g) * u
+    def packed(x):
+        calls.append("packed"); return chunked(*x.chunk(2, -1))
+    chunked.packed = packed
+    torch.testing.assert_close(KernelSwiGLU(cfg, kernel=chunked)(h), F.silu(gate) * up)
+    assert calls == ["packed", "chunked"], calls
 
     # Llama-3 RoPE scaling with non-default constants is re-applied (megatron passes only the factor)
     from primus.core.config.schema import RopeScaling

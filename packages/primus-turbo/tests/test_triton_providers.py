@@ -72,7 +72,7 @@ def _compile_all() -> None:
         (rms_norm._rms_norm_fwd, [bf16] * 5 + [f32, i32, "fp32"], {"BLOCK": 2048, "ADD": True}, num_warps(2048)),
         (rms_norm._rms_norm_bwd, [bf16] * 3 + [f32, bf16, bf16, f32, i32, i32, i32], {"BLOCK": 2048, "ADD_GRAD": True}, num_warps(2048)),
         (swiglu._swiglu_fwd, [bf16] * 3 + [i32] * 3, {"BLOCK": swiglu.BLOCK}, swiglu.NUM_WARPS),
-        (swiglu._swiglu_bwd, [bf16] * 5 + [i32] * 3, {"BLOCK": swiglu.BLOCK}, swiglu.NUM_WARPS),
+        (swiglu._swiglu_bwd, [bf16] * 5 + [i32] * 4, {"BLOCK": swiglu.BLOCK}, swiglu.NUM_WARPS),
         (rope._rope_kernel, [bf16, f32, f32, bf16] + [i32] * 7, {"BLOCK_H": 32, "BLOCK_D": 32, "BACKWARD": True}, rope.NUM_WARPS),
         (cross_entropy._ce_fwd, [bf16, i32, "*i64", f32, f32, f32, bf16, i32, i32, i32], {"BLOCK_V": 8192, "WRITE_GRAD": True}, num_warps(8192)),
         (cross_entropy._ce_bwd, [bf16, i32, "*i64", f32, f32, bf16, i32, i32, i32], {"BLOCK_V": 8192}, num_warps(8192)),

@@ -55,3 +55,36 @@ def test_layouts_that_do_not_flatten_are_copied(device, assert_matches):
 def test_mismatched_inputs_are_refused(device):
     with pytest.raises(ValueError, match="differ"):
         kernels.swiglu(torch.zeros(4, device=device), torch.zeros(5, device=device))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((3, 2, 2 * 2100), torch.float32), ((4, 2 * 1100), torch.bfloat16)], ids=["fp32", "bf16"]
+)
+def test_packed_swiglu_matches_reference_and_returns_the_gradient_in_one_tensor(device, assert_matches, shape, dtype):
+    torch.manual_seed(2)
+    x = torch.randn(shape, device=device).mul(3).to(dtype).requires_grad_()
+    x_r = x.detach().float().requires_grad_()
+    grad = torch.randn((*shape[:-1], shape[-1] // 2), device=device).to(dtype)
+    assert kernels.swiglu.packed is kernels.swiglu_packed  # the provider's callable offers it
+
+    out = kernels.swiglu_packed(x)
+    out.backward(grad)
+    ref = reference.swiglu(*x_r.chunk(2, dim=-1))
+    ref.backward(grad.float())
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_matches(out, ref, dtype)
+    assert_matches(x.grad, x_r.grad, dtype)  # gate half first, then up
+
+
+def test_packed_swiglu_backward_has_no_concatenation(device):
+    """The chunked form's gradient goes through autograd's chunk backward (a cat); the packed one's does not."""
+    x = torch.randn(4, 2 * 96, device=device, requires_grad=True)
+    packed = kernels.swiglu_packed(x)
+    chunked = kernels.swiglu(*x.chunk(2, dim=-1))
+    assert packed.grad_fn.next_functions[0][0].__class__.__name__ == "AccumulateGrad"
+    assert "Split" in chunked.grad_fn.next_functions[0][0].__class__.__name__
+
+
+def test_packed_swiglu_refuses_an_odd_width(device):
+    with pytest.raises(ValueError, match="even"):
+        kernels.swiglu_packed(torch.zeros(2, 7, device=device))

@@ -99,8 +99,13 @@ class KernelSwiGLU(mc.MegatronModule):
     def __init__(self, config: Any, *, kernel: Any = ""):
         super().__init__(config=config)
         self.fn = load_ref(kernel)
+        # a provider's packed form takes fc1's output whole and returns its gradient in that layout: autograd's
+        # chunk backward would otherwise concatenate the two halves' gradients (a copy of [tokens, 2 x ffn])
+        self.packed = getattr(self.fn, "packed", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
         gate, up = torch.chunk(x, 2, dim=-1)
         return self.fn(gate, up)
 

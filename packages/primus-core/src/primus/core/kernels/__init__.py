@@ -5,7 +5,8 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
 - ``attention(q, k, v, *, causal=True, scale=None) -> out``: q ``[b, h, s, d]``, k/v ``[b, h_kv, s, d]``
   with ``h % h_kv == 0`` (GQA, never materialising repeated K/V where the kernel allows).
 - ``rms_norm(x, weight, eps) -> y`` over the last dim.
-- ``swiglu(gate, up) -> silu(gate) * up``.
+- ``swiglu(gate, up) -> silu(gate) * up``. A provider may also offer ``swiglu.packed(x) -> swiglu(*x.chunk(2, -1))``
+  (gate and up as the halves of one projection's output, the gradient returned in ``x``'s layout).
 - ``cross_entropy(logits, target, ignore_index=-100) -> mean loss`` (fp32 accumulation).
   A provider may also offer ``cross_entropy.linear_cross_entropy(hidden [N, d], weight [V, d], target [N],
   ignore_index=-100) -> mean loss`` (an attribute of that callable): the output projection fused with the loss,
