@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,25 @@ def release() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+def bench_ms(fn: Any, grads: list[Any], rep: int) -> float:
+    """Median ms of ``fn`` (``triton.testing.do_bench`` on a GPU, 3 calls on a CPU); gradients of ``grads`` reset to
+    None between calls (no accumulation kernels)."""
+    import torch
+
+    if torch.cuda.is_available():
+        import triton
+
+        return float(triton.testing.do_bench(fn, rep=rep, grad_to_none=grads, return_mode="median"))
+    times = []
+    for _ in range(3):
+        for g in grads:
+            g.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
 
 
 def free_port() -> int:

@@ -19,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import versions  # noqa: E402
+from _common import bench_ms, versions  # noqa: E402
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
@@ -36,16 +34,6 @@ PRESETS = {  # dim, q width, kv width, ffn
     "3b": (3072, 3072, 1024, 8192),
     "small": (64, 64, 16, 176),
 }
-
-
-def bench_ms(fn: Callable[[], object], grads: list[torch.Tensor], rep: int) -> float:
-    if GPU:
-        import triton
-
-        return float(triton.testing.do_bench(fn, rep=rep, grad_to_none=grads, return_mode="median"))
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
 
 
 def group(dim: int, widths: list[int], tokens: int, rep: int) -> dict:

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -42,23 +43,12 @@ import triton  # noqa: E402
 from primus.core.kernels import reference  # noqa: E402
 from primus.turbo.triton import cross_entropy, linear_cross_entropy, rms_norm, rope, swiglu  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import bench_ms  # noqa: E402
+
 BF16_BOUND = 2e-2  # max |triton(bf16) - reference(fp32)| / max |reference|, per output and gradient
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
-
-
-def bench_ms(fn: Callable[[], object], grads: list[torch.Tensor], rep: int) -> float:
-    """Median ms of ``fn``; gradients of ``grads`` reset to None between calls (no accumulation kernels)."""
-    if GPU:
-        return float(triton.testing.do_bench(fn, rep=rep, grad_to_none=grads, return_mode="median"))
-    times = []
-    for _ in range(3):
-        for g in grads:
-            g.grad = None
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[1]
 
 
 def errors(actual: list[torch.Tensor], expected: list[torch.Tensor], names: list[str]) -> dict:
