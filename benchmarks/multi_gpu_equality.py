@@ -77,7 +77,7 @@ def from_seed(engine: str, seed: Path) -> list[str]:
     the reference; torchtitan in a seed-only run of its own)."""
     if engine == "megatron":
         return [f"backend.extra.seed_checkpoint={seed}"]
-    return [f"backend.extra.checkpoint.initial_load_path={seed / 'checkpoints' / 'step-0'}"]
+    return [f"backend.extra.checkpoint.initial_load_path={seed / 'checkpoints' / 'step_00000000'}"]
 
 
 def main() -> None:

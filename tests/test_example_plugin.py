@@ -55,9 +55,91 @@ def test_its_backend_and_kernel_can_be_selected(example_plugin):
     assert "the example backend runs in one process" in refused.stderr + refused.stdout
 
 
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_it_trains_through_primus(example_plugin, tmp_path):
     run = primus("train", "example-tiny", f"logging.output_dir={tmp_path}")
     assert "attention=example" in run.stderr
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in _rows(tmp_path)]
     assert len(losses) == 20
     assert losses[-1] < 0.5 * losses[0]
+
+
+# The example backend writes an engine adapter only: what follows comes from core's loop (primus.core.loop).
+CKPT = ["train.steps=6", "checkpoint.enabled=true", "checkpoint.interval=2", "checkpoint.keep_last=2"]
+
+
+@pytest.fixture(scope="module")
+def straight(example_plugin, tmp_path_factory):
+    out = tmp_path_factory.mktemp("example") / "straight"
+    primus("train", "example-tiny", f"logging.output_dir={out}", *CKPT)
+    return out
+
+
+def test_core_gives_it_metrics_and_the_schedule(straight):
+    from primus.core.config.schema import TrainConfig
+    from primus.core.loop import METRICS
+    from primus.core.schedule import lr_at
+
+    rows = _rows(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    on_cpu = set(METRICS) - {"mfu"}  # no peak FLOP/s on a CPU
+    assert all(set(r) == {"step", "time", *on_cpu} for r in rows), rows[0].keys()
+    cfg = json.loads(json.dumps(__import__("yaml").safe_load((straight / "config.yaml").read_text())["train"]))
+    train = TrainConfig.model_validate(cfg)
+    assert [r["lr"] for r in rows] == [lr_at(n, train) for n in range(1, 7)]
+    assert rows[0]["tokens_per_s"] > 0 and rows[0]["memory_gib"] > 0
+
+
+def test_core_gives_it_checkpoints_and_resume(straight, tmp_path):
+    ckpts = straight / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000004", "step_00000006"]  # keep_last 2
+    man = json.loads((ckpts / "step_00000004" / "manifest.json").read_text())
+    assert man["step"] == 4 and man["applied_steps"] == 4 and "primus-example-plugin" in man["versions"]
+    # resume from step 4 into a new folder: steps 5 and 6 equal the straight run's
+    shutil.copytree(ckpts / "step_00000004", tmp_path / "ckpt" / "step_00000004")
+    primus(
+        "train",
+        "example-tiny",
+        f"logging.output_dir={tmp_path / 'out'}",
+        *CKPT,
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "--resume",
+    )
+    resumed, full = _rows(tmp_path / "out"), _rows(straight)
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
+    # a fresh run refuses a folder that holds checkpoints
+    refused = primus(
+        "train",
+        "example-tiny",
+        f"logging.output_dir={tmp_path / 'again'}",
+        *CKPT,
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        check=False,
+    )
+    assert refused.returncode == 2 and "holds checkpoints of an earlier run" in refused.stderr
+
+
+def test_core_gives_it_health_checks(example_plugin, tmp_path):
+    skip = tmp_path / "skip"
+    primus(
+        "train",
+        "example-tiny",
+        f"logging.output_dir={skip}",
+        *CKPT,
+        "backend.extra.nan_at_step=3",
+        "train.health.on_nonfinite=skip",
+    )
+    rows = _rows(skip)
+    assert rows[2]["skipped_steps"] == 1 and rows[3]["lr"] == rows[2]["lr"]  # the skipped update kept its lr
+    assert json.loads((skip / "checkpoints" / "step_00000004" / "manifest.json").read_text())["applied_steps"] == 3
+    stop = tmp_path / "stop"
+    proc = primus(
+        "train", "example-tiny", f"logging.output_dir={stop}", *CKPT, "backend.extra.nan_at_step=3", check=False
+    )
+    assert proc.returncode != 0 and "step 3: non-finite loss" in proc.stderr
+    assert json.loads((stop / "summary.json").read_text())["status"] == "failed"
+    assert sorted(p.name for p in (stop / "checkpoints").iterdir()) == ["step_00000002"]

@@ -1,7 +1,7 @@
 """GEMM tuning reaches both engines' training loops through the plugin hooks (issue #11).
 
 primus-tune implements ``primus_on_model_ready`` (set tuning up, route the model's linears through tuned GEMMs),
-``primus_on_train_step`` (online search after each step) and ``primus_on_train_end`` (results written). On a CPU
+``primus_on_optimizer_step`` (online search after each step) and ``primus_on_train_end`` (results written). On a CPU
 the real searchers cannot run, so ``tune_driver.py`` fakes "offline on CUDA" with a plan for every shape that
 computes in float64: the run must route every linear GEMM (forward, input grad, weight grad) through the plans,
 call the per-step hook on every step, and train to the same losses as an untuned run (fp32; the float64 GEMMs

@@ -1,4 +1,4 @@
-"""``train.init_from_hf`` on both engines, TP 1 and TP 2 (two gloo ranks), from one random tiny HF Llama:
+"""``train.init_from`` (a Hugging Face folder) on both engines, TP 1 and TP 2 (two gloo ranks), from one random tiny HF Llama:
 
 - the first step's loss is ``transformers``' loss on the same batch (the weights really were loaded);
 - Megatron and TorchTitan give the same loss curve (same weights, same data, fp32, constant LR, no clipping,
@@ -6,7 +6,8 @@
   1e-6 relative; what remains is reduction order (fused vs split QKV / gate-up GEMMs, torchtitan's
   complex-pair RoPE, megatron's fp64 grad-norm accumulation);
 - TP 2 gives the TP 1 curve on each engine;
-- a run started from a ``primus checkpoint import`` checkpoint trains exactly as one started with init_from_hf;
+- a run started from a ``primus checkpoint import`` checkpoint trains exactly as one started from the HF folder, on both
+  engines through the same key (``train.init_from`` = the imported checkpoint);
 - the trained checkpoints export to HF folders whose ``transformers`` logits equal the engine's own forward.
 
 The data order is the same on both engines by construction: both read global batch ``k`` of the same packed
@@ -52,7 +53,7 @@ def runs(tmp_path_factory, hf) -> dict[str, tuple[Path, list[float]]]:
     out = {}
     for name, (backend, tp) in RUNS.items():
         config = run_config(root / f"{name}.yaml", backend, model=hf_model_section(hf), train={"steps": STEPS})
-        rows = train(config, root / name, f"train.init_from_hf={hf}", f"parallel.tp={tp}", nproc=tp)
+        rows = train(config, root / name, f"train.init_from={hf}", f"parallel.tp={tp}", nproc=tp)
         out[name] = (root / name, [r["loss"] for r in rows])
     return out
 
@@ -62,7 +63,7 @@ def test_first_loss_is_transformers_loss(runs, hf):
     from primus.megatron.data import Batches, primus_dataset
 
     run_dir = runs["megatron-tp1"][0]
-    cfg = resolve(str(run_dir / "config.yaml"), ["train.init_from_hf=null"]).config
+    cfg = resolve(str(run_dir / "config.yaml"), ["train.init_from=null"]).config
     micro = Batches(primus_dataset(cfg), cfg, 0, 1, "cpu").micro_batches(0)
     tokens = torch.cat([t for t, _ in micro])
     labels = torch.cat([y for _, y in micro])
@@ -96,27 +97,36 @@ def test_trained_export_matches_engine(runs, hf, tmp_path, backend):
     assert max_diff(theirs, hf_logits(hf, ids)) > 1e-2  # the export holds the trained weights, not the initial
 
 
-# How a run starts from the checkpoint `primus checkpoint import` wrote (relative to the import's --out)
-START_FROM_IMPORT = {
-    "megatron": "backend.extra.seed_checkpoint={out}",
-    "torchtitan": "backend.extra.checkpoint.initial_load_path={out}/step-0",
-}
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory, hf) -> dict[str, Path]:
+    """The HF folder as each engine's checkpoint (``primus checkpoint import``)."""
+    root = tmp_path_factory.mktemp("imported")
+    out = {}
+    for backend in ("megatron", "torchtitan"):
+        config = run_config(root / f"{backend}.yaml", backend, model=hf_model_section(hf), train={"steps": STEPS})
+        primus("checkpoint", "import", str(config), "--from-hf", str(hf), "--out", str(root / backend))
+        out[backend] = root / backend
+    return out
 
 
+@pytest.mark.parametrize("written_by", ["megatron", "torchtitan"])
 @pytest.mark.parametrize("backend", ["megatron", "torchtitan"])
-def test_training_from_imported_checkpoint(runs, hf, tmp_path, backend):
+def test_training_from_either_engines_checkpoint(runs, hf, imported, tmp_path, backend, written_by):
+    """``train.init_from`` = a checkpoint of either engine, on either engine (the other engine's is converted to a
+    HF folder first): the run trains the curve of the run started from the HF folder, first loss included (which
+    test_first_loss_is_transformers_loss holds to transformers' loss)."""
     config = run_config(tmp_path / "run.yaml", backend, model=hf_model_section(hf), train={"steps": STEPS})
-    imported = tmp_path / "imported"
-    primus("checkpoint", "import", str(config), "--from-hf", str(hf), "--out", str(imported))
-    rows = train(config, tmp_path / "out", START_FROM_IMPORT[backend].format(out=imported))
+    rows = train(config, tmp_path / "out", f"train.init_from={imported[written_by]}")
     assert [r["loss"] for r in rows] == pytest.approx(runs[f"{backend}-tp1"][1], rel=1e-6)
+    converted = list((tmp_path / "out").glob("init_from/*/config.json"))
+    assert len(converted) == (written_by != backend)  # the other engine's checkpoint: converted once, beside the run
 
 
 @pytest.mark.parametrize("backend", ["megatron", "torchtitan"])
 def test_init_from_hf_of_another_architecture_is_refused(hf, tmp_path, backend):
     config = run_config(tmp_path / "run.yaml", backend, model={**hf_model_section(hf), "vocab_size": 4096})
     cmd = [sys.executable, "-m", "primus.core.cli", "train", str(config), f"logging.output_dir={tmp_path / 'out'}"]
-    proc = subprocess.run([*cmd, f"train.init_from_hf={hf}"], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([*cmd, f"train.init_from={hf}"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "model.vocab_size 4096 vs 2048" in proc.stderr
 
@@ -124,5 +134,5 @@ def test_init_from_hf_of_another_architecture_is_refused(hf, tmp_path, backend):
 @pytest.mark.parametrize("backend", ["megatron", "torchtitan"])
 def test_init_from_hf_folder_is_checked_before_the_run(tmp_path, backend):
     cmd = [sys.executable, "-m", "primus.core.cli", "config", "validate", str(run_config(tmp_path / "r.yaml", backend))]
-    proc = subprocess.run([*cmd, f"train.init_from_hf={tmp_path}"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "train.init_from_hf" in proc.stderr and "no config.json" in proc.stderr
+    proc = subprocess.run([*cmd, f"train.init_from={tmp_path}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "train.init_from" in proc.stderr and "no config.json" in proc.stderr

@@ -1,4 +1,9 @@
-"""The planner: its memory formulas, and the seed's recommendations coming out of the model."""
+"""The planner: its memory and step-time formulas, the search and the strategies that use them.
+
+Core's machinery, on engines whose facts these tests give (:data:`GENERIC`, core's own, and :data:`ENGINE`): the
+same whatever backends are installed. Megatron's and TorchTitan's facts (their state bytes, recompute, fused loss and
+the layouts the planner picks with them) are tested where they are installed: primus-megatron's
+tests/test_megatron_planner_facts.py, primus-torchtitan's tests/test_torchtitan_planner_facts.py."""
 
 from __future__ import annotations
 
@@ -9,9 +14,22 @@ from primus.core import cli
 from primus.core.config.loader import load_layers
 from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
-from primus.core.planner import Cluster, KernelTerms, Layout, best, candidates, device, estimate
+from primus.core.planner import GENERIC, Cluster, EngineProfile, KernelTerms, Layout, device, estimate
 from primus.core.presets import resolver
 from primus.core.strategies import fused_loss
+
+# An engine of these tests' own: fp32 weights that are their own master copy (the optimizer keeps Adam's m, v only),
+# trained under torch.autocast where FSDP does not cast them; no distributed optimizer; selective recompute keeps
+# half of a layer's activations. The rest is GENERIC's: fp32 gradients on the wire, no fused loss under PP or CP
+# (nor under TP, core's rule for every engine).
+ENGINE = EngineProfile(
+    name="engine", distributed_optimizer=False, weight_bytes=4, master_bytes=0, autocast=True, selective_kept=0.5
+)
+
+
+def _on(profile: EngineProfile, dp_mode: str, dp: int, **dims) -> Layout:
+    """A layout of ``profile``'s engine (its facts given, not looked up among the installed backends)."""
+    return Layout(profile.name, dp_mode, dp, profile=profile, **dims)
 
 
 def _model(registry, name):
@@ -21,66 +39,40 @@ def _model(registry, name):
 def test_state_bytes_per_parameter(registry):
     m = _model(registry, "qwen2.5-7b")
     p = count_params(m).total
-    ddp = estimate(m, Layout("megatron", "ddp", dp=8), 4096).parts
-    dist = estimate(m, Layout("megatron", "ddp_distopt", dp=8), 4096).parts
-    fsdp_tt = estimate(m, Layout("torchtitan", "fsdp", dp=8), 4096).parts
-    ddp_tt = estimate(m, Layout("torchtitan", "ddp", dp=8), 4096).parts
+    ddp = estimate(m, _on(GENERIC, "ddp", dp=8), 4096).parts
+    dist = estimate(m, _on(GENERIC, "ddp_distopt", dp=8), 4096).parts
+    fsdp = estimate(m, _on(GENERIC, "fsdp", dp=8), 4096).parts
+    fsdp_fp32 = estimate(m, _on(ENGINE, "fsdp", dp=8), 4096).parts
+    distopt_fp32 = estimate(m, _on(ENGINE, "ddp_distopt", dp=8), 4096).parts
     assert (ddp["weights"], ddp["gradients"], ddp["optimizer"]) == (2 * p, 4 * p, 12 * p)
     assert dist["optimizer"] == pytest.approx(12 * p / 8) and dist["gradients"] == 4 * p
-    assert (fsdp_tt["weights"], fsdp_tt["optimizer"]) == (pytest.approx(4 * p / 8), pytest.approx(8 * p / 8))
-    assert ddp_tt["optimizer"] == 8 * p  # TorchTitan's DDP has no distributed optimizer
+    assert (fsdp["weights"], fsdp["gradients"], fsdp["optimizer"]) == tuple(
+        pytest.approx(b * p / 8) for b in (2, 4, 12)
+    )
+    assert (fsdp_fp32["weights"], fsdp_fp32["optimizer"]) == (pytest.approx(4 * p / 8), pytest.approx(8 * p / 8))
+    assert distopt_fp32["optimizer"] == 8 * p  # an engine without a distributed optimizer keeps Adam's state whole
 
 
 def test_activation_memory_orders(registry):
     m = _model(registry, "llama3.1-8b")
     act = {
-        rc: estimate(m, Layout("megatron", "ddp", dp=1, recompute=rc), 8192).parts["activations"]
+        rc: estimate(m, _on(GENERIC, "ddp", dp=1, recompute=rc), 8192).parts["activations"]
         for rc in ("none", "selective", "full")
     }
-    assert act["full"] < act["selective"] <= act["none"]  # megatron's selective drops only flash attention's (nothing)
-    tt = {
-        rc: estimate(m, Layout("torchtitan", "fsdp", dp=8, recompute=rc), 8192).parts["activations"]
+    assert act["full"] < act["selective"] == act["none"]  # the generic engine's selective frees nothing
+    half = {
+        rc: estimate(m, _on(ENGINE, "fsdp", dp=8, recompute=rc), 8192).parts["activations"]
         for rc in ("none", "selective", "full")
     }
-    assert tt["full"] < tt["selective"] < tt["none"]
+    assert half["full"] < half["selective"] < half["none"]
     # Llama 8B at seq 8192, bf16, one sample: 2·s·(6d + 2·kv·c + 3f) bytes per layer
     assert act["none"] == pytest.approx(32 * 2 * 8192 * (6 * 4096 + 2 * 8 * 128 + 3 * 14336))
-    tp = estimate(m, Layout("megatron", "ddp", dp=1, tp=4), 8192).parts["activations"]
+    tp = estimate(m, _on(GENERIC, "ddp", dp=1, tp=4), 8192).parts["activations"]
     assert tp == pytest.approx(act["none"] / 4)  # sequence parallel shards all of it
-    pp = estimate(m, Layout("megatron", "ddp", dp=1, pp=4, micro_batches=8), 8192).parts["activations"]
+    pp = estimate(m, _on(GENERIC, "ddp", dp=1, pp=4, micro_batches=8), 8192).parts["activations"]
     assert pp == pytest.approx(act["none"] / 4 * 4)  # a quarter of the layers, 4 micro-batches in flight
-    vpp = estimate(m, Layout("megatron", "ddp", dp=1, pp=4, vpp=2, micro_batches=8), 8192).parts["activations"]
+    vpp = estimate(m, _on(GENERIC, "ddp", dp=1, pp=4, vpp=2, micro_batches=8), 8192).parts["activations"]
     assert vpp == pytest.approx(pp * (1 + 3 / 8))  # Megatron's interleaving penalty
-
-
-def _plan(registry, name, dev, nodes, seq, engine):
-    return best(candidates(_model(registry, name), Cluster(device(dev), nodes, 8), seq, engine=engine))
-
-
-def test_qwen7b_on_8_gpus_is_data_parallel_with_distributed_optimizer(registry):
-    c = _plan(registry, "qwen2.5-7b", "MI300X", 1, 4096, "megatron")
-    assert (c.layout.dp_mode, c.layout.dp, c.layout.tp, c.layout.pp) == ("ddp_distopt", 8, 1, 1)
-    assert c.layout.recompute == "none"
-
-
-def test_llama70b_one_node_is_fsdp_with_full_recompute(registry):
-    c = _plan(registry, "llama3.1-70b", "MI300X", 1, 8192, "torchtitan")
-    assert (c.layout.dp_mode, c.layout.dp, c.layout.tp, c.layout.recompute) == ("fsdp", 8, 1, "full")
-
-
-def test_llama70b_on_8_nodes_recomputes_less(registry):
-    c = _plan(registry, "llama3.1-70b", "MI300X", 8, 8192, "torchtitan")
-    assert c.layout.dp_mode == "fsdp" and c.layout.recompute in ("none", "selective", "partial")
-
-
-def test_llama405b_is_tp_pp_vpp(registry):
-    c = _plan(registry, "llama3.1-405b", "MI300X", 64, 8192, "megatron")
-    assert c.layout.tp > 1 and c.layout.pp > 1 and c.layout.vpp > 1 and c.layout.dp_mode == "ddp_distopt"
-
-
-def test_torchtitan_8b_is_fsdp(registry):
-    c = _plan(registry, "llama3.1-8b", "H100", 1, 8192, "torchtitan")
-    assert c.layout.dp_mode == "fsdp" and c.layout.dp == 8
 
 
 def test_nothing_fits_is_refused_with_numbers():
@@ -183,7 +175,7 @@ def test_strategy_estimate_is_the_planners_model(registry):
     est = load_ref(registry.strategies["ddp"].estimate)(res.config, 8)
     want = estimate(
         res.config.model,
-        Layout("megatron", "ddp_distopt", dp=8),
+        Layout("fake", "ddp_distopt", dp=8, profile=GENERIC),  # the fake backend names no profile: the generic one
         4096,
         kernels=KernelTerms(fused_loss=fused_loss(res.config)),
     )
@@ -237,12 +229,13 @@ def _untied(registry, name):
     [("llama3.2-1b", 4096, 2, 0.498), ("llama3.2-3b", 4096, 2, 0.557), ("llama3.2-1b", 8192, 1, 0.532)],
 )
 def test_step_time_reproduces_the_h200_baseline(registry, name, seq, micro, measured_mfu):
-    """The calibrated step-time model against TorchTitan eager on one H200 (h200-baseline.md)."""
+    """The calibrated step-time model against TorchTitan eager on one H200 (h200-baseline.md). On one device no
+    engine fact enters the step time (the profile gives only the gradients' bytes on the wire)."""
     from primus.core.planner.search import evaluate
 
     c = evaluate(
         _untied(registry, name),
-        Layout("torchtitan", "ddp", 1, micro_batch=micro),
+        _on(ENGINE, "ddp", 1, micro_batch=micro),
         seq,
         micro,
         Cluster(device("H200"), 1, 1),
@@ -263,7 +256,7 @@ def test_fp8_gemms_run_at_the_fp8_rate(registry):
     bf16 = layer_seconds_per_token(m, 8192, h200)
     fp8 = layer_seconds_per_token(m, 8192, h200, "rowwise")
     assert 1.6 < bf16["gemm"] / fp8["gemm"] < 2.0 and fp8["fp8_casts"] > 0 and fp8["attention"] == bf16["attention"]
-    lay = Layout("torchtitan", "fsdp", dp=8, micro_batch=1, micro_batches=4)
+    lay = _on(ENGINE, "fsdp", dp=8, micro_batch=1, micro_batches=4)
     t_bf16 = step_time(m, lay, 8192, 32, h200, 8).total
     t_fp8 = step_time(m, lay, 8192, 32, h200, 8, KernelTerms("rowwise")).total
     assert t_bf16 / 2 < t_fp8 < t_bf16
@@ -280,14 +273,14 @@ def test_fp8_memory_trades_weight_copies_and_saved_inputs(registry):
     per_layer, d, f, s, L = count_params(m).per_layer, m.hidden_size, m.ffn_hidden_size, 8192, m.num_layers
     inputs = s * (3 * d + f)  # per layer: the FP8 linears' input elements of one micro-batch
     # FSDP gathers bf16 weights (no autocast copy): tensorwise adds its e4m3 copy, keeps its inputs in e4m3
-    fsdp = Layout("torchtitan", "fsdp", dp=8, micro_batch=1, micro_batches=4)
+    fsdp = _on(ENGINE, "fsdp", dp=8, micro_batch=1, micro_batches=4)
     mem = estimate(m, fsdp, s, "bf16", KernelTerms("tensorwise")).parts
     assert mem["fp8"] == pytest.approx(L * (1 * per_layer - 1 * inputs))
     assert "fp8" not in estimate(m, fsdp, s).parts
     half = estimate(m, fsdp, s, "bf16", KernelTerms("tensorwise", L // 2)).parts["fp8"]
     assert half == pytest.approx(mem["fp8"] / 2)
     # one device: autocast's 2-byte copies are what FP8 layers no longer make; rowwise keeps its inputs in bf16
-    one = Layout("torchtitan", "ddp", dp=1, micro_batch=2)
+    one = _on(ENGINE, "ddp", dp=1, micro_batch=2)
     row = estimate(m, one, s, "bf16", KernelTerms("rowwise")).parts["fp8"]
     assert row == pytest.approx(-cal.AUTOCAST_WEIGHT_COPY_BYTES * L * per_layer)
     # compiled, the partitioner keeps 2 bytes fewer per input element in either recipe (measured on the H200)
@@ -295,7 +288,7 @@ def test_fp8_memory_trades_weight_copies_and_saved_inputs(registry):
     assert comp == pytest.approx(row - 2 * L * 2 * inputs)
     # FP8 is below bf16 where autocast made copies, and its recomputed layers save no inputs
     assert estimate(m, one, s, "bf16", KernelTerms("tensorwise")).total < estimate(m, one, s).total
-    full = Layout("torchtitan", "ddp", dp=1, micro_batch=2, recompute="full")
+    full = _on(ENGINE, "ddp", dp=1, micro_batch=2, recompute="full")
     assert estimate(m, full, s, "bf16", KernelTerms("tensorwise")).parts["fp8"] == pytest.approx(-L * per_layer)
 
 
@@ -313,39 +306,42 @@ def test_memory_splits_what_the_allocator_sees(registry):
     from primus.core.planner import calibration as cal
 
     m = _model(registry, "llama3.2-1b")
-    one = estimate(m, Layout("megatron", "ddp", dp=1), 4096)
-    eight = estimate(m, Layout("megatron", "ddp", dp=8), 4096)
+    one = estimate(m, _on(GENERIC, "ddp", dp=1), 4096)
+    eight = estimate(m, _on(GENERIC, "ddp", dp=8), 4096)
     assert one.parts["context"] == cal.CONTEXT_BYTES  # no NCCL buffers without another rank
     assert eight.parts["context"] == cal.CONTEXT_BYTES + cal.COMM_BUFFER_BYTES
     assert one.allocator == pytest.approx(one.total - cal.CONTEXT_BYTES)
     assert one.allocated == pytest.approx(one.allocator - one.parts["fragmentation"])
-    # TorchTitan without FSDP keeps an fp32 residual stream under autocast: more activation memory per layer
-    tt = estimate(m, Layout("torchtitan", "ddp", dp=1), 4096).parts["activations"]
-    fsdp = estimate(m, Layout("torchtitan", "fsdp", dp=8), 4096).parts["activations"]
+    # an engine under autocast without FSDP keeps an fp32 residual stream: more activation memory per layer
+    autocast = estimate(m, _on(ENGINE, "ddp", dp=1), 4096).parts["activations"]
+    fsdp = estimate(m, _on(ENGINE, "fsdp", dp=8), 4096).parts["activations"]
     d = m.hidden_size
-    assert tt - fsdp == pytest.approx(m.num_layers * 4096 * 2 * d * (4 - 2))
+    assert autocast - fsdp == pytest.approx(m.num_layers * 4096 * 2 * d * (4 - 2))
 
 
 def test_fused_loss_memory_only_where_the_engine_fuses(registry):
-    """The fused linear + cross-entropy holds one chunk of logits; megatron uses it at tp 1 (also under PP, on the
-    last stage), torchtitan only without TP, PP or CP: elsewhere the full logits are counted."""
+    """The fused linear + cross-entropy holds one chunk of logits, where the engine's profile says it fuses: the
+    generic engine without TP, PP or CP, one that refuses nothing under PP too (never under TP: core's rule), one that
+    computes its own loss nowhere; elsewhere the full logits are counted."""
     m = _model(registry, "llama3.2-1b")
+    anywhere = EngineProfile(name="anywhere", fused_loss_refused={})
+    own = EngineProfile(name="own", fused_loss=False)
 
-    def logits(engine, fused, **dims):
-        return estimate(m, Layout(engine, "fsdp", dp=1, **dims), 4096, kernels=KernelTerms(fused_loss=fused)).parts[
+    def logits(profile, fused, **dims):
+        return estimate(m, _on(profile, "fsdp", dp=1, **dims), 4096, kernels=KernelTerms(fused_loss=fused)).parts[
             "logits"
         ]
 
-    full = logits("megatron", False)
-    assert logits("megatron", True) < full / 4 and logits("megatron", True, pp=2) < full / 4
-    assert logits("torchtitan", True) < full / 4
-    assert logits("torchtitan", True, pp=2) == logits("torchtitan", False, pp=2)
-    assert logits("torchtitan", True, tp=2) == logits("torchtitan", False, tp=2)
+    full = logits(GENERIC, False)
+    assert logits(GENERIC, True) < full / 4
+    for dims in ({"tp": 2}, {"pp": 2}, {"cp": 2}):
+        assert logits(GENERIC, True, **dims) == logits(GENERIC, False, **dims), dims
+    assert logits(anywhere, True) < full / 4 and logits(anywhere, True, pp=2) < full / 4
+    assert logits(anywhere, True, tp=2) == logits(anywhere, False, tp=2)
+    assert logits(own, True) == full
     # an FP8 output head is not fused (the backend's own rule, fused_loss_refusal): all logits are held
-    fp8_head = estimate(
-        m, Layout("torchtitan", "fsdp", dp=1), 4096, kernels=KernelTerms(fused_loss=True, fp8_head=True)
-    )
-    assert fp8_head.parts["logits"] == logits("torchtitan", False)
+    fp8_head = estimate(m, _on(GENERIC, "fsdp", dp=1), 4096, kernels=KernelTerms(fused_loss=True, fp8_head=True))
+    assert fp8_head.parts["logits"] == logits(GENERIC, False)
     from primus.core.config.schema import PrimusConfig
     from primus.core.strategies import kernel_terms
 

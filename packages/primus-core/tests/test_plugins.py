@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import pluggy
 import pytest
 
 from primus.core import hookimpl, plugins
-from primus.core.plugins import Registry, build_plugin_manager
-from primus.core.protocols import BackendSpec, KernelProvider
+from primus.core.plugins import PrimusPluginManager, Registry, build_plugin_manager
+from primus.core.protocols import BackendSpec, KernelProvider, RunContext
+from primus.core.train import configure_changes
 
 
 def _ep(name, dist, obj=None, exc=None):
@@ -61,7 +63,7 @@ def test_hookspec_violation_rejected_with_distribution(fake_entry_points):
     class BadArgs:
         @staticmethod
         @hookimpl
-        def primus_on_step_end(step, metrics, info, not_in_spec):
+        def primus_on_log(step, metrics, info, not_in_spec):
             pass
 
     fake_entry_points.append(_ep("badargs", "primus-badargs", BadArgs))
@@ -170,3 +172,144 @@ def test_plugin_command_group_is_mounted(fake_entry_points, monkeypatch):
     res = CliRunner().invoke(cli.app, ["greet", "hello", "--name", "primus"])
     assert res.exit_code == 0 and "hello primus" in res.output
     assert [g.name for g in cli.app.registered_groups].count("config") == 1
+
+
+# ------------------------------------------------------------------ every hook goes through pluggy
+
+
+def test_check_pending_reports_an_implementation_without_spec():
+    class Typo:
+        @staticmethod
+        @hookimpl
+        def primus_on_trian_end(summary, info):  # misspelt: no spec
+            pass
+
+    pm = build_plugin_manager()
+    pm.register(Typo, name="typo")  # plain pluggy registration: register_checked would reject it
+    with pytest.raises(pluggy.PluginValidationError, match="primus_on_trian_end"):
+        pm.check_pending()
+
+
+def test_configure_implementation_may_take_fewer_arguments_than_its_spec(fake_entry_points):
+    class Fewer:
+        @staticmethod
+        @hookimpl
+        def primus_configure():  # the spec passes ``config``; pluggy hands over only what is asked for
+            return {"train.steps": 7}
+
+    fake_entry_points.append(_ep("fewer", "primus-fewer", Fewer))
+    changes = configure_changes(Registry(build_plugin_manager()))({"train": {"steps": 1}})
+    assert ("plugin primus-fewer", {"train": {"steps": 7}}) in changes
+
+
+def test_tryfirst_and_trylast_order_contributions(fake_entry_points):
+    def offering(name, **order):
+        class P:
+            @staticmethod
+            @hookimpl(**order)
+            def primus_commands():
+                return [(name, object())]
+
+        return P
+
+    # registered alpha then zeta: pluggy alone would call zeta first; the markers reverse that
+    fake_entry_points.extend(
+        [
+            _ep("alpha", "primus-alpha", offering("a", tryfirst=True)),
+            _ep("zeta", "primus-zeta", offering("z", trylast=True)),
+        ]
+    )
+    assert [name for name, _ in Registry(build_plugin_manager()).commands] == ["a", "z"]
+
+
+def test_hookwrapper_sees_and_changes_each_plugins_result(fake_entry_points):
+    seen: list[str] = []
+
+    class Filter:
+        @staticmethod
+        @hookimpl(hookwrapper=True)
+        def primus_backends():
+            outcome = yield
+            specs = [b for result in outcome.get_result() for b in result]
+            seen.extend(b.name for b in specs)
+            outcome.force_result([[b for b in specs if b.name != "hidden"]])
+
+    fake_entry_points.extend(
+        [
+            _ep("filter", "primus-filter", Filter),
+            _ep("shown", "primus-shown", _backend("shown")),
+            _ep("hidden", "primus-hidden", _backend("hidden")),
+        ]
+    )
+    reg = Registry(build_plugin_manager())
+    assert "shown" in reg.backends and "hidden" not in reg.backends
+    assert sorted(seen) == ["hidden", "shown"]  # called once per implementation, each result seen
+    assert reg.backends["shown"].dist == "primus-shown"  # still put down to the plugin that offered it
+    assert reg.pm.records["filter"].status == "ok" and "backends" not in reg.pm.records["filter"].provides
+
+
+def test_failing_implementation_is_set_aside_the_others_still_count(fake_entry_points):
+    class Boom:
+        @staticmethod
+        @hookimpl(tryfirst=True)
+        def primus_backends():
+            raise RuntimeError("boom")
+
+    fake_entry_points.extend([_ep("boom", "primus-boom", Boom), _ep("fine", "primus-fine", _backend("fine"))])
+    reg = Registry(build_plugin_manager())
+    assert "fine" in reg.backends
+    rec = reg.pm.records["boom"]
+    assert rec.status == "rejected" and rec.error == "primus-boom: primus_backends failed: boom"
+
+
+# ------------------------------------------------------------------ lifecycle hooks: new names, deprecated old ones
+
+
+def _run_context(*plugins_):
+    pm = PrimusPluginManager()  # no core: its run logger would write files
+    for i, p in enumerate(plugins_):
+        pm.register_checked(p, f"p{i}", f"primus-p{i}", "", "")
+    return pm, RunContext(info=SimpleNamespace(rank=0), hooks=pm.hook)
+
+
+def test_run_context_calls_the_new_hooks_and_the_deprecated_ones(caplog):
+    calls: list[tuple] = []
+
+    class New:
+        @staticmethod
+        @hookimpl
+        def primus_on_optimizer_step(step):
+            calls.append(("optimizer_step", step))
+
+        @staticmethod
+        @hookimpl
+        def primus_on_log(step, metrics):
+            calls.append(("log", step, metrics["loss"]))
+
+    class Old:
+        @staticmethod
+        @hookimpl
+        def primus_on_train_step(step, info):
+            calls.append(("train_step", step))
+
+        @staticmethod
+        @hookimpl
+        def primus_on_step_end(step, metrics, info):
+            calls.append(("step_end", step, metrics["loss"]))
+
+    with pytest.warns(DeprecationWarning) as warned, caplog.at_level(logging.WARNING, logger="primus.plugins"):
+        pm, ctx = _run_context(New, Old)
+    assert {str(w.message).split()[0] for w in warned} == {"primus_on_train_step", "primus_on_step_end"}
+    assert sum("primus-p1" in m and "deprecated" in m for m in caplog.messages) == 2
+    assert pm.records["p1"].status == "ok"
+    ctx.train_step(1)
+    ctx.step_end(1, {"loss": 2.0})
+    assert calls == [("optimizer_step", 1), ("train_step", 1), ("log", 1, 2.0), ("step_end", 1, 2.0)]
+
+
+def test_core_and_tune_implement_only_current_hook_names(recwarn):
+    pm = build_plugin_manager()
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "primus_on" in str(w.message)]
+    for old in ("primus_on_train_step", "primus_on_step_end"):
+        assert not getattr(pm.hook, old).get_hookimpls()
+    assert "core" in {i.plugin_name for i in pm.hook.primus_on_log.get_hookimpls()}

@@ -1,14 +1,38 @@
 """megatron-core 0.16.1 specifics (primus.megatron.compat, layer_spec): the pin, the API shapes the
-backend relies on, and the kernel modules' numerics against megatron's own local modules."""
+backend relies on, and the kernel modules' numerics against megatron's own local modules. Each patch and
+private override in compat.PATCHES names its test here (or in test_cpu_redirect.py)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+from types import SimpleNamespace
 
 from primus.megatron import compat as mc
+
+
+def test_patch_table_names_a_test_for_every_patch():
+    tests = Path(__file__).parent
+    for patch in mc.PATCHES:
+        refs = [ref.strip() for ref in patch.test.split(",") if ref.strip()]
+        assert refs, patch.name
+        for ref in refs:
+            file, _, fn = ref.partition("::")
+            assert f"def {fn}(" in (tests / file).read_text(), f"{patch.name}: {ref} does not exist"
+    # every function / class compat defines is a listed patch (or part of one)
+    named = " ".join(p.name for p in mc.PATCHES)
+    own = [
+        name
+        for name, obj in vars(mc).items()
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == mc.__name__ and name != "Patch"
+    ]
+    for name in own:
+        assert re.search(rf"\b{name}\b", named), f"compat.{name} is not in PATCHES"
 
 
 def test_pinned_version_installed():
@@ -16,7 +40,9 @@ def test_pinned_version_installed():
 
 
 def test_gpt_model_rope_arguments():
-    params = inspect.signature(mc.GPTModel.__init__).parameters
+    from megatron.core.models.gpt import GPTModel
+
+    params = inspect.signature(GPTModel.__init__).parameters
     for name in (
         "rope_scaling",
         "rope_scaling_factor",
@@ -185,15 +211,18 @@ NUMERICS = textwrap.dedent("""
     from primus.megatron.cpu import redirect_to_cpu
     redirect_to_cpu()
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d", rank=0, world_size=1)
-    from primus.megatron import compat as mc
+    from primus.megatron.dist import init_parallel, seed
     from primus.megatron.layer_spec import KernelCoreAttention, KernelRMSNorm, KernelSwiGLU
+    from primus.megatron.model import UNFUSED, gpt_model
+    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    mc.init_parallel(1, 1, 1, 1); mc.seed(0)
-    cfg = mc.TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-                               kv_channels=64, ffn_hidden_size=96, hidden_dropout=0.0, attention_dropout=0.0,
-                               normalization="RMSNorm", **mc.UNFUSED)
-    ref_attn = DotProductAttention(cfg, 1, mc.AttnMaskType.causal, "self")
-    ours = KernelCoreAttention(cfg, 1, mc.AttnMaskType.causal, "self", kernel="primus.core.kernels.reference:attention")
+    from megatron.core.transformer.enums import AttnMaskType
+    init_parallel(1, 1, 1, 1); seed(0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                            kv_channels=64, ffn_hidden_size=96, hidden_dropout=0.0, attention_dropout=0.0,
+                            normalization="RMSNorm", **UNFUSED)
+    ref_attn = DotProductAttention(cfg, 1, AttnMaskType.causal, "self")
+    ours = KernelCoreAttention(cfg, 1, AttnMaskType.causal, "self", kernel="primus.core.kernels.reference:attention")
     s, b = 16, 2
     q = torch.randn(s, b, 4, 64, dtype=torch.float64).float()
     k, v = torch.randn(s, b, 2, 64), torch.randn(s, b, 2, 64)
@@ -226,8 +255,8 @@ NUMERICS = textwrap.dedent("""
     kernels = {op: reg.providers(op)[0] for op in ("attention", "rms_norm", "swiglu")}
     sc = RopeScaling(type="llama3", factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0,
                      original_max_position_embeddings=4096)
-    model = mc.gpt_model(cfg, block_spec(cfg, kernels, qk_norm=False, vp_stage=None), vocab_size=64, max_seq=32,
-                         tied=False, rope_theta=500000.0, rope_scaling=sc, vp_stage=None)
+    model = gpt_model(cfg, block_spec(cfg, kernels, qk_norm=False, vp_stage=None), vocab_size=64, max_seq=32,
+                      tied=False, rope_theta=500000.0, rope_scaling=sc, vp_stage=None)
     d = 64
     freqs = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
     wavelen = 2 * math.pi / freqs
@@ -237,6 +266,25 @@ NUMERICS = textwrap.dedent("""
     mid = (wavelen >= hi) & (wavelen <= lo)
     expect = torch.where(mid, (1 - smooth) * freqs / 32.0 + smooth * freqs, expect)
     torch.testing.assert_close(model.rotary_pos_emb.inv_freq.float(), expect)
+
+    # gpt.FusedLossGPTModel (the instance retyped by fuse_loss): per-token [b, s] losses with megatron's mean
+    from primus.megatron.gpt import FusedLossGPTModel, fuse_loss
+    def linear_ce(h, w, target):
+        return F.cross_entropy((h.float() @ w.float().t()).flatten(0, -2), target.flatten())
+    plain_kernels = {op: next(p for p in reg.providers(op) if p.name == name)
+                     for op, name in (("attention", "sdpa"), ("rms_norm", "torch"), ("swiglu", "torch"))}
+    model = gpt_model(cfg, block_spec(cfg, plain_kernels, qk_norm=False, vp_stage=None), vocab_size=64,
+                      max_seq=32, tied=False, rope_theta=10000.0, rope_scaling=None, vp_stage=None)
+    ids, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    pos = torch.arange(16).expand(2, 16)
+    plain = model(ids, pos, None, labels=labels)
+    logits = model(ids, pos, None)
+    fuse_loss(model, linear_ce)
+    assert type(model) is FusedLossGPTModel
+    fused = model(ids, pos, None, labels=labels)
+    assert fused.shape == plain.shape == labels.shape, (fused.shape, plain.shape)
+    torch.testing.assert_close(fused.mean(), plain.mean(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model(ids, pos, None), logits)  # without labels: megatron's logits
     print("ok")
 """)
 
@@ -256,6 +304,7 @@ def test_interleaved_pipeline_uses_unbatched_p2p():
     one peer is both neighbours and receives them in the wrong buffers, so model.pipeline_p2p turns it off for
     the interleaved schedule, the one that sends both ways in one call (as Megatron-LM's defaults do)."""
     from megatron.core.pipeline_parallel import p2p_communication
+    from megatron.core.transformer import TransformerConfig
     from megatron_helpers import TINY
 
     from primus.core.train import resolve
@@ -264,10 +313,110 @@ def test_interleaved_pipeline_uses_unbatched_p2p():
     src = inspect.getsource(p2p_communication._batched_p2p_ops)
     assert src.index("send_prev_op") < src.index("recv_prev_op") < src.index("send_next_op")
     assert src.index("send_next_op") < src.index("recv_next_op") and "batch_isend_irecv" in src
-    assert mc.TransformerConfig.__dataclass_fields__["batch_p2p_comm"].default is True
+    assert TransformerConfig.__dataclass_fields__["batch_p2p_comm"].default is True
 
     vpp = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b", "model.num_layers=4"]
     config = transformer_config(resolve(TINY, vpp, world_size=2).config)
     assert (config.batch_p2p_comm, config.overlap_p2p_comm) == (False, True)
     config = transformer_config(resolve(TINY, ["parallel.pp=2"], world_size=2).config)
     assert (config.batch_p2p_comm, config.overlap_p2p_comm) == (True, False)
+
+
+def test_fused_loss_postprocess_matches_gptmodel():
+    """gpt.FusedLossGPTModel overrides the private GPTModel._postprocess: megatron's forward must still return what
+    _postprocess returns, hand it the arguments the override reads by keyword, and return per-token losses [b, s]
+    of labels [b, s] from sequence-first hidden states; the attributes the override reads must still be there.
+    (Its numbers against megatron's own loss: test_kernel_modules_match_megatron_local_modules.)"""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from primus.megatron.gpt import FusedLossGPTModel
+
+    theirs = inspect.signature(GPTModel._postprocess).parameters
+    assert list(theirs)[:5] == ["self", "hidden_states", "input_ids", "position_ids", "labels"]
+    assert "inference_context" in theirs
+    ours = list(inspect.signature(FusedLossGPTModel._postprocess).parameters.values())
+    assert [p.name for p in ours[:5]] == list(theirs)[:5] and ours[-1].kind is inspect.Parameter.VAR_KEYWORD
+    forward = inspect.getsource(GPTModel.forward)
+    call = forward[forward.index("return self._postprocess(") :]
+    call = call[: call.index("\n        )")]
+    for kw in ("hidden_states", "input_ids", "position_ids", "labels", "inference_context"):
+        assert f"{kw}={kw}," in call, kw
+    post = inspect.getsource(GPTModel._postprocess)
+    assert "if not self.post_process:\n            return hidden_states" in post
+    assert "if self.config.mtp_num_layers is not None:" in post
+    assert "output_weight = self.shared_embedding_or_output_weight()" in post
+    assert "self.output_layer(\n            hidden_states, weight=output_weight" in post
+    assert "loss = self.compute_language_model_loss(labels, logits)" in post and "[s b h] => [b s h]" in post
+    loss = inspect.getsource(LanguageModule.compute_language_model_loss)
+    assert "labels = labels.transpose(0, 1).contiguous()" in loss and "loss = loss.transpose(0, 1).contiguous()" in loss
+    init = inspect.getsource(GPTModel.__init__)
+    for attr in ("self.post_process =", "self.share_embeddings_and_output_weights =", "self.output_layer ="):
+        assert attr in init, attr
+    assert "mtp_num_layers" in TransformerConfig.__dataclass_fields__
+
+
+def test_rope_override_points_are_megatrons():
+    """rope.KernelRoPESelfAttention runs megatron's SelfAttention.forward with rotary_pos_emb=None and rotates q/k at
+    the end of get_query_key_value_tensors: megatron must still make q/k there, before its own RoPE (applied only
+    when rotary_pos_emb is given), and TransformerLayer must pass the arguments the override reads by keyword."""
+    from megatron.core.transformer import TransformerConfig, attention, transformer_layer
+
+    params = list(inspect.signature(attention.Attention.forward).parameters)
+    assert params[:3] == ["self", "hidden_states", "attention_mask"]
+    for kw in ("rotary_pos_emb", "packed_seq_params", "inference_context", "inference_params"):
+        assert kw in params, kw
+    src = inspect.getsource(attention.Attention.forward)
+    qkv, rope = src.index("self.get_query_key_value_tensors("), src.index("if rotary_pos_emb is not None and (")
+    assert qkv < rope < src.index("apply_rotary_pos_emb(")
+    assert "query, key, value = qkv_output" in src  # the split q, k, v come first
+    assert list(inspect.signature(attention.SelfAttention.get_query_key_value_tensors).parameters) == [
+        "self",
+        "hidden_states",
+        "key_value_states",
+        "output_gate",
+        "split_qkv",
+    ]
+    layer = inspect.getsource(transformer_layer)
+    call = layer[layer.index("self.self_attention(") :]
+    call = call[: call.index("\n        )")]
+    for kw in ("attention_mask", "rotary_pos_emb", "packed_seq_params", "inference_context"):
+        assert f"{kw}={kw}," in call, kw
+    fields = TransformerConfig.__dataclass_fields__
+    for name in ("rotary_interleaved", "multi_latent_attention", "apply_rope_fusion", "fused_single_qkv_rope"):
+        assert name in fields, name
+    assert "no_rope_freq" in fields
+    assert "self.hidden_size_per_attention_head = " in inspect.getsource(attention.Attention.__init__)
+
+
+def test_fp8_linears_override_megatrons_forward_impl():
+    """fp8's tensor-parallel linears replace the private _forward_impl that Column/RowParallelLinear.forward call
+    with keyword arguments only; the FP8 forward names each of them (a renamed one would fall into its ``**_``), and
+    ColumnParallelLinear.forward reads allreduce_dgrad from the instance attribute the FP8 column linear clears."""
+    from megatron.core.tensor_parallel import layers
+
+    from primus.megatron.fp8 import linear_classes
+
+    impl = SimpleNamespace(Fp8State=lambda history: None, fp8_linear=lambda *a, **k: None)
+    column, row = linear_classes(SimpleNamespace(name="test-compat-fp8", load=lambda: impl))
+    ours = {name for name in inspect.signature(column._forward_impl).parameters if name not in ("self", "_")}
+    assert column._forward_impl is row._forward_impl and issubclass(column, layers.ColumnParallelLinear)
+    passed = set()
+    for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):
+        assert list(inspect.signature(cls._forward_impl).parameters) == ["self", "input", "weight", "args", "kwargs"]
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+        calls = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "_forward_impl"
+        ]
+        assert len(calls) == 1 and not calls[0].args, cls
+        keywords = {k.arg for k in calls[0].keywords}
+        assert keywords <= ours, (cls, keywords - ours)
+        passed |= keywords
+    assert ours <= passed, ours - passed
+    assert "allreduce_dgrad = False if self.explicit_expert_comm else self.allreduce_dgrad" in inspect.getsource(
+        layers.ColumnParallelLinear.forward
+    )
+    assert "self.allreduce_dgrad = (" in inspect.getsource(layers.ColumnParallelLinear.__init__)

@@ -7,6 +7,7 @@ from megatron_helpers import TINY
 
 from primus.core.config.errors import ConfigError
 from primus.core.plugins import get_registry
+from primus.core.protocols import load_ref
 from primus.core.train import resolve
 from primus.megatron.validate import validate
 
@@ -15,7 +16,7 @@ def test_backend_registered():
     spec = get_registry(refresh=True).backends["megatron"]
     assert spec.dist == "primus-megatron"
     assert spec.model_families == {"llama", "qwen2", "qwen3", "mistral"}
-    assert spec.load_run().__module__ == "primus.megatron.runner"
+    assert load_ref(spec.engine).__module__ == "primus.megatron.engine"
 
 
 def test_tiny_config_is_accepted():

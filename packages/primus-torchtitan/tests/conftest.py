@@ -117,7 +117,7 @@ def seed_checkpoint(tmp_path_factory) -> callable:
         if overrides not in made:
             out = tmp_path_factory.mktemp("seed")
             primus_train(TINY, out, *overrides, "backend.extra.checkpoint.create_seed_checkpoint=true")
-            made[overrides] = str(out / "checkpoints" / "step-0")
+            made[overrides] = str(out / "checkpoints" / "step_00000000")
         return made[overrides]
 
     return get

@@ -24,7 +24,7 @@ from primus.core.protocols import Availability, KernelProvider
 
 
 def poison_step(step: int) -> None:
-    from primus.torchtitan import runner
+    from primus.torchtitan import engine as runner
 
     build = runner.build_trainer
 

@@ -1,7 +1,7 @@
-"""The pieces of the atomic checkpoints, in-process: the hook into torchtitan's CheckpointManager (and that
-torchtitan 0.2.2 still calls what it replaces), which folders count as checkpoints, keep-last, the data
-position across data-parallel sizes, and what validate refuses. Whole runs: test_checkpoint_resume.py,
-test_crash_safety.py."""
+"""The pieces of the checkpoints, in-process: the torchtitan checkpointer calls the engine's save / load /
+initial load make (and that torchtitan 0.2.2 still has them as used), which folders count as checkpoints,
+keep-last, the data position across data-parallel sizes, and what validate refuses. Whole runs:
+test_checkpoint_resume.py, test_crash_safety.py."""
 
 from __future__ import annotations
 
@@ -15,37 +15,35 @@ from test_data import Samples, take
 from primus.core import checkpoints as core
 from primus.core.config.errors import ConfigError
 from primus.core.train import resolve
-from primus.torchtitan import compat
-from primus.torchtitan.checkpoint import NAMING, AtomicCheckpointManager, check_compatible, complete_steps
+from primus.torchtitan import job_config
+from primus.torchtitan.checkpoint import NAMING, check_compatible, complete_steps
 from primus.torchtitan.data import PrimusDataLoader
 
-REPLACED = ("dcp_save", "dcp_load", "load", "_find_load_step", "_purge_stale_checkpoints")
 
-
-def test_trainer_builds_its_checkpointer_through_the_swapped_name():
-    import torchtitan.train as tt_train
+def test_checkpointer_calls_keep_torchtitans_signatures():
+    """primus.torchtitan.checkpoint calls CheckpointManager's dcp_save / dcp_load / load and the private
+    _flattened_model_states_sd / _states_to_load with these parameters, and relies on load taking
+    initial_load_path only while its folder does not exist."""
     from torchtitan.components.checkpoint import CheckpointManager
 
-    assert "self.checkpointer = CheckpointManager(" in inspect.getsource(tt_train.Trainer.__init__)
-    factory = object()
-    with compat.checkpoint_manager_class(factory):
-        assert tt_train.CheckpointManager is factory
-    assert tt_train.CheckpointManager is CheckpointManager
+    def params(name):
+        return list(inspect.signature(getattr(CheckpointManager, name)).parameters)
 
-
-def test_replaced_methods_keep_torchtitans_signatures_and_call_sites():
-    from torchtitan.components.checkpoint import CheckpointManager
-
-    for name in REPLACED:
-        ours, theirs = inspect.signature(getattr(AtomicCheckpointManager, name)), getattr(CheckpointManager, name)
-        assert list(ours.parameters) == list(inspect.signature(theirs).parameters), name
-    src = {m: inspect.getsource(getattr(CheckpointManager, m)) for m in ("save", "_save_last_step", "load")}
-    assert "self.dcp_save(" in src["save"] and "self.dcp_save(" in src["_save_last_step"]
-    assert "self._purge_stale_checkpoints()" in src["save"]
-    assert "self._find_load_step()" in src["load"] and "self.dcp_load(" in src["load"]
-    # the initial weights are loaded only while the folder does not exist (AtomicCheckpointManager.load)
-    assert "if not os.path.exists(self.folder):" in src["load"] and "self.initial_load_path" in src["load"]
-    assert 'f"step-{step}"' in inspect.getsource(CheckpointManager._create_checkpoint_id)  # NAMING's names
+    assert params("dcp_save") == [
+        "self",
+        "state_dict",
+        "checkpoint_id",
+        "async_mode",
+        "enable_garbage_collection",
+        "to_hf",
+    ]
+    assert params("dcp_load") == ["self", "state_dict", "checkpoint_id", "from_hf", "from_quantized"]
+    assert params("load") == ["self", "step"]
+    assert params("_flattened_model_states_sd") == ["self", "state_dict"]
+    assert params("_states_to_load") == ["self", "model_only"]
+    src = inspect.getsource(CheckpointManager.load)
+    assert "if not os.path.exists(self.folder):" in src and "self.initial_load_path" in src
+    assert "self.exclude_from_loading" in inspect.getsource(CheckpointManager._states_to_load)
 
 
 def _checkpoint(root, name, step=None, **manifest):
@@ -58,28 +56,28 @@ def _checkpoint(root, name, step=None, **manifest):
 
 
 def test_partial_folders_never_shadow_a_complete_checkpoint(tmp_path):
-    _checkpoint(tmp_path, "step-3", 3)
-    _checkpoint(tmp_path, "step-9.tmp")  # a save cut short before its commit
-    _checkpoint(tmp_path, "step-12")  # the final name without a manifest (DCP's .metadata alone is not enough)
-    (tmp_path / "step-12" / ".metadata").write_bytes(b"")
-    _checkpoint(tmp_path, "step-15", 6)  # a manifest of another step
-    _checkpoint(tmp_path, "step-21.tmp", 21)  # a manifest, but never renamed
+    _checkpoint(tmp_path, "step_00000003", 3)
+    _checkpoint(tmp_path, "step_00000009.tmp")  # a save cut short before its commit
+    _checkpoint(tmp_path, "step_00000012")  # the final name without a manifest (DCP's .metadata alone is not enough)
+    (tmp_path / "step_00000012" / ".metadata").write_bytes(b"")
+    _checkpoint(tmp_path, "step_00000015", 6)  # a manifest of another step
+    _checkpoint(tmp_path, "step_00000021.tmp", 21)  # a manifest, but never renamed
     assert complete_steps(tmp_path) == [3]
-    assert core.latest(tmp_path, NAMING) == (3, tmp_path / "step-3")
+    assert core.latest(tmp_path, NAMING) == (3, tmp_path / "step_00000003")
 
 
 def test_keep_last_counts_complete_checkpoints_and_keeps_later_partial_saves(tmp_path):
     for step in (2, 4, 6):
-        _checkpoint(tmp_path, f"step-{step}", step)
-    _checkpoint(tmp_path, "step-5.tmp")  # superseded by the complete step 6
-    _checkpoint(tmp_path, "step-8.tmp")  # newer than every complete one: kept for inspection
+        _checkpoint(tmp_path, f"step_{step:08d}", step)
+    _checkpoint(tmp_path, "step_00000005.tmp")  # superseded by the complete step 6
+    _checkpoint(tmp_path, "step_00000008.tmp")  # newer than every complete one: kept for inspection
     core.purge(tmp_path, NAMING, keep_last=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6", "step-8.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000006", "step_00000008.tmp"]
 
 
 def test_shape_check_names_the_mismatch(tmp_path):
     res = resolve(TINY, [], 1)
-    folder = _checkpoint(tmp_path, "step-4", 4, model_name="other", model_shape=core.model_shape(res.config))
+    folder = _checkpoint(tmp_path, "step_00000004", 4, model_name="other", model_shape=core.model_shape(res.config))
     assert check_compatible(folder, res.config)["step"] == 4
     wider = resolve(TINY, ["model.hidden_size=256"], 1).config
     with pytest.raises(
@@ -87,7 +85,7 @@ def test_shape_check_names_the_mismatch(tmp_path):
     ):
         check_compatible(folder, wider)
     with pytest.raises(core.CheckpointMismatch, match="no manifest.json: not a complete primus-torchtitan"):
-        check_compatible(_checkpoint(tmp_path, "step-8"), res.config)
+        check_compatible(_checkpoint(tmp_path, "step_00000008"), res.config)
 
 
 def _loaders(dp: int, ds, gbs: int = 8, mbs: int = 2) -> list[PrimusDataLoader]:
@@ -132,7 +130,7 @@ def test_validate_refuses_async_checkpoints_and_unknown_fault_injectors():
         resolve(TINY, ["backend.extra.fault_injection.kill_at=3"], 1)
     assert "unknown key kill_at" in str(err.value)
     res = resolve(TINY, ["backend.extra.fault_injection.kill_during_save_at_step=3"], 1)
-    jc = compat.build_job_config(
+    jc = job_config.build_job_config(
         res.config, model_name="x", flavor="primus", output_dir="o", checkpoint_dir="c", gpu=False
     )
     assert jc.checkpoint.async_mode == "disabled"  # fault_injection is Primus's, not given to torchtitan

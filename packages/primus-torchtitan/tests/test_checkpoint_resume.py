@@ -24,21 +24,26 @@ RESUME_TOL = 1e-6
 
 def _only(src, step, dst):
     dst.mkdir(parents=True)
-    shutil.copytree(src / f"step-{step}", dst / f"step-{step}")
+    shutil.copytree(src / f"step_{step:08d}", dst / f"step_{step:08d}")
     return dst
 
 
 def test_manifest_records_step_shape_layout_and_versions(fsdp2_straight):
     ckpts = fsdp2_straight["out"] / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step-2", "step-4", "step-6", "step-8"]
-    man = json.loads((ckpts / "step-8" / "manifest.json").read_text())
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+        "step_00000006",
+        "step_00000008",
+    ]
+    man = json.loads((ckpts / "step_00000008" / "manifest.json").read_text())
     assert man["step"] == 8 and len(man["config_hash"]) == 64 and man["model_name"] == "tiny-llama"
     assert man["model_shape"]["num_layers"] == 2 and man["model_shape"]["hidden_size"] == 128
     assert man["layout"]["world"] == 2 and man["layout"]["dp"] == 2 and man["layout"]["dp_shard"] == 2
     assert man["versions"]["torchtitan"] == "0.2.2" and man["versions"]["torch"] == version("torch")
     assert man["versions"]["primus-torchtitan"] == version("primus-torchtitan")
     assert man["time"].endswith("Z") and "seed" not in man
-    assert (ckpts / "step-8" / ".metadata").is_file()  # DCP's own files, under the final name
+    assert (ckpts / "step_00000008" / ".metadata").is_file()  # DCP's own files, under the final name
 
 
 def test_resume_at_another_data_parallel_size(fsdp2_straight, tmp_path):
@@ -52,7 +57,7 @@ def test_resume_at_another_data_parallel_size(fsdp2_straight, tmp_path):
     # the grad norm is a sum of squares over the whole model here, of two shards' partial sums under FSDP
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in straight[4:]], rel=1e-4)
     assert [r["lr"] for r in rows] == pytest.approx([r["lr"] for r in straight[4:]])
-    assert json.loads((one / "step-6" / "manifest.json").read_text())["layout"]["dp"] == 1
+    assert json.loads((one / "step_00000006" / "manifest.json").read_text())["layout"]["dp"] == 1
 
     two = _only(one, 6, tmp_path / "ckpt2")
     primus_train(TINY, tmp_path / "dp2", f"checkpoint.dir={two}", "parallel.dp_shard=2", nproc=2, resume=True)

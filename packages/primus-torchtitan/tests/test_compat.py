@@ -1,17 +1,47 @@
-"""Each torchtitan-0.2.2 adaptation in primus.torchtitan.compat, with a check that fails when the
-engine changes under it (then the adaptation must be revisited)."""
+"""Each torchtitan-0.2.2 patch and override listed in primus.torchtitan.compat.PATCHES, with a check that
+fails when the engine changes under it (then the patch must be revisited)."""
 
 from __future__ import annotations
 
 import inspect
+import re
 import subprocess
 import sys
+import warnings
 from importlib.metadata import version
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 from primus.torchtitan import compat
+
+
+def _params(fn):
+    """(name, kind, default) of each parameter: what a caller relies on (annotations aside)."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_patch_table_names_a_test_for_every_patch():
+    tests = Path(__file__).parent
+    for patch in compat.PATCHES:
+        refs = [ref.strip() for ref in patch.test.split(",") if ref.strip()]
+        assert refs, patch.name
+        for ref in refs:
+            file, _, fn = ref.partition("::")
+            assert f"def {fn}(" in (tests / file).read_text(), f"{patch.name}: {ref} does not exist"
+    # every function / class compat defines is a listed patch (or part of one), the version check or the CPU import
+    named = " ".join(p.name for p in compat.PATCHES)
+    own = [
+        name
+        for name, obj in vars(compat).items()
+        if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == compat.__name__
+    ]
+    for name in own:
+        listed = re.search(rf"\b{name}\b", named)
+        assert listed or name in ("check_version", "import_torchtitan", "Patch"), f"compat.{name} is not in PATCHES"
 
 
 def test_pinned_version():
@@ -85,82 +115,6 @@ def test_ddp_still_averages_over_replicas():
     assert compat.ddp_grad_scale(2) == 2.0
 
 
-def test_job_config_fields_primus_sets_exist():
-    fields = compat.job_config_fields()
-    for section, names in {
-        "training": {
-            "local_batch_size",
-            "global_batch_size",
-            "seq_len",
-            "steps",
-            "max_norm",
-            "dtype",
-            "mixed_precision_param",
-            "mixed_precision_reduce",
-        },
-        "parallelism": {
-            "data_parallel_replicate_degree",
-            "data_parallel_shard_degree",
-            "fsdp_reshard_after_forward",
-            "tensor_parallel_degree",
-            "pipeline_parallel_degree",
-            "pipeline_parallel_schedule",
-            "pipeline_parallel_microbatch_size",
-            "module_fqns_per_model_part",
-            "context_parallel_degree",
-        },
-        "checkpoint": {
-            "enable",
-            "folder",
-            "interval",
-            "keep_latest_k",
-            "last_save_model_only",
-            "initial_load_path",
-            "load_only",
-            "create_seed_checkpoint",
-        },
-        "lr_scheduler": {"warmup_steps", "decay_type", "decay_ratio", "min_lr_factor", "total_steps"},
-        "optimizer": {"name", "lr", "eps", "weight_decay", "beta1", "beta2", "implementation"},
-        "activation_checkpoint": {"mode", "selective_ac_option"},
-    }.items():
-        assert names <= fields[section], names - fields[section]
-
-
-def test_pipeline_schedules_exist():
-    from torch.distributed.pipelining.schedules import get_schedule_class
-
-    for name in compat.PP_SCHEDULES.values():
-        assert get_schedule_class(name) is not None
-
-
-def test_stage_split():
-    assert compat.llama3_fqns_per_stage(2, 2) == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
-    assert compat.llama3_fqns_per_stage(4, 5)[0] == ["tok_embeddings", "layers.0", "layers.1"]
-
-
-def test_apply_overrides_nested_and_dotted():
-    jc = compat.new_job_config()
-    compat.apply_overrides(jc, {"checkpoint": {"folder": "x"}, "training.gc_freq": 7})
-    assert jc.checkpoint.folder == "x" and jc.training.gc_freq == 7
-    with pytest.raises(KeyError, match="no field"):
-        compat.apply_overrides(jc, {"checkpoint": {"nope": 1}})
-
-
-def test_extra_value_nested_or_dotted():
-    assert compat.extra_value({"checkpoint": {"create_seed_checkpoint": True}}, "checkpoint.create_seed_checkpoint")
-    assert compat.extra_value({"checkpoint.create_seed_checkpoint": True}, "checkpoint.create_seed_checkpoint")
-    assert compat.extra_value({}, "checkpoint.create_seed_checkpoint", False) is False
-
-
-def test_last_save_still_skips_the_purge():
-    from torchtitan.components.checkpoint import CheckpointManager
-
-    src = inspect.getsource(CheckpointManager.save)
-    last = src.index("if last_step:")
-    assert "return" in src[last : last + 120] and "_purge_stale_checkpoints()" in src[last:]
-    assert hasattr(CheckpointManager, "_purge_stale_checkpoints")
-
-
 def test_train_step_still_clips_then_steps_the_optimizer_and_schedule():
     """grad_norm_recorder (health checks before the update) relies on this order in one method."""
     from torchtitan.train import Trainer
@@ -173,6 +127,11 @@ def test_train_step_still_clips_then_steps_the_optimizer_and_schedule():
     assert "from torchtitan.distributed import ParallelDims, utils as dist_utils" in inspect.getsource(
         sys.modules["torchtitan.train"]
     )
+    # PrimusTrainer wraps the containers' step per instance (a skipped update): both are called by attribute
+    from torchtitan.components.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    assert callable(OptimizersContainer.step) and callable(LRSchedulersContainer.step)
     seen = []
     with compat.grad_norm_recorder(seen.append):
         import torchtitan.distributed.utils as dist_utils
@@ -196,3 +155,186 @@ def test_ops_the_kernel_swap_retypes_are_still_torchtitans():
     params = inspect.signature(ScaledDotProductAttentionWrapper.forward).parameters
     assert list(params) == ["self", "q", "k", "v", "scale", "enable_gqa", "is_causal"]
     assert "view_as_complex" in inspect.getsource(llama3.apply_rotary_emb)  # interleaved RoPE: not swapped
+    # loss.fuse_output: the model's forward calls its output module on the final hidden states, the trainer hands
+    # that result to the loss function (which a fused head's loss-sum passes through)
+    for model_cls in (llama3.Transformer, qwen3.Qwen3Model):
+        assert "output = self.output(h) if self.output is not None else h" in inspect.getsource(model_cls.forward)
+        assert "self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)" in inspect.getsource(
+            model_cls.__init__
+        )
+    from torchtitan.train import Trainer
+
+    assert "loss_sum = self.loss_fn(pred, labels)" in inspect.getsource(Trainer.forward_backward_step)
+
+
+def test_tied_embedding_fully_shard_patch(monkeypatch):
+    """compat.tied_embedding_fsdp_group replaces the module-level name ``fully_shard`` that llama3's ``apply_fsdp``
+    looks up at call time: run torchtitan's own apply_fsdp under it (fully_shard recorded, no process group) and
+    the embedding joins the output head's group, tied again."""
+    import torchtitan.models.llama3.infra.parallelize as llama3_parallelize
+    from torch.distributed.fsdp import fully_shard
+
+    assert llama3_parallelize.fully_shard is fully_shard
+    assert "fully_shard" in llama3_parallelize.apply_fsdp.__code__.co_names  # a global lookup: the patch reaches it
+    assert list(inspect.signature(llama3_parallelize.apply_fsdp).parameters)[:5] == [
+        "model",
+        "dp_mesh",
+        "param_dtype",
+        "reduce_dtype",
+        "pp_enabled",
+    ]
+
+    groups = []
+
+    def recorder(module, **kwargs):
+        groups.append(module)
+        return module
+
+    monkeypatch.setattr(llama3_parallelize, "fully_shard", recorder)
+    model = nn.Module()
+    model.tok_embeddings = nn.Embedding(8, 4)
+    model.layers = nn.ModuleDict({"0": nn.Linear(4, 4)})
+    model.norm, model.output = nn.RMSNorm(4), nn.Linear(4, 8, bias=False)
+    assert model.output.weight is not model.tok_embeddings.weight  # as tensor parallelism leaves them
+    with compat.tied_embedding_fsdp_group(model):
+        llama3_parallelize.apply_fsdp(model, None, torch.float32, torch.float32, pp_enabled=False)
+    assert llama3_parallelize.fully_shard is recorder  # restored
+    assert groups == [model.layers["0"], [model.tok_embeddings, model.norm, model.output], model]
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_register_train_spec_replaces_through_the_private_dict():
+    """torchtitan's register_train_spec refuses a name twice; compat.register_train_spec pops it from the private
+    ``_extra_train_specs`` first, which get_train_spec reads before its own registry."""
+    import torchtitan.protocols.train_spec as ts
+
+    assert isinstance(ts._extra_train_specs, dict)
+    assert "_extra_train_specs[name]" in inspect.getsource(ts.get_train_spec)
+    name, first, second = "primus_test_compat", object(), object()
+    try:
+        compat.register_train_spec(name, first)
+        with pytest.raises(ValueError, match="already registered"):
+            ts.register_train_spec(name, second)  # why the patch exists
+        compat.register_train_spec(name, second)
+        assert ts.get_train_spec(name) is second
+    finally:
+        ts._extra_train_specs.pop(name, None)
+
+
+def test_trainer_overrides_keep_torchtitans_signatures():
+    """PrimusTrainer's overrides take what torchtitan's Trainer passes them, and torchtitan still calls
+    forward_backward_step (by keyword) once per micro-batch of a step and holds the attributes they read."""
+    from torchtitan.train import Trainer
+
+    from primus.torchtitan.trainer import PrimusTrainer
+
+    for name in ("forward_backward_step", "train_step"):
+        assert _params(getattr(PrimusTrainer, name)) == _params(getattr(Trainer, name)), name
+    assert [p.name for p in inspect.signature(Trainer.forward_backward_step).parameters.values()][1:] == [
+        "input_dict",
+        "labels",
+        "global_valid_tokens",
+    ]
+    step = inspect.getsource(Trainer.train_step)
+    assert "for _microbatch in range(self.gradient_accumulation_steps):" in step
+    call = step[step.index("self.forward_backward_step(") :]
+    call = call[: call.index(")")]
+    assert all(f"{kw}=" in call for kw in ("input_dict", "labels", "global_valid_tokens")), call
+    assert step.index("self.forward_backward_step(") < step.index("dist_utils.clip_grad_norm_(")
+    # what the engine does in place of Trainer.train: step number, GC, one train_step over the batch generator
+    train = inspect.getsource(Trainer.train)
+    for line in ("self.step += 1", "self.gc_handler.run(self.step)", "self.train_step(data_iterator)"):
+        assert line in train, line
+    assert "data_iterator = self.batch_generator(self.dataloader)" in train
+    fields = Trainer.__annotations__
+    for attr in ("parallel_dims", "model_parts", "optimizers", "lr_schedulers", "metrics_processor", "device"):
+        assert attr in fields, attr
+    for attr in ("gradient_accumulation_steps", "pp_has_last_stage", "step", "checkpointer"):
+        assert attr in fields, attr
+
+
+def test_maybe_enable_amp_is_an_attribute_built_once():
+    """PrimusTrainer replaces the context manager Trainer.__init__ builds with nullcontext() for fp32 params: torchtitan
+    must still build it once, as an attribute, and enter that attribute; without it torchtitan autocasts to float32."""
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.train import Trainer
+
+    from primus.torchtitan.trainer import PrimusTrainer
+
+    assert "self.maybe_enable_amp = dist_utils.maybe_enable_amp(" in inspect.getsource(Trainer.__init__)
+    assert "with self.maybe_enable_amp:" in inspect.getsource(Trainer.forward_backward_step)
+    assert "self.maybe_enable_amp = contextlib.nullcontext()" in inspect.getsource(PrimusTrainer.__init__)
+    params = list(inspect.signature(dist_utils.maybe_enable_amp).parameters)
+    assert params == ["parallel_dims", "mixed_precision_param", "device_type"]
+    plain = SimpleNamespace(fsdp_enabled=False, tp_enabled=False, pp_enabled=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that CPU autocast does not take float32: what the override avoids
+        assert isinstance(dist_utils.maybe_enable_amp(plain, "float32", "cpu"), torch.autocast)
+
+
+def test_metrics_processor_override_keeps_should_log():
+    """SilentMetricsProcessor.should_log keeps torchtitan's train_step from logging (core's loop reports): the step
+    returns before its loss reductions and log when should_log is false."""
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.train import Trainer
+
+    from primus.torchtitan.metrics import SilentMetricsProcessor, metrics_builder
+
+    assert _params(SilentMetricsProcessor.should_log) == _params(MetricsProcessor.should_log)
+    step = inspect.getsource(Trainer.train_step)
+    gate = step.index("if not self.metrics_processor.should_log(self.step):")
+    assert step[gate:].split("\n")[1].strip() == "return"
+    assert gate < step.index("self.metrics_processor.log(")
+    assert list(inspect.signature(MetricsProcessor.__init__).parameters)[:3] == ["self", "job_config", "parallel_dims"]
+    trainer = inspect.getsource(sys.modules["torchtitan.train"])
+    assert "build_metrics_processor_fn(\n            job_config, parallel_dims, model_args\n        )" in trainer
+    build = inspect.signature(metrics_builder())
+    assert list(build.parameters)[:3] == ["job_config", "parallel_dims", "model_args"]
+
+
+def test_dense_model_overrides_keep_signatures():
+    """DenseTransformer overrides llama3's Transformer.__init__ and init_weights; torchtitan builds the model from its
+    args and calls init_weights(buffer_device=...) after ``to_empty`` (which unties the weights: tied again there)."""
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    from primus.torchtitan.dense import DenseModelArgs, DenseTransformer
+
+    assert _params(DenseTransformer.init_weights) == _params(Transformer.init_weights)
+    assert _params(DenseTransformer.__init__) == _params(Transformer.__init__)
+    assert issubclass(DenseModelArgs, TransformerModelArgs)
+    trainer = inspect.getsource(sys.modules["torchtitan.train"])
+    assert "init_weights(buffer_device=buffer_device)" in trainer and "to_empty(device=init_device)" in trainer
+
+
+def test_dense_state_dict_adapter_relies_on_llama3s_helpers():
+    """DenseStateDictAdapter extends Llama3StateDictAdapter's from_hf_map and calls its private q/k permutations."""
+    from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+
+    from primus.torchtitan.hf import DenseStateDictAdapter
+
+    for name in ("__init__", "to_hf", "from_hf"):
+        assert _params(getattr(DenseStateDictAdapter, name)) == _params(getattr(Llama3StateDictAdapter, name)), name
+    for name in ("_permute", "_reverse_permute"):
+        assert list(inspect.signature(getattr(Llama3StateDictAdapter, name)).parameters) == [
+            "self",
+            "w",
+            "n_heads_arg",
+            "dim1",
+            "dim2",
+        ], name
+    assert "self.from_hf_map = {" in inspect.getsource(Llama3StateDictAdapter.__init__)
+    for name in ("to_hf", "from_hf"):
+        assert "self.from_hf_map" in inspect.getsource(getattr(Llama3StateDictAdapter, name)), name
+
+
+def test_qwen3_still_has_no_pipelining_fn():
+    """models.train_spec gives qwen3 llama3's pipeline split, which needs llama3's module names."""
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.qwen3.model import model as qwen3
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    assert get_train_spec("qwen3").pipelining_fn is None
+    assert get_train_spec("llama3").pipelining_fn is pipeline_llm
+    init = inspect.getsource(qwen3.Qwen3Model.__init__)
+    for name in ("self.tok_embeddings", "self.layers", "self.norm", "self.output"):
+        assert name in init, name

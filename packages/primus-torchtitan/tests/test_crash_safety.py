@@ -35,8 +35,8 @@ def test_kill_during_save_then_resume(fsdp2_straight, tmp_path):
     assert [r["step"] for r in metrics(crashed)] == [1, 2, 3, 4]
 
     # the interrupted save left DCP's files (even its .metadata), but no manifest and no final name
-    partial = ckpt / "step-4.tmp"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4.tmp"]
+    partial = ckpt / "step_00000004.tmp"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000002", "step_00000004.tmp"]
     assert any(partial.glob("*.distcp")) and not (partial / "manifest.json").exists()
     assert complete_steps(ckpt) == [2]
 
@@ -48,8 +48,8 @@ def test_kill_during_save_then_resume(fsdp2_straight, tmp_path):
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in straight], abs=RESUME_TOL)
     assert [r["lr"] for r in rows] == pytest.approx([r["lr"] for r in straight])
     # keep_last 2 (the default) kept the newest two; the leftover .tmp went with the step-4 save
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-6", "step-8"]
-    assert json.loads((ckpt / "step-8" / "manifest.json").read_text())["step"] == 8
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000006", "step_00000008"]
+    assert json.loads((ckpt / "step_00000008" / "manifest.json").read_text())["step"] == 8
 
 
 def test_kill_during_the_first_save_then_resume_starts_from_the_initial_weights(fsdp2_straight, tmp_path):
@@ -59,7 +59,7 @@ def test_kill_during_the_first_save_then_resume_starts_from_the_initial_weights(
     common = [*fsdp2_straight["overrides"], f"checkpoint.dir={ckpt}"]
     kill = "backend.extra.fault_injection.kill_during_save_at_step=2"
     proc = primus_train(TINY, tmp_path / "crashed", *common, kill, nproc=2, check=False)
-    assert proc.returncode != 0 and sorted(p.name for p in ckpt.iterdir()) == ["step-2.tmp"]
+    assert proc.returncode != 0 and sorted(p.name for p in ckpt.iterdir()) == ["step_00000002.tmp"]
     resumed = tmp_path / "resumed"
     proc = primus_train(TINY, resumed, *common, nproc=2, resume=True)
     assert "no complete checkpoint" in proc.stderr

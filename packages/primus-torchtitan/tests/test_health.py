@@ -10,7 +10,7 @@ import pytest
 from conftest import TINY, drive, metrics, summary
 
 from primus.core.config.schema import PrimusConfig
-from primus.torchtitan import compat
+from primus.torchtitan import job_config
 
 NAN_AT_3 = {"PRIMUS_TEST_NAN_AT": "3"}
 
@@ -23,8 +23,8 @@ def test_nonfinite_loss_stops_the_run_at_that_step(tmp_path):
     assert "error: step 3: non-finite loss and grad norm" in proc.stderr, proc.stderr[-3000:]
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2]  # step 3 was neither applied nor reported
     ckpts = tmp_path / "checkpoints"
-    assert (ckpts / "step-2" / ".metadata").is_file()  # the last good checkpoint is kept
-    assert not (ckpts / "step-3").exists() and not (ckpts / "step-4").exists()
+    assert (ckpts / "step_00000002" / ".metadata").is_file()  # the last good checkpoint is kept
+    assert not (ckpts / "step_00000003").exists() and not (ckpts / "step_00000004").exists()
 
 
 def test_skip_drops_the_update_and_continues(tmp_path):
@@ -51,7 +51,9 @@ def test_collective_timeout_reaches_torchtitans_process_groups():
     )
     cfg.train.global_batch_size = cfg.train.micro_batch_size
     cfg.parallel.dp_shard = 1
-    jc = compat.build_job_config(cfg, model_name="x", flavor="primus", output_dir="o", checkpoint_dir="c", gpu=False)
+    jc = job_config.build_job_config(
+        cfg, model_name="x", flavor="primus", output_dir="o", checkpoint_dir="c", gpu=False
+    )
     assert jc.comm.init_timeout_seconds == jc.comm.train_timeout_seconds == 77
 
 

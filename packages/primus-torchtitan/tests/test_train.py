@@ -70,7 +70,7 @@ def test_world_size_1_trains_reports_and_checkpoints(reference):
     loss = [r["loss"] for r in rows]
     assert loss[0] == pytest.approx(8.05, abs=0.1)  # ~ln(2048) + init noise
     assert loss[-1] < loss[0] - 0.15, loss
-    assert (out / "checkpoints" / "step-8" / ".metadata").is_file()
+    assert (out / "checkpoints" / "step_00000008" / ".metadata").is_file()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -106,24 +106,22 @@ def test_resume_continues_like_a_straight_run(tmp_path, reference, seed_checkpoi
     straight = losses(reference(()))
     seed = f"backend.extra.checkpoint.initial_load_path={seed_checkpoint()}"
     # the first half stops at step 4 with the LR schedule of the 8-step run
-    primus_train(
-        TINY, tmp_path, seed, "train.steps=4", "checkpoint.interval=3", "backend.extra.lr_scheduler.total_steps=8"
-    )
+    primus_train(TINY, tmp_path, seed, "train.steps=4", "checkpoint.interval=3", "train.schedule.decay_steps=8")
     ckpts = tmp_path / "checkpoints"
-    assert (ckpts / "step-3" / ".metadata").is_file()  # every 3 steps
-    assert (ckpts / "step-4" / ".metadata").is_file()  # and at the end
-    (ckpts / "step-6").mkdir()  # an interrupted save (no manifest) must be passed over
+    assert (ckpts / "step_00000003" / ".metadata").is_file()  # every 3 steps
+    assert (ckpts / "step_00000004" / ".metadata").is_file()  # and at the end
+    (ckpts / "step_00000006").mkdir()  # an interrupted save (no manifest) must be passed over
     primus_train(TINY, tmp_path, seed, resume=True)
     rows = metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["loss"] for r in rows] == pytest.approx(straight, rel=RESUME_RTOL)
     # checkpoint.keep_last (2) holds after the final save too: the oldest ones are gone
-    assert (ckpts / "step-8" / ".metadata").is_file() and not (ckpts / "step-3").exists()
+    assert (ckpts / "step_00000008" / ".metadata").is_file() and not (ckpts / "step_00000003").exists()
 
 
 def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path, reference):
-    (tmp_path / "checkpoints" / "step-2").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-2" / ".metadata").write_text("")
+    (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000002" / ".metadata").write_text("")
     import subprocess
     import sys
 

@@ -53,7 +53,7 @@ def primus_on_train_start(config: Any, info: Any) -> None:
 
 
 @hookimpl
-def primus_on_step_end(step: int, metrics: dict[str, float], info: Any) -> None:
+def primus_on_log(step: int, metrics: dict[str, float], info: Any) -> None:
     from primus.core import runlog
 
     runlog.step(step, metrics, info)

@@ -9,7 +9,7 @@ final name and holds a manifest of its step; resume takes the newest complete on
 inspection until the next complete save removes those of its step or earlier; ``keep_last`` counts
 complete checkpoints only. Resume refuses a checkpoint of another model shape, naming both.
 
-The engines write the files (``write`` below); the backends name their folders (:class:`Naming`).
+The engines write the files (``write`` below); every checkpoint folder is named by :data:`NAMING`.
 This module imports neither torch nor an engine.
 """
 
@@ -70,6 +70,10 @@ class Naming:
         return self.step_of(name.removesuffix(TMP_SUFFIX)) if name.endswith(TMP_SUFFIX) else None
 
 
+# One folder scheme for every engine: zero-padded, so a listing sorts by step.
+NAMING = Naming("step_{step:08d}", re.compile(r"^step_(\d{8})$"))
+
+
 def tmp_folder(final: Path) -> Path:
     return final.with_name(final.name + TMP_SUFFIX)
 
@@ -93,6 +97,7 @@ def manifest(cfg: PrimusConfig, step: int, layout: dict[str, int], distributions
     """What a checkpoint says about itself; written last, so its presence marks a complete save."""
     return {
         "step": step,
+        "backend": cfg.backend.name,
         "config_hash": config_hash(cfg),
         "model_name": cfg.model.name,
         "model_shape": model_shape(cfg),

@@ -11,17 +11,17 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from primus.core.cli_analyze import analyze
 from primus.core.cli_checkpoint import checkpoint_app
 from primus.core.cli_data import data_app
+from primus.core.cli_helpers import Overrides, WorldSize, _fail, _resolve, err, out
 from primus.core.cli_plan import plan
 from primus.core.cli_preflight import preflight
 from primus.core.cli_profile import profile
 from primus.core.cli_slurm import slurm_app
-from primus.core.config.errors import ConfigError
+from primus.core.cli_train import train
 from primus.core.errors import UserError
 
 app = typer.Typer(
@@ -41,97 +41,7 @@ app.command("plan")(plan)
 app.command("analyze")(analyze)
 app.command("preflight")(preflight)
 app.command("profile")(profile)
-
-# Wide enough for the preset tables when output is piped (rich assumes 80 columns then).
-out = Console(width=None if sys.stdout.isatty() else 320)  # piped: wide, so a row is never cut
-err = Console(stderr=True, soft_wrap=True)
-
-Overrides = Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides, applied last")]
-WorldSize = Annotated[
-    int | None, typer.Option("--world-size", help="devices the run will use (default: $WORLD_SIZE or 1)")
-]
-
-
-def _setup_logging(level: str = "info") -> None:
-    from rich.logging import RichHandler
-
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"[rank{rank}] %(message)s" if os.environ.get("WORLD_SIZE") else "%(message)s",
-        handlers=[RichHandler(console=err, show_path=False, show_time=False)],
-        force=True,
-    )
-
-
-def _fail(exc: Exception, code: int = 2) -> typer.Exit:
-    err.print(f"error: {exc}", style="red", highlight=False, markup=False)
-    return typer.Exit(code)
-
-
-def _resolve(config: str | None, overrides: list[str] | None, world_size: int | None, check_plugins: bool = True):
-    from primus.core.train import resolve
-
-    try:
-        return resolve(config, overrides or [], world_size, check_plugins=check_plugins)
-    except ConfigError as exc:
-        raise _fail(exc) from None
-
-
-# ------------------------------------------------------------------------------------------------ train
-
-
-@app.command()
-def train(
-    config: Annotated[str, typer.Argument(help="a YAML file or a preset name (primus presets list)")],
-    overrides: Overrides = None,
-    resume: Annotated[bool, typer.Option(help="continue from the newest complete checkpoint")] = False,
-    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", help="processes (devices) per node")] = 1,
-    nnodes: Annotated[int, typer.Option(help="nodes")] = 1,
-    node_rank: Annotated[int, typer.Option(help="this node's rank")] = 0,
-    master_addr: Annotated[str, typer.Option(help="rendezvous host")] = "127.0.0.1",
-    master_port: Annotated[int, typer.Option(help="rendezvous port")] = 29500,
-    rdzv: Annotated[
-        str | None, typer.Option(help="HOST:PORT of a c10d rendezvous (elastic; replaces master-*)")
-    ] = None,
-) -> None:
-    """Train: resolve + validate the config, then run it on the backend named by backend.name."""
-    from primus.core.train import LAUNCHED_ENV, launch_torchrun, run_rank
-
-    _setup_logging()
-    world = nproc_per_node * nnodes
-    inside = os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ
-    res = _resolve(config, overrides, None if inside else world)  # refuse bad configs before launching
-    if not inside:
-        from primus.core.errors import UserError
-        from primus.core.train import check_output_dir
-
-        try:
-            check_output_dir(res.config, resume)
-        except UserError as exc:
-            raise _fail(exc) from None
-    if world > 1 and not inside:
-        argv = ["train", config, *(overrides or [])] + (["--resume"] if resume else [])
-        raise typer.Exit(
-            launch_torchrun(
-                argv,
-                nproc_per_node=nproc_per_node,
-                nnodes=nnodes,
-                node_rank=node_rank,
-                master_addr=master_addr,
-                master_port=master_port,
-                rdzv=rdzv,
-            )
-        )
-    from primus.core.errors import UserError
-
-    try:
-        summary = run_rank(res, resume=resume)
-    except UserError as exc:
-        raise _fail(exc) from None
-    if int(os.environ.get("RANK", "0")) == 0:
-        err.print(f"done: {json.dumps(summary, default=str)}", highlight=False)
-
+app.command()(train)
 
 # ------------------------------------------------------------------------------------------------ config
 
@@ -191,8 +101,15 @@ def config_validate(
     overrides: Overrides = None,
     world_size: WorldSize = None,
 ) -> None:
-    """Check a config against the schema, the world size and the installed plugins."""
+    """Check a config against the schema, the world size and the installed plugins, and that its run folder
+    (logging.output_dir, checkpoint.dir) can be written."""
+    from primus.core.run_checks import check_folders
+
     res = _resolve(config, overrides, world_size)
+    try:
+        check_folders(res.config)
+    except UserError as exc:
+        raise _fail(exc) from None
     out.print(
         f"ok: {res.config.model.name} on backend {res.config.backend.name}, world size {res.world_size}, "
         f"parallel {res.config.parallel.sizes()}",

@@ -23,7 +23,7 @@ def analyze(
     """Compute / exposed and overlapped communication / idle, step time and MFU, kernel categories, top kernels."""
     from rich.markdown import Markdown
 
-    from primus.core.cli import err, out
+    from primus.core.cli_helpers import err, out
     from primus.core.profile.analyze import analyze_files
     from primus.core.profile.report import html_page, markdown
 

@@ -48,14 +48,6 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
     return resolve_parallel(cfg, res.world_size)
 
 
-def find_run_config(checkpoint: Path) -> Path | None:
-    """The config.yaml of the run a checkpoint belongs to (beside it, or in the run folder above it)."""
-    for folder in (checkpoint, *list(checkpoint.absolute().parents)[:3]):
-        if (folder / "config.yaml").is_file():
-            return folder / "config.yaml"
-    return None
-
-
 @checkpoint_app.command("import")
 def import_(
     config: Annotated[str, typer.Argument(help="a YAML file or a preset name: backend, parallel layout, precision")],
@@ -105,12 +97,15 @@ def export(
     path = Path(checkpoint)
     if not path.exists():
         raise _fail(FileNotFoundError(f"checkpoint {path} does not exist"))
+    from primus.core.init_from import find_run_config
+
     source = config or find_run_config(path)
     if source is None:
         raise _fail(ValueError(f"no config.yaml beside {path} or in its run folder: pass --config"))
     try:
-        cfg = resolve(str(source), [*OFFLINE_OVERRIDES, *(overrides or [])], world_size=1).config
-        written = export_checkpoint(cfg, path, to_hf, max_shard_bytes=max_shard_mb * 2**20)
+        res = resolve(str(source), [*OFFLINE_OVERRIDES, *(overrides or [])], world_size=1)
+        cfg = res.config
+        written = export_checkpoint(cfg, path, to_hf, max_shard_bytes=max_shard_mb * 2**20, registry=res.registry)
     except (ConfigError, UserError) as exc:
         raise _fail(exc) from None
     _out.print(f"exported {path} ({cfg.backend.name}) -> {written}", highlight=False)

@@ -21,14 +21,17 @@ def plan(
         str, typer.Option("--device", help="H100, H200, B200, A100, MI300X, MI325X, MI355X")
     ] = "H100",
     gpu_memory: Annotated[float | None, typer.Option(help="GiB per GPU (default: the device's)")] = None,
-    engine: Annotated[str | None, typer.Option(help="megatron or torchtitan (default: backend.name)")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(help="an installed backend, planned with its profile (default: backend.name)"),
+    ] = None,
     top: Annotated[int, typer.Option(help="layouts shown")] = 10,
 ) -> None:
     """Rank the parallel layouts that fit: DDP (+ distributed optimizer), FSDP, TP(+SP), PP/VPP, recompute."""
-    from primus.core.cli import _resolve, err, out
+    from primus.core.cli_helpers import _resolve, err, out
     from primus.core.planner import Cluster, candidates, device
     from primus.core.planner.memory import GIB
-    from primus.core.planner.search import ENGINES
+    from primus.core.planner.profile import backend_spec, load_profile
     from primus.core.strategies import kernel_terms
 
     if preset and config:  # with --preset, positional words are all overrides
@@ -39,9 +42,19 @@ def plan(
     res = _resolve(ref, overrides, world_size=None, check_plugins=False)
     cfg = res.config
     engine = engine or cfg.backend.name
-    if engine not in ENGINES:
-        err.print(f"error: --engine {engine!r}: the planner models {', '.join(ENGINES)}", style="red", markup=False)
-        raise typer.Exit(2)
+    spec = backend_spec(engine, res.registry)
+    try:
+        profile = load_profile(spec)
+    except (ImportError, AttributeError, TypeError) as exc:  # the backend's planner= is broken
+        err.print(f"error: --engine {engine!r}: its planner profile does not load: {exc}", style="red", markup=False)
+        raise typer.Exit(2) from None
+    if spec is None or spec.planner is None:  # still planned: as the engine that honours every parallel setting
+        why = res.registry.missing_backend_message(engine) if spec is None else f"backend {engine!r} gives no profile"
+        err.print(
+            f"note: {why}; planned as the generic engine (primus.core.planner.profile.GENERIC)",
+            style="yellow",
+            markup=False,
+        )
     try:
         dev = device(device_name, gpu_memory)
     except ValueError as exc:
@@ -50,8 +63,8 @@ def plan(
     cluster = Cluster(dev, nodes, gpus)
     t = cfg.train
     gbs = t.global_batch_size if "train.global_batch_size" in res.layers.sources else None
-    k, terms = cfg.kernels, kernel_terms(cfg)
-    cands = candidates(cfg.model, cluster, t.seq_len, t.micro_batch_size, gbs, engine, t.precision, terms)
+    k, terms = cfg.kernels, kernel_terms(cfg, res.registry)
+    cands = candidates(cfg.model, cluster, t.seq_len, t.micro_batch_size, gbs, profile, t.precision, terms)
     if not cands:
         err.print("error: no layout divides this cluster (check --gpus, --nodes and the global batch)", style="red")
         raise typer.Exit(2)

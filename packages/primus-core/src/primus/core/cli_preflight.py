@@ -19,7 +19,7 @@ def preflight(
     """Exit 0 when every check on every rank passes, 1 otherwise."""
     from rich.table import Table
 
-    from primus.core.cli import out
+    from primus.core.cli_helpers import out
     from primus.core.preflight import run, versions
     from primus.core.train import LAUNCHED_ENV, launch_torchrun
 

@@ -16,7 +16,7 @@ def profile(
     master_port: Annotated[int, typer.Option(help="rendezvous port")] = 29500,
 ) -> None:
     """Runs ``primus train`` with profiling on (checkpoints off), then analyzes the traces it wrote."""
-    from primus.core.cli import _resolve, err, out
+    from primus.core.cli_helpers import _resolve, err, out
     from primus.core.profile.analyze import analyze_files
     from primus.core.profile.capture import trace_dir
     from primus.core.profile.report import html_page, markdown
@@ -28,7 +28,7 @@ def profile(
     extra = ["profile.enabled=true", f"train.steps={steps}", "checkpoint.enabled=false"]
     res = _resolve(config, [*(overrides or []), *extra], nproc_per_node)
     out_dir = output_dir(res.config)
-    from primus.core.cli import train
+    from primus.core.cli_train import train
 
     try:
         train(config, [*(overrides or []), *extra], nproc_per_node=nproc_per_node, master_port=master_port)

@@ -24,7 +24,7 @@ Out = Annotated[Path | None, typer.Option("--out", help="where the script is wri
 
 
 def _job(config, overrides, nodes, gpus_per_node, family, env, partition, account, time):
-    from primus.core.cli import _resolve
+    from primus.core.cli_helpers import _resolve
     from primus.core.slurm import SlurmJob
     from primus.core.train import output_dir
 
@@ -64,8 +64,8 @@ def _command(submit: bool):
         time: Time = "24:00:00",
         out: Out = None,
     ) -> None:
-        from primus.core.cli import err
-        from primus.core.cli import out as console
+        from primus.core.cli_helpers import err
+        from primus.core.cli_helpers import out as console
         from primus.core.slurm import script, write
 
         if submit and shutil.which("sbatch") is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 log = logging.getLogger("primus.faults")
@@ -39,7 +39,9 @@ class FaultInjection:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> FaultInjection:
-        return cls(**extra.get(EXTRA_KEY, {}))
+        """This class's injectors from ``backend.extra`` (keys of a backend's subclass are left to it)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in extra.get(EXTRA_KEY, {}).items() if k in names})
 
     def during_save(self, step: int, rank: int) -> None:
         kill_during_save(step, rank, self.kill_during_save_at_step, self.kill_rank)

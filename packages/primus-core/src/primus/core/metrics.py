@@ -64,3 +64,19 @@ class Throughput:
             out["mfu"] = tflops * 1e12 / self.peak
         self.reset()
         return out
+
+
+def memory_gib(device: str, reset: bool = False) -> float:
+    """``memory_gib`` of the metrics (:data:`primus.core.loop.METRICS`): the peak memory held by tensors since
+    the last reset, in GiB. On a GPU, ``torch.cuda.max_memory_allocated`` (``reset`` restarts the peak); on a CPU
+    the process's peak resident set (never resets)."""
+    if device != "cpu":
+        import torch
+
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return peak
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

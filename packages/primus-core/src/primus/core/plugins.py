@@ -66,6 +66,17 @@ class PrimusPluginManager(pluggy.PluginManager):
         rec = self.records.get(plugin_name)
         return rec.dist if rec else plugin_name
 
+    def each_impl(self, hook_name: str) -> list[tuple[str, pluggy.HookCaller]]:
+        """``(plugin name, caller)`` for each implementation of ``hook_name``, in pluggy's call order
+        (``tryfirst`` first, ``trylast`` last). A caller calls that one implementation through pluggy (keyword
+        arguments matched to its signature, every hookwrapper around it) and returns pluggy's result list,
+        so a result or a failure can be put down to its plugin."""
+        impls = [i for i in reversed(getattr(self.hook, hook_name).get_hookimpls()) if not (i.wrapper or i.hookwrapper)]
+        return [
+            (impl.plugin_name, self.subset_hook_caller(hook_name, [o.plugin for o in impls if o is not impl]))
+            for impl in impls
+        ]
+
     def register_checked(self, plugin: Any, name: str, dist: str, version: str, module: str) -> None:
         rec = PluginRecord(name=name, dist=dist, version=version, module=module)
         self.records[name] = rec
@@ -86,6 +97,11 @@ class PrimusPluginManager(pluggy.PluginManager):
             rec.status = "rejected"
             rec.error = f"{dist}: implements hooks that Primus does not define: {', '.join(unknown)}"
             log.error("plugin %s rejected: %s", name, rec.error)
+            return
+        for caller in self.get_hookcallers(plugin) or []:
+            if caller.spec is not None and caller.spec.warn_on_impl is not None:
+                # pluggy's DeprecationWarning is hidden outside tests (not raised in __main__): log it too
+                log.warning("plugin %s (%s): %s", name, dist, caller.spec.warn_on_impl)
 
     def load_entrypoints(self) -> None:
         if os.environ.get(DISABLE_ENV):
@@ -129,14 +145,13 @@ def _core_version() -> str:
 
 
 def _collect(pm: PrimusPluginManager, hook_name: str, kind: type) -> list[tuple[str, Any]]:
-    """Call each implementation alone so a failure or a bad return names its distribution."""
+    """Call each implementation alone (through pluggy) so a failure or a bad return names its distribution."""
     out: list[tuple[str, Any]] = []
-    for impl in getattr(pm.hook, hook_name).get_hookimpls():
-        dist = pm.dist_of(impl.plugin_name)
-        rec = pm.records.get(impl.plugin_name)
+    for plugin_name, call in pm.each_impl(hook_name):
+        dist = pm.dist_of(plugin_name)
+        rec = pm.records.get(plugin_name)
         try:
-            result = impl.function()
-            items = list(result or [])
+            items = [item for result in call() for item in (result or [])]
             bad = [x for x in items if not isinstance(x, kind)]
             if bad:
                 raise PluginError(f"{hook_name} returned {type(bad[0]).__name__}, expected {kind.__name__}")

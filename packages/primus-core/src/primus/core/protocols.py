@@ -52,20 +52,25 @@ class BackendSpec:
     """A training engine Primus can drive.
 
     ``validate(cfg, world_size) -> list[ConfigIssue]`` refuses what the engine cannot do, before any
-    device work. ``run(cfg, ctx) -> dict`` trains, called once per rank with a
-    :class:`RunContext`; it returns a summary (final step, last metrics, checkpoint path).
+    device work. ``engine(cfg, ctx) -> Engine`` builds the adapter that core's training loop drives
+    (:class:`primus.core.loop.Engine`: steps, learning rate, health, metrics, checkpoints and resume are
+    then core's). A backend without ``engine`` gives ``run(cfg, ctx) -> dict`` instead, which trains on its
+    own (called once per rank with a :class:`RunContext`) and returns a summary.
     """
 
     name: str
     description: str
-    run: str | Callable[..., Any]
+    run: str | Callable[..., Any] | None = None
     validate: str | Callable[..., Any] | None = None
     model_families: frozenset[str] = frozenset()
-    features: frozenset[str] = frozenset()
     priority: int = 0
     dist: str = ""  # filled in by the plugin manager
     # Hugging Face import/export: an object with the methods of primus.core.hf.contract.HFInterop (named lazily)
     hf: str | Callable[..., Any] | None = None
+    # ``build(cfg, ctx) -> Engine`` (primus.core.loop.Engine): the adapter core's training loop drives
+    engine: str | Callable[..., Any] | None = None
+    # the engine's facts for the planner (primus.core.planner); None: the planner's defaults
+    planner: str | Callable[..., Any] | None = None
 
     def load_run(self) -> Callable[..., Any]:
         return load_ref(self.run)
@@ -159,10 +164,16 @@ class RunInfo:
 
 @dataclass
 class RunContext:
-    """What a backend's ``run`` gets besides the config: who it is, and where to report."""
+    """What a backend's ``run`` gets besides the config: who it is, and where to report.
+
+    The backend reports through these methods, never by calling hooks itself: ``model_ready`` once the model
+    is built, ``train_step`` after every optimizer step (``primus_on_optimizer_step``), ``step_end`` at each
+    logging interval with its metrics (``primus_on_log``). Each also calls the deprecated hook of the old
+    name (``primus_on_train_step``, ``primus_on_step_end``) for one release.
+    """
 
     info: RunInfo
-    hooks: Any  # pluggy HookRelay: call hooks.primus_on_step_end(step=..., metrics=..., info=...)
+    hooks: Any  # pluggy HookRelay (keyword arguments only): hooks.primus_on_log(step=..., metrics=..., info=...)
     kernels: dict[str, KernelProvider] = field(default_factory=dict)
     resume: bool = False
     config: Any = None  # the validated PrimusConfig, for the hooks that take it
@@ -171,9 +182,13 @@ class RunContext:
         self.hooks.primus_on_model_ready(config=self.config, model_parts=list(model_parts), info=self.info)
 
     def train_step(self, step: int) -> None:
+        """After every optimizer step: ``primus_on_optimizer_step``, then the deprecated ``primus_on_train_step``."""
+        self.hooks.primus_on_optimizer_step(step=step, info=self.info)
         self.hooks.primus_on_train_step(step=step, info=self.info)
 
     def step_end(self, step: int, metrics: dict[str, float]) -> None:
+        """At each logging interval: ``primus_on_log``, then the deprecated ``primus_on_step_end``."""
+        self.hooks.primus_on_log(step=step, metrics=metrics, info=self.info)
         self.hooks.primus_on_step_end(step=step, metrics=metrics, info=self.info)
 
 

@@ -20,9 +20,11 @@ import yaml
 from primus.core.config.loader import Layered, load_layers, nest
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import resolve_parallel, validate_config
+from primus.core.init_from import apply_layers
 from primus.core.plugins import Registry, get_registry
 from primus.core.presets import resolver
 from primus.core.protocols import RunContext, RunInfo
+from primus.core.rundir import output_dir
 
 log = logging.getLogger("primus.train")
 
@@ -38,17 +40,19 @@ class Resolved:
 
 
 def configure_changes(registry: Registry):
-    """Run every plugin's ``primus_configure`` and label its change with the plugin's distribution."""
+    """Run every plugin's ``primus_configure`` and label its change with the plugin's distribution. Where two
+    plugins set one key, the one pluggy calls first wins (``tryfirst``, else the one registered last)."""
 
     def run(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         changes = []
-        for impl in registry.pm.hook.primus_configure.get_hookimpls():
+        for plugin_name, call in registry.pm.each_impl("primus_configure"):
             change = Layered()
-            for key, value in (impl.function(config=data) or {}).items():
-                change.merge(nest(key, value), "")
+            for result in call(config=data):
+                for key, value in (result or {}).items():
+                    change.merge(nest(key, value), "")
             if change.data:
-                changes.append((f"plugin {registry.pm.dist_of(impl.plugin_name)}", change.data))
-        return changes
+                changes.append((f"plugin {registry.pm.dist_of(plugin_name)}", change.data))
+        return changes[::-1]  # merged in list order: the first called is merged last, so it wins
 
     return run
 
@@ -65,6 +69,7 @@ def resolve(
     registry = registry or get_registry()
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layers = load_layers(config, overrides, resolver(registry), configure=configure_changes(registry))
+    apply_layers(layers)  # train.init_from: a Hugging Face folder's config.json is the model's layer
     cfg = validate_config(layers.data, world_size=world_size, registry=registry if check_plugins else None)
     strategy = cfg.parallel.strategy
     if strategy not in ("auto", "manual"):
@@ -83,12 +88,8 @@ def resolve(
         from primus.core.planner.auto import choose
 
         explicit = {k.split(".")[1] for k in layers.sources if k.startswith("parallel.")}
-        cfg = validate_config(choose(cfg, explicit, world_size).model_dump(), world_size=world_size)
+        cfg = validate_config(choose(cfg, explicit, world_size, registry=registry).model_dump(), world_size=world_size)
     return Resolved(resolve_parallel(cfg, world_size), layers, registry, world_size)
-
-
-def output_dir(cfg: PrimusConfig) -> Path:
-    return Path(cfg.logging.output_dir or f"outputs/{cfg.model.name}")
 
 
 EARLIER_RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
@@ -114,6 +115,10 @@ def _empty_dir(path: Path) -> bool:
 
 def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
     """Train on this rank (called once per process)."""
+    from primus.core.data.checks import check_data
+
+    check_data(res.config)  # every data refusal comes before anything is written (the run folder included)
+
     from primus.core.kernels import detect_device, select_kernels
     from primus.core.metrics import peak_flops
     from primus.core.modelmath import count_params, flops_per_token
@@ -125,12 +130,17 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
     if device != "cpu":
         from primus.core.planner.auto import check_fits
 
-        check_fits(cfg, res.world_size)  # a layout that cannot fit is refused before the model is built
+        check_fits(cfg, res.world_size, registry=registry)  # a layout that cannot fit: refused before any build
         import torch
 
         device_name = torch.cuda.get_device_name(local_rank)
     kernels = select_kernels(cfg.kernels, registry, device, head_dim=cfg.model.kv_channels, dtype=cfg.train.precision)
     out = output_dir(cfg)
+    if cfg.train.init_from:  # a checkpoint of the other engine becomes a Hugging Face folder, once
+        from primus.core.health import collective_timeout
+        from primus.core.init_from import prepare
+
+        cfg = prepare(cfg, rank, out, collective_timeout(cfg.train.health).total_seconds())
     info = RunInfo(
         world_size=res.world_size,
         rank=rank,
@@ -151,10 +161,15 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
     hooks = registry.pm.hook
     ctx = RunContext(info=info, hooks=hooks, kernels=kernels, resume=resume or cfg.checkpoint.resume, config=cfg)
     backend = registry.backends[cfg.backend.name]
-    hooks.primus_on_train_start(config=cfg, info=info)
     summary: dict[str, Any] = {"status": "failed"}
     try:
-        summary = dict(backend.load_run()(cfg, ctx) or {})
+        if backend.engine is not None:  # core's loop drives the backend's adapter (it calls on_train_start)
+            from primus.core.loop import train
+
+            summary = train(cfg, ctx, backend)
+        else:
+            hooks.primus_on_train_start(config=cfg, info=info)
+            summary = dict(backend.load_run()(cfg, ctx) or {})
         summary.setdefault("status", "ok")
         return summary
     except BaseException as exc:

@@ -1,18 +1,11 @@
-"""Checkpoints with megatron-core's ``dist_checkpointing``: each rank writes its shards, any layout
-can load them (resharding TP / PP / VPP / DP).
+"""Megatron's state in a checkpoint folder, with megatron-core's ``dist_checkpointing``: each rank writes its
+shards, any layout can load them (resharding TP / PP / VPP / DP).
 
-Layout: ``<dir>/step_00000012/`` per checkpoint. A save is atomic: every rank writes into
-``step_00000012.tmp``; after all ranks are done (a barrier), rank 0 writes the manifest
-(``manifest.json``: step, config hash, model shape, versions) last, then renames the folder. So a
-checkpoint is complete exactly when its folder is named ``step_<N>`` and holds a manifest of step N;
-resume takes the newest complete one, and a partial folder (a rank killed mid-save leaves a ``.tmp``
-without manifest) never shadows it. The next save removes such leftovers; ``keep_last`` counts
-complete checkpoints only. Resume refuses a checkpoint of another model shape, naming both. The
-bookkeeping (manifest, completeness, keep-last, shape check) is core's :mod:`primus.core.checkpoints`.
-
-Contents: the model (all chunks), the optimizer (fp32 main params and Adam state, resharded across
-DP with the distributed optimizer), the LR scheduler and the step (which is also the data position,
-see :mod:`primus.megatron.data`).
+Core's loop owns the policy (:mod:`primus.core.loop`: folder names ``step_00000012``, when to save, atomic
+commit with the manifest, keep-last, resume, the shape check); this module writes and reads the engine's part:
+the model (all chunks) and the optimizer (fp32 main params and Adam state, resharded across DP with the
+distributed optimizer). The step, which is also the data position (:mod:`primus.megatron.data`), and the
+applied-update count that drives the learning rate ride in core's manifest.
 
 A *seed checkpoint* holds only the model at step 0; loading it makes every layout start from the
 same weights (megatron's TP/PP-dependent init otherwise differs between layouts).
@@ -21,8 +14,6 @@ same weights (megatron's TP/PP-dependent init otherwise differs between layouts)
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +23,13 @@ import torch.distributed as dist
 from primus.core import checkpoints as core
 from primus.core.checkpoints import read_manifest
 from primus.core.config.schema import PrimusConfig
-from primus.megatron import compat as mc
+from primus.megatron import compat
 
 log = logging.getLogger("primus.megatron.checkpoint")
 
 __all__ = ["read_manifest"]
 
-NAMING = core.Naming("step_{step:08d}", re.compile(r"^step_(\d{8})$"))
+NAMING = core.NAMING
 DISTRIBUTIONS = ("primus-megatron", "primus-core", "megatron-core", "torch")
 
 
@@ -47,8 +38,19 @@ def manifest(cfg: PrimusConfig, step: int, layout: dict[str, int]) -> dict[str, 
     return core.manifest(cfg, step, layout, DISTRIBUTIONS)
 
 
+def model_sharded_state_dict(chunk: Any) -> dict:
+    return chunk.sharded_state_dict()
+
+
+def optimizer_sharded_state_dict(optimizer: Any, model_sd: dict, is_loading: bool) -> dict:
+    # dp_reshardable: the distributed optimizer's state can be loaded at another DP size.
+    return optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+    )
+
+
 def _model_sd(chunks: list[Any]) -> dict[str, Any]:
-    return {f"chunk{i}": mc.model_sharded_state_dict(c) for i, c in enumerate(chunks)}
+    return {f"chunk{i}": model_sharded_state_dict(c) for i, c in enumerate(chunks)}
 
 
 def _barrier() -> None:
@@ -65,48 +67,29 @@ def latest(root: Path) -> tuple[int, Path] | None:
     return core.latest(root, NAMING)
 
 
-def _save(
-    sd: dict[str, Any],
-    final: Path,
-    man: dict[str, Any],
-    rank: int,
-    before_commit: Callable[[], None] | None = None,
-) -> None:
-    def write(tmp: Path) -> None:
-        mc.checkpoint_writer_dies_with_rank()
-        mc.dist_checkpointing.save(sd, str(tmp))
-        if before_commit is not None:
-            before_commit()
+def write(folder: Path, chunks: list[Any], optimizer: Any) -> None:
+    """This rank's shards of the model (all chunks) and the optimizer into ``folder`` (core commits it)."""
+    from megatron.core import dist_checkpointing
 
-    core.atomic_save(final, man, rank, write, _barrier)
-
-
-def save(
-    root: Path,
-    step: int,
-    chunks: list[Any],
-    optimizer: Any,
-    scheduler: Any,
-    rank: int,
-    keep_last: int,
-    man: dict[str, Any],
-    before_commit: Callable[[], None] | None = None,
-) -> Path:
-    """Write the step-``step`` checkpoint atomically; ``before_commit`` runs on each rank after its
-    shards are written and before the checkpoint is committed (the fault injector's kill point)."""
     model_sd = _model_sd(chunks)
-    sd = {
-        "model": model_sd,
-        "optimizer": mc.optimizer_sharded_state_dict(optimizer, model_sd, is_loading=False),
-        "scheduler": scheduler.state_dict(),
-        "step": step,
-    }
-    final = NAMING.folder(root, step)
-    _save(sd, final, man, rank, before_commit)
-    if rank == 0:
-        core.purge(root, NAMING, keep_last)
-    log.info("saved checkpoint %s", final)
-    return final
+    sd = {"model": model_sd, "optimizer": optimizer_sharded_state_dict(optimizer, model_sd, is_loading=False)}
+    compat.checkpoint_writer_dies_with_rank()
+    dist_checkpointing.save(sd, str(folder))
+
+
+def read(folder: Path, chunks: list[Any], optimizer: Any) -> None:
+    """Load what :func:`write` wrote, resharded to this run's layout."""
+    from megatron.core import dist_checkpointing
+
+    compat.prepare_optimizer_for_load(optimizer)
+    model_sd = _model_sd(chunks)
+    sd = {"model": model_sd, "optimizer": optimizer_sharded_state_dict(optimizer, model_sd, is_loading=True)}
+    state = dist_checkpointing.load(sd, str(folder))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state["model"][f"chunk{i}"])
+    with torch.no_grad():  # the distributed optimizer copies into (views of) leaf parameters
+        optimizer.load_state_dict(state["optimizer"])
+    compat.restore_adam_step(optimizer, state["optimizer"])
 
 
 def check_compatible(path: Path, cfg: PrimusConfig) -> dict[str, Any]:
@@ -114,25 +97,14 @@ def check_compatible(path: Path, cfg: PrimusConfig) -> dict[str, Any]:
     return core.check_compatible(path, cfg, "primus-megatron")
 
 
-def load(path: Path, chunks: list[Any], optimizer: Any, scheduler: Any, cfg: PrimusConfig) -> int:
-    check_compatible(path, cfg)
-    mc.prepare_optimizer_for_load(optimizer)
-    model_sd = _model_sd(chunks)
-    sd = {
-        "model": model_sd,
-        "optimizer": mc.optimizer_sharded_state_dict(optimizer, model_sd, is_loading=True),
-        "scheduler": scheduler.state_dict(),
-        "step": 0,
-    }
-    state = mc.dist_checkpointing.load(sd, str(path))
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state["model"][f"chunk{i}"])
-    with torch.no_grad():  # the distributed optimizer copies into (views of) leaf parameters
-        optimizer.load_state_dict(state["optimizer"])
-    mc.restore_adam_step(optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    log.info("resumed from %s (step %d)", path, state["step"])
-    return int(state["step"])
+def _save(sd: dict[str, Any], final: Path, man: dict[str, Any], rank: int) -> None:
+    def write_all(tmp: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        compat.checkpoint_writer_dies_with_rank()
+        dist_checkpointing.save(sd, str(tmp))
+
+    core.atomic_save(final, man, rank, write_all, _barrier)
 
 
 def save_seed(path: Path, chunks: list[Any], rank: int, man: dict[str, Any]) -> None:
@@ -141,8 +113,10 @@ def save_seed(path: Path, chunks: list[Any], rank: int, man: dict[str, Any]) -> 
 
 
 def load_seed(path: Path, chunks: list[Any], cfg: PrimusConfig) -> None:
+    from megatron.core import dist_checkpointing
+
     check_compatible(path, cfg)
-    state = mc.dist_checkpointing.load({"model": _model_sd(chunks)}, str(path))
+    state = dist_checkpointing.load({"model": _model_sd(chunks)}, str(path))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state["model"][f"chunk{i}"])
     log.info("loaded seed checkpoint %s", path)

@@ -1,6 +1,10 @@
-"""Everything that is specific to megatron-core 0.16.1: import paths and call signatures that move
-between releases. The rest of the backend imports megatron only through this module (and cpu.py,
-the CPU-only patches), so a pin change is a change here; ``tests/test_compat.py`` names what moved.
+"""The patches primus-megatron makes on megatron-core 0.16.1, in one table, and the version check.
+
+:data:`PATCHES` lists each patch or private override the package makes on megatron-core (here, and in cpu.py,
+gpt.py, rope.py, fp8.py, layer_spec.py, model.py): what it replaces, why, and the test that fails when the engine
+changes under it. A patch is a last resort: one small named function per engine behaviour. Everything else that
+talks to megatron-core imports it where it is used (process groups: dist.py, the model: model.py, sharded state
+dicts: checkpoint.py).
 """
 
 from __future__ import annotations
@@ -8,9 +12,119 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from importlib.metadata import version
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class Patch(NamedTuple):
+    name: str  # where it lives (module.function, or Class.method for an override)
+    patches: str  # the engine attribute / method it replaces or overrides
+    why: str
+    test: str  # tests (tests/<file>::<function>, comma-separated) that fail when the engine changes under it
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "compat.optimizer_step",
+        "get_grad_norm / step_with_ready_grads of megatron's ChainedOptimizer, replaced on the instance for one step()",
+        "0.16's step() runs grad norm, clip and update in one method; the health gate decides between norm and update",
+        "test_compat.py::test_optimizer_step_runs_norm_then_update",
+    ),
+    Patch(
+        "compat.fuse_torch_adam (torch_adams, _steps_on_param_device)",
+        "the param groups of the torch Adam(W) megatron builds without TE/apex (fused=True), plus a step pre-hook "
+        "putting each state's `step` on its parameter's device",
+        "megatron builds torch's Adam with its default (foreach) implementation; fused is 1.09x on the H200",
+        "test_compat.py::test_fused_adam_switch_reaches_megatrons_torch_adam",
+    ),
+    Patch(
+        "compat.foreach_multi_tensor (foreach_l2_norm, foreach_scale)",
+        "module globals megatron.core.optimizer.clip_grads.l2_norm_impl / multi_tensor_scale_impl and "
+        "megatron.core.optimizer.optimizer.multi_tensor_scale_impl, where they hold megatron's local fallbacks",
+        "the local l2 norm syncs the host once per parameter tensor; the local scale copies a temporary per tensor",
+        "test_compat.py::test_foreach_multi_tensor_replaces_megatrons_local_fallbacks",
+    ),
+    Patch(
+        "compat.prepare_optimizer_for_load",
+        "calls the private DistributedOptimizer._init_optimizer_states_with_dummy_values before a load",
+        "0.16's DistributedOptimizer.state_dict asserts one Adam step across parameters; torch's AdamW has no state "
+        "before its first step",
+        "test_compat.py::test_distributed_optimizer_step_workarounds_still_needed",
+    ),
+    Patch(
+        "compat.restore_adam_step",
+        "torch AdamW's per-parameter state['step'] after a distributed-optimizer load",
+        "0.16's dp_reshardable format drops the per-parameter step and copies the dummy one over the restored value: "
+        "Adam's bias correction would restart at 1",
+        "test_compat.py::test_distributed_optimizer_step_workarounds_still_needed",
+    ),
+    Patch(
+        "compat.checkpoint_writer_dies_with_rank",
+        "the module global megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue, pre-filled",
+        "the Manager server megatron spawns on the first save outlives a SIGKILLed rank, holding its stdout/stderr",
+        "test_compat.py::test_checkpoint_writer_results_queue_is_a_module_global",
+    ),
+    Patch(
+        "compat.llama3_rope_constants",
+        "model.rotary_pos_emb.inv_freq, recomputed with the private RotaryEmbedding._apply_scaling",
+        "0.16's GPTModel takes only the llama3 scaling factor; low/high freq factors and original length are fixed",
+        "test_compat.py::test_gpt_model_rope_arguments, test_compat.py::test_kernel_modules_match_megatron_local_modules",
+    ),
+    Patch(
+        "compat.PLUGGABLE_ACTIVATION_FLAG",
+        "TransformerConfig.use_te_activation_func set true with a non-TE activation module",
+        "the MLP calls submodules.activation_func on the whole fc1 output only under this flag; the name says TE but "
+        "the slot takes any module",
+        "test_compat.py::test_spec_slots_the_backend_fills",
+    ),
+    Patch(
+        "cpu.redirect_to_cpu (cpu.PATCHES: current_device, rng, streams, device_literals)",
+        "torch.cuda.current_device / set_device / device_count, the torch.cuda RNG functions, megatron's "
+        "tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state, torch.cuda streams, events and "
+        "synchronize, and a process-wide TorchFunctionMode for device='cuda' and CUDA tensor types (CPU only)",
+        "megatron-core assumes CUDA throughout",
+        "test_cpu_redirect.py::test_megatron_uses_current_device_as_a_device, "
+        "test_cpu_redirect.py::test_megatron_rng_tracker_uses_cuda_rng, "
+        "test_cpu_redirect.py::test_megatron_uses_streams_and_synchronize, "
+        "test_cpu_redirect.py::test_megatron_asserts_cuda_tensor_types, "
+        "test_cpu_redirect.py::test_patches_redirect_cuda_to_cpu",
+    ),
+    Patch(
+        "gpt.FusedLossGPTModel._postprocess (gpt.fuse_loss)",
+        "override of the private GPTModel._postprocess; the built GPTModel instance is retyped",
+        "the output layer and loss as one fused call that never materialises the logits (TP = 1)",
+        "test_compat.py::test_fused_loss_postprocess_matches_gptmodel, "
+        "test_compat.py::test_kernel_modules_match_megatron_local_modules",
+    ),
+    Patch(
+        "rope.KernelRoPESelfAttention",
+        "overrides of SelfAttention.forward and SelfAttention.get_query_key_value_tensors",
+        "megatron applies RoPE inside SelfAttention.forward (no spec slot): its forward runs without RoPE and q/k "
+        "are rotated by the provider where they are produced",
+        "test_compat.py::test_rope_override_points_are_megatrons",
+    ),
+    Patch(
+        "fp8.linear_classes (Fp8ColumnParallelLinear, Fp8RowParallelLinear)",
+        "the private _forward_impl of ColumnParallelLinear / RowParallelLinear, and ColumnParallelLinear.allreduce_dgrad",
+        "FP8 GEMMs inside megatron's tensor-parallel linears (same parameters, state dict and TP communication)",
+        "test_compat.py::test_fp8_linears_override_megatrons_forward_impl",
+    ),
+    Patch(
+        "layer_spec.KernelCoreAttention, KernelRMSNorm, KernelSwiGLU",
+        "the layer spec's core_attention, norm and activation_func slots (megatron's extension point), built with "
+        "the keyword arguments Attention passes core attention",
+        "the selected kernel providers inside megatron's own layers",
+        "test_compat.py::test_spec_slots_the_backend_fills, test_compat.py::test_kernel_modules_match_megatron_local_modules",
+    ),
+    Patch(
+        "model.transformer_config (interleaved pipelines)",
+        "TransformerConfig.batch_p2p_comm=False, overlap_p2p_comm=True when vpp > 1",
+        "0.16's batched p2p posts send_prev before send_next; with pp = 2 one peer is both neighbours and receives "
+        "them in the wrong buffers",
+        "test_compat.py::test_interleaved_pipeline_uses_unbatched_p2p",
+    ),
+)
 
 PINNED = "0.16.1"
 INSTALLED = version("megatron-core")
@@ -18,178 +132,31 @@ INSTALLED = version("megatron-core")
 if INSTALLED != PINNED:  # pragma: no cover - the pin in pyproject keeps these equal
     warnings.warn(f"primus-megatron is written for megatron-core {PINNED}, found {INSTALLED}", stacklevel=1)
 
-# megatron warns once per process about every optional fused kernel it cannot find (TE, apex):
-# expected on a local-spec build; keep them out of the run log.
-for _pattern in ("Transformer Engine", "TransformerEngine", "Apex", "apex"):
-    warnings.filterwarnings("ignore", message=f".*{_pattern}.*")
-
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig  # noqa: E402
-from megatron.core.distributed import (  # noqa: E402
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules  # noqa: E402
-from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
-from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
-from megatron.core.transformer.mlp import MLP, MLPSubmodules  # noqa: E402
-from megatron.core.transformer.module import Float16Module, MegatronModule  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_block import (  # noqa: E402
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules  # noqa: E402
-
-__all__ = [
-    "AttnMaskType",
-    "BlendedMegatronDatasetBuilder",
-    "ColumnParallelLinear",
-    "DistributedDataParallel",
-    "DistributedDataParallelConfig",
-    "Float16Module",
-    "GPTDataset",
-    "GPTDatasetConfig",
-    "GPTModel",
-    "IdentityOp",
-    "MLP",
-    "MLPSubmodules",
-    "MegatronModule",
-    "ModuleSpec",
-    "OptimizerConfig",
-    "OptimizerParamScheduler",
-    "RowParallelLinear",
-    "SelfAttention",
-    "SelfAttentionSubmodules",
-    "TransformerBlockSubmodules",
-    "TransformerConfig",
-    "TransformerLayer",
-    "TransformerLayerSubmodules",
-    "dist_checkpointing",
-    "finalize_model_grads",
-    "get_bias_dropout_add",
-    "get_forward_backward_func",
-    "get_megatron_optimizer",
-    "get_num_layers_to_build",
-    "parallel_state",
-    "tensor_parallel",
-]
-
-# TransformerConfig fields that switch off megatron's fused paths (they need TE / apex / CUDA JIT),
-# so every module goes through the layer spec we build.
-UNFUSED = dict(
-    bias_activation_fusion=False,
-    masked_softmax_fusion=False,
-    persist_layer_norm=False,
-    bias_dropout_fusion=False,
-    apply_rope_fusion=False,
-    gradient_accumulation_fusion=False,
-)
-
 # The MLP calls ``submodules.activation_func`` (a module built with ``config=``) on the whole fc1
 # output only when this flag is set; the name says TE but the slot takes any module (0.16).
 PLUGGABLE_ACTIVATION_FLAG = "use_te_activation_func"
 
 
-def init_parallel(
-    tp: int, pp: int, vpp: int, cp: int, optimizer_instances: int = 1, timeout_s: float | None = None
-) -> None:
-    """``optimizer_instances`` > 1: the distributed optimizer shards within groups of DP / instances
-    ranks and is replicated across the instances (HSDP-like: dp_replicate × dp_shard). ``timeout_s``:
-    the collective timeout of the groups megatron creates (it takes minutes)."""
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        context_parallel_size=cp,
-        num_distributed_optimizer_instances=optimizer_instances,
-        **({"distributed_timeout_minutes": timeout_s / 60} if timeout_s else {}),
-    )
-
-
-def destroy_parallel() -> None:
-    parallel_state.destroy_model_parallel()
-
-
-def seed(seed_: int) -> None:
-    tensor_parallel.model_parallel_cuda_manual_seed(seed_)
-
-
-def stage(vp_stage: int | None) -> tuple[bool, bool]:
-    """(is first pipeline stage, is last pipeline stage) for a model chunk."""
-    return (
-        parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-    )
-
-
-def ranks() -> dict[str, int]:
-    ps = parallel_state
-    return {
-        "tp": ps.get_tensor_model_parallel_rank(),
-        "pp": ps.get_pipeline_model_parallel_rank(),
-        "dp": ps.get_data_parallel_rank(),
-        "dp_size": ps.get_data_parallel_world_size(),
-        "cp": ps.get_context_parallel_rank(),
-    }
-
-
-def gpt_model(
-    config: TransformerConfig,
-    block_spec: Any,
-    *,
-    vocab_size: int,
-    max_seq: int,
-    tied: bool,
-    rope_theta: float,
-    rope_scaling: Any,
-    vp_stage: int | None,
-) -> GPTModel:
-    """GPTModel with RoPE; Llama-3 scaling through megatron's own ``rope_scaling`` arguments (0.16
-    exposes only the factor; the other three llama3 constants are re-applied when they differ)."""
-    first, last = stage(vp_stage)
-    llama3 = rope_scaling is not None and rope_scaling.type == "llama3"
-    linear = rope_scaling is not None and rope_scaling.type == "linear"
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=block_spec,
-        vocab_size=vocab_size,
-        max_sequence_length=max_seq,
-        pre_process=first,
-        post_process=last,
-        share_embeddings_and_output_weights=tied,
-        position_embedding_type="rope",
-        rotary_base=int(rope_theta) if float(rope_theta).is_integer() else rope_theta,
-        rope_scaling=llama3,
-        rope_scaling_factor=rope_scaling.factor if llama3 else 8.0,
-        seq_len_interpolation_factor=rope_scaling.factor if linear else None,
-        vp_stage=vp_stage,
-    )
-    if llama3 and (
+def llama3_rope_constants(model: Any, kv_channels: int, rope_theta: float, rope_scaling: Any) -> None:
+    """0.16's GPTModel takes only the llama3 scaling factor (``rope_scaling_factor``; low/high freq factors and the
+    original length are fixed at 1, 4, 8192): where the config's differ, recompute the built model's
+    ``rotary_pos_emb.inv_freq`` with megatron's own private ``RotaryEmbedding._apply_scaling``."""
+    if (
         rope_scaling.low_freq_factor,
         rope_scaling.high_freq_factor,
         rope_scaling.original_max_position_embeddings,
-    ) != (1.0, 4.0, 8192):
-        rot = model.rotary_pos_emb
-        dim = config.kv_channels
-        base = 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rot.inv_freq.device) / dim))
-        rot.inv_freq = rot._apply_scaling(
-            base,
-            factor=rope_scaling.factor,
-            low_freq_factor=rope_scaling.low_freq_factor,
-            high_freq_factor=rope_scaling.high_freq_factor,
-            original_max_position_embeddings=rope_scaling.original_max_position_embeddings,
-        )
-    return model
+    ) == (1.0, 4.0, 8192):
+        return
+    rot = model.rotary_pos_emb
+    dim = kv_channels
+    base = 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rot.inv_freq.device) / dim))
+    rot.inv_freq = rot._apply_scaling(
+        base,
+        factor=rope_scaling.factor,
+        low_freq_factor=rope_scaling.low_freq_factor,
+        high_freq_factor=rope_scaling.high_freq_factor,
+        original_max_position_embeddings=rope_scaling.original_max_position_embeddings,
+    )
 
 
 def optimizer_step(optimizer: Any, gate: Callable[[float | None], bool] | None = None) -> tuple[bool, float | None]:
@@ -300,17 +267,6 @@ def foreach_multi_tensor() -> list[str]:
             setattr(module, name, ours)
             replaced.append(f"{module.__name__}.{name}")
     return replaced
-
-
-def model_sharded_state_dict(chunk: Any) -> dict:
-    return chunk.sharded_state_dict()
-
-
-def optimizer_sharded_state_dict(optimizer: Any, model_sd: dict, is_loading: bool) -> dict:
-    # dp_reshardable: the distributed optimizer's state can be loaded at another DP size.
-    return optimizer.sharded_state_dict(
-        model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
-    )
 
 
 def prepare_optimizer_for_load(optimizer: Any) -> None:

@@ -78,8 +78,10 @@ def _megatron_prefixes(cfg: PrimusConfig) -> list[str]:
 
 def megatron_dataset(cfg: PrimusConfig, cache_dir: Path) -> _MegatronSamples:
     """megatron-core's GPTDataset over .bin/.idx prefixes, sized for the whole run."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
     from primus.core.data import eos_id, load_tokenizer
-    from primus.megatron import compat as mc
 
     tok = load_tokenizer(cfg.data.tokenizer)
     # GPTDataset reads only these of a tokenizer (eod for document ends; the identifiers name the
@@ -91,7 +93,7 @@ def megatron_dataset(cfg: PrimusConfig, cache_dir: Path) -> _MegatronSamples:
         unique_identifiers={"class": "primus", "tokenizer": cfg.data.tokenizer},
     )
     num_samples = int(cfg.train.global_batch_size) * cfg.train.steps
-    config = mc.GPTDatasetConfig(
+    config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.train.seq_len,
         blend=(_megatron_prefixes(cfg), None),
@@ -103,7 +105,7 @@ def megatron_dataset(cfg: PrimusConfig, cache_dir: Path) -> _MegatronSamples:
         eod_mask_loss=False,
         create_attention_mask=False,
     )
-    train, _, _ = mc.BlendedMegatronDatasetBuilder(mc.GPTDataset, [num_samples, 0, 0], lambda: True, config).build()
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config).build()
     return _MegatronSamples(train)
 
 

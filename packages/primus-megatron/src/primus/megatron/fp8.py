@@ -65,7 +65,8 @@ _CLASSES: dict[str, tuple[type, type]] = {}
 
 
 def _build_classes(provider: Any) -> tuple[type, type]:
-    from primus.megatron import compat as mc
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     impl = provider.load()
     if not hasattr(impl, "fp8_linear"):
@@ -99,10 +100,10 @@ def _build_classes(provider: Any) -> tuple[type, type]:
                 "FP8 linear does not implement"
             )
         if sequence_parallel:  # [s/tp, b, h] -> [s, b, h]; the input's gradient is reduce-scattered back
-            input = mc.tensor_parallel.gather_from_sequence_parallel_region(input, True, group=tp_group)
+            input = tensor_parallel.gather_from_sequence_parallel_region(input, True, group=tp_group)
         return fp8_linear(input, weight, bias, recipe=self.fp8_recipe, state=self.fp8_state)
 
-    class Fp8ColumnParallelLinear(mc.ColumnParallelLinear):
+    class Fp8ColumnParallelLinear(ColumnParallelLinear):
         """megatron's ColumnParallelLinear (same parameters and state dict) with FP8 GEMMs."""
 
         def __init__(self, *args: Any, fp8_recipe: Any, **kwargs: Any) -> None:
@@ -112,7 +113,7 @@ def _build_classes(provider: Any) -> tuple[type, type]:
 
         _forward_impl = forward_impl
 
-    class Fp8RowParallelLinear(mc.RowParallelLinear):
+    class Fp8RowParallelLinear(RowParallelLinear):
         """megatron's RowParallelLinear (same parameters and state dict) with FP8 GEMMs."""
 
         def __init__(self, *args: Any, fp8_recipe: Any, **kwargs: Any) -> None:
@@ -127,13 +128,14 @@ def _build_classes(provider: Any) -> tuple[type, type]:
 def linear_specs(kernels: Any, provider: Any) -> dict[str, Any]:
     """The spec entries for one FP8 block: linear_qkv / linear_fc1 (column), linear_proj / linear_fc2 (row);
     ``kernels`` the config's section, ``provider`` the run's ``fp8`` kernel choice."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from primus.core.kernels.fp8_recipe import Fp8Recipe
-    from primus.megatron import compat as mc
 
     recipe = Fp8Recipe.from_config(kernels)
     column, row = linear_classes(provider)
-    col_spec = mc.ModuleSpec(module=column, params={"fp8_recipe": recipe})
-    row_spec = mc.ModuleSpec(module=row, params={"fp8_recipe": recipe})
+    col_spec = ModuleSpec(module=column, params={"fp8_recipe": recipe})
+    row_spec = ModuleSpec(module=row, params={"fp8_recipe": recipe})
     return {"linear_qkv": col_spec, "linear_fc1": col_spec, "linear_proj": row_spec, "linear_fc2": row_spec}
 
 

@@ -18,13 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.models.gpt import GPTModel
 
 from primus.core.kernels import fused_loss_refusal
 from primus.core.protocols import KernelProvider
-from primus.megatron import compat as mc
 
 
-class FusedLossGPTModel(mc.GPTModel):
+class FusedLossGPTModel(GPTModel):
     """GPTModel whose post-process stage, given labels, returns the fused linear + cross-entropy loss."""
 
     linear_cross_entropy: Callable[..., torch.Tensor]
@@ -59,7 +59,7 @@ def fused_loss(kernels: dict[str, KernelProvider], tp: int) -> tuple[Callable[..
     return fn, f"{prov.name} fused linear + cross-entropy"
 
 
-def fuse_loss(model: mc.GPTModel, fn: Callable[..., torch.Tensor]) -> mc.GPTModel:
+def fuse_loss(model: GPTModel, fn: Callable[..., torch.Tensor]) -> GPTModel:
     """Retype ``model`` (a GPTModel just built) to :class:`FusedLossGPTModel` computing its loss with ``fn``."""
     model.__class__ = FusedLossGPTModel
     model.linear_cross_entropy = fn

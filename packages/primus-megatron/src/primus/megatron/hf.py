@@ -168,23 +168,26 @@ def gather_to_hf(chunks: list[Any], m: ModelConfig) -> dict[str, torch.Tensor]:
 class _Engine:
     """Process group + megatron parallel state + this rank's chunks, for import / export / tests."""
 
-    def __init__(self, cfg: PrimusConfig, single: bool):
+    def __init__(self, cfg: PrimusConfig, single: bool, registry: Any = None):
+        """``registry``: the caller's (kernel providers); the process's own only when none is handed in."""
         from primus.core.kernels import detect_device, select_kernels
-        from primus.core.plugins import get_registry
-        from primus.megatron import compat as mc
+        from primus.megatron.dist import init_distributed, init_parallel, seed
         from primus.megatron.model import build_chunks, transformer_config
-        from primus.megatron.runner import _init_distributed
 
-        self.rank, world, _ = _init_distributed(timedelta(minutes=10))
+        self.rank, world, _ = init_distributed(timedelta(minutes=10))
         if single or world == 1:  # a dist checkpoint loads under any layout: one process builds the whole model
             parallel = cfg.parallel.model_copy(update={"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "sequence_parallel": False})
             cfg = cfg.model_copy(update={"parallel": parallel})
         self.cfg = cfg
         p = cfg.parallel
-        mc.init_parallel(p.tp, p.pp, p.vpp, p.cp)
-        mc.seed(cfg.train.seed)
+        init_parallel(p.tp, p.pp, p.vpp, p.cp)
+        seed(cfg.train.seed)
+        if registry is None:
+            from primus.core.plugins import get_registry
+
+            registry = get_registry()
         kernels = select_kernels(
-            type(cfg.kernels)(), get_registry(), detect_device(), head_dim=cfg.model.kv_channels, dtype="fp32"
+            type(cfg.kernels)(), registry, detect_device(), head_dim=cfg.model.kv_channels, dtype="fp32"
         )
         self.chunks = build_chunks(cfg, transformer_config(cfg), kernels)
         self.layout = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "world": world}
@@ -192,23 +195,39 @@ class _Engine:
     def close(self) -> None:
         import torch.distributed as dist
 
-        from primus.megatron import compat as mc
+        from primus.megatron.dist import destroy_parallel
 
-        mc.destroy_parallel()
+        destroy_parallel()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 
 
-def load_hf_into_chunks(chunks: list[Any], cfg: PrimusConfig, hf_dir: str | Path) -> None:
-    """``train.init_from_hf``: this rank's chunks take the HF folder's weights (checked to match the model)."""
+def init_canonical(chunks: list[Any], cfg: PrimusConfig) -> None:
+    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.init`, by HF name), into this rank's
+    TP/PP shards, so every layout, and the TorchTitan backend, starts from the same weights."""
+    from primus.core import init
+
+    n = fill_from_hf(chunks, lambda name: init.tensor(name, cfg.model, cfg.train.seed), cfg.model)
+    log.info("initialised %d tensors from train.seed %d (canonical init)", n, cfg.train.seed)
+
+
+def load_init_from(chunks: list[Any], cfg: PrimusConfig) -> None:
+    """``train.init_from``: this rank's chunks take the weights of a HF folder (checked to match the model) or of
+    a megatron checkpoint of any layout (its model part; core converts another engine's to a HF folder first)."""
     from primus.core.hf.config import check_matches
     from primus.core.hf.safetensors_io import HFReader
+    from primus.core.init_from import source
+    from primus.megatron import checkpoint as ckpt
 
-    reader = HFReader(hf_dir)
-    check_matches(cfg.model, reader.config, f"train.init_from_hf {hf_dir}")
+    src = source(cfg.train.init_from)
+    if src.kind == "checkpoint":
+        ckpt.load_seed(src.path, chunks, cfg)
+        return
+    reader = HFReader(src.path)
+    check_matches(cfg.model, reader.config, f"train.init_from {src.path}")
     n = fill_from_hf(chunks, reader.get, cfg.model)
-    log.info("initialised %d tensors from Hugging Face weights in %s", n, hf_dir)
+    log.info("initialised %d tensors from Hugging Face weights in %s", n, src.path)
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -18,13 +18,22 @@ import functools
 from typing import Any
 
 import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from primus.core.protocols import KernelProvider, load_ref
-from primus.megatron import compat as mc
 from primus.megatron.rope import KernelRoPESelfAttention, rope_impl
 
 
-class KernelCoreAttention(mc.MegatronModule):
+class KernelCoreAttention(MegatronModule):
     """Core attention through a Primus attention provider.
 
     megatron hands over q [s, b, h/tp, d] and k, v [s, b, h_kv/tp, d] and wants [s, b, h/tp · d];
@@ -49,7 +58,7 @@ class KernelCoreAttention(mc.MegatronModule):
             raise ValueError("KernelCoreAttention does not implement context parallelism")
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
             raise ValueError("attention dropout is not supported by the kernel attention providers")
-        if attn_mask_type != mc.AttnMaskType.causal:
+        if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"only causal attention is supported, got {attn_mask_type}")
         self.attn = load_ref(kernel)
         self.softmax_scale = softmax_scale
@@ -92,7 +101,7 @@ class KernelRMSNorm(torch.nn.Module):
         return self.fn(x, self.weight, self.eps)
 
 
-class KernelSwiGLU(mc.MegatronModule):
+class KernelSwiGLU(MegatronModule):
     """silu(gate) · up on megatron's fc1 output ([..., 2·ffn/tp]: gate half first, then up).
     A MegatronModule because the MLP asks each of its children for a sharded state dict."""
 
@@ -115,60 +124,60 @@ def _impl(kernels: dict[str, KernelProvider], op: str) -> Any:
     return kernels[op].impl
 
 
-def layer_spec(kernels: dict[str, KernelProvider], *, qk_norm: bool, fp8: Any = None) -> mc.ModuleSpec:
+def layer_spec(kernels: dict[str, KernelProvider], *, qk_norm: bool, fp8: Any = None) -> ModuleSpec:
     """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its four linears FP8 ones."""
     lin = {
-        "linear_qkv": mc.ColumnParallelLinear,
-        "linear_proj": mc.RowParallelLinear,
-        "linear_fc1": mc.ColumnParallelLinear,
-        "linear_fc2": mc.RowParallelLinear,
+        "linear_qkv": ColumnParallelLinear,
+        "linear_proj": RowParallelLinear,
+        "linear_fc1": ColumnParallelLinear,
+        "linear_fc2": RowParallelLinear,
     }
     if fp8 is not None:
         from primus.megatron.fp8 import linear_specs
 
         lin.update(linear_specs(fp8, kernels["fp8"]))
-    norm = mc.ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
-    qk = mc.ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
+    norm = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
+    qk = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
     rope, _ = rope_impl(kernels)
-    return mc.ModuleSpec(
-        module=mc.TransformerLayer,
-        submodules=mc.TransformerLayerSubmodules(
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
-            self_attention=mc.ModuleSpec(
-                module=KernelRoPESelfAttention if rope else mc.SelfAttention,
-                params={"attn_mask_type": mc.AttnMaskType.causal, **({"rope": rope} if rope else {})},
-                submodules=mc.SelfAttentionSubmodules(
+            self_attention=ModuleSpec(
+                module=KernelRoPESelfAttention if rope else SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal, **({"rope": rope} if rope else {})},
+                submodules=SelfAttentionSubmodules(
                     linear_qkv=lin["linear_qkv"],
                     core_attention=functools.partial(KernelCoreAttention, kernel=_impl(kernels, "attention")),
                     linear_proj=lin["linear_proj"],
-                    q_layernorm=qk if qk_norm else mc.IdentityOp,
-                    k_layernorm=qk if qk_norm else mc.IdentityOp,
+                    q_layernorm=qk if qk_norm else IdentityOp,
+                    k_layernorm=qk if qk_norm else IdentityOp,
                 ),
             ),
-            self_attn_bda=mc.get_bias_dropout_add,
+            self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=mc.ModuleSpec(
-                module=mc.MLP,
-                submodules=mc.MLPSubmodules(
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
                     linear_fc1=lin["linear_fc1"],
                     linear_fc2=lin["linear_fc2"],
-                    activation_func=mc.ModuleSpec(module=KernelSwiGLU, params={"kernel": _impl(kernels, "swiglu")}),
+                    activation_func=ModuleSpec(module=KernelSwiGLU, params={"kernel": _impl(kernels, "swiglu")}),
                 ),
             ),
-            mlp_bda=mc.get_bias_dropout_add,
+            mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
 def block_spec(
     config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bool, vp_stage: int | None, fp8: Any = None
-) -> mc.TransformerBlockSubmodules:
+) -> TransformerBlockSubmodules:
     """The layers of one model chunk plus the final norm (which must also be the kernel norm:
     megatron's default final norm is TE, apex or torch's, the last refusing sequence parallel)."""
-    n = mc.get_num_layers_to_build(config, vp_stage=vp_stage)
-    return mc.TransformerBlockSubmodules(
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(
         layer_specs=_layer_specs(config, kernels, qk_norm=qk_norm, vp_stage=vp_stage, n=n, fp8=fp8),
-        layer_norm=mc.ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")}),
+        layer_norm=ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")}),
     )
 
 

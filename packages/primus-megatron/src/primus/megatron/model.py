@@ -6,14 +6,29 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.protocols import KernelProvider
-from primus.megatron import compat as mc
+from primus.megatron import compat
+from primus.megatron.dist import stage
 from primus.megatron.gpt import fuse_loss, fused_loss
 from primus.megatron.layer_spec import block_spec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# TransformerConfig fields that switch off megatron's fused paths (they need TE / apex / CUDA JIT),
+# so every module goes through the layer spec we build.
+UNFUSED = dict(
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+)
 
 
 def pipeline_p2p(pp: int, vpp: int) -> dict[str, bool]:
@@ -29,7 +44,7 @@ def pipeline_p2p(pp: int, vpp: int) -> dict[str, bool]:
     return {}
 
 
-def transformer_config(cfg: PrimusConfig) -> mc.TransformerConfig:
+def transformer_config(cfg: PrimusConfig) -> TransformerConfig:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     dtype = DTYPES[t.precision]
     recompute: dict[str, Any] = {}
@@ -43,7 +58,7 @@ def transformer_config(cfg: PrimusConfig) -> mc.TransformerConfig:
             recompute_num_layers=p.recompute_layers or (1 if p.recompute_method == "uniform" else layers_per_stage),
         )
     extra = {**pipeline_p2p(p.pp, p.vpp), **cfg.backend.extra.get("transformer_config", {})}
-    return mc.TransformerConfig(
+    return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -70,15 +85,52 @@ def transformer_config(cfg: PrimusConfig) -> mc.TransformerConfig:
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
         calculate_per_token_loss=False,
-        **{mc.PLUGGABLE_ACTIVATION_FLAG: True},
-        **mc.UNFUSED,
+        **{compat.PLUGGABLE_ACTIVATION_FLAG: True},
+        **UNFUSED,
         **recompute,
         **extra,
     )
 
 
+def gpt_model(
+    config: TransformerConfig,
+    spec: Any,
+    *,
+    vocab_size: int,
+    max_seq: int,
+    tied: bool,
+    rope_theta: float,
+    rope_scaling: Any,
+    vp_stage: int | None,
+) -> GPTModel:
+    """GPTModel with RoPE; Llama-3 scaling through megatron's own ``rope_scaling`` arguments (0.16
+    exposes only the factor; the other three llama3 constants are re-applied when they differ:
+    :func:`primus.megatron.compat.llama3_rope_constants`)."""
+    first, last = stage(vp_stage)
+    llama3 = rope_scaling is not None and rope_scaling.type == "llama3"
+    linear = rope_scaling is not None and rope_scaling.type == "linear"
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq,
+        pre_process=first,
+        post_process=last,
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+        rotary_base=int(rope_theta) if float(rope_theta).is_integer() else rope_theta,
+        rope_scaling=llama3,
+        rope_scaling_factor=rope_scaling.factor if llama3 else 8.0,
+        seq_len_interpolation_factor=rope_scaling.factor if linear else None,
+        vp_stage=vp_stage,
+    )
+    if llama3:
+        compat.llama3_rope_constants(model, config.kv_channels, rope_theta, rope_scaling)
+    return model
+
+
 def build_chunks(
-    cfg: PrimusConfig, config: mc.TransformerConfig, kernels: dict[str, KernelProvider]
+    cfg: PrimusConfig, config: TransformerConfig, kernels: dict[str, KernelProvider]
 ) -> list[torch.nn.Module]:
     """This rank's model chunks (vpp of them), unwrapped, on the current device."""
     m = cfg.model
@@ -86,7 +138,7 @@ def build_chunks(
     chunks = []
     for vp in range(cfg.parallel.vpp):
         vp_stage = vp if cfg.parallel.vpp > 1 else None
-        model = mc.gpt_model(
+        model = gpt_model(
             config,
             block_spec(config, kernels, qk_norm=m.qk_norm, vp_stage=vp_stage, fp8=cfg.kernels),
             vocab_size=m.vocab_size,
@@ -99,6 +151,6 @@ def build_chunks(
         if fused is not None:
             fuse_loss(model, fused)
         for param in model.parameters():
-            mc.tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         chunks.append(model.to(torch.cuda.current_device()))
     return chunks

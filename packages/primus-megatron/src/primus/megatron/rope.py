@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.transformer.attention import SelfAttention
 
 from primus.core.kernels import reference
 from primus.core.protocols import KernelProvider, load_ref
-from primus.megatron import compat as mc
 
 
 def rope_impl(kernels: dict[str, KernelProvider]) -> tuple[Any, str]:
@@ -31,7 +31,7 @@ def rope_impl(kernels: dict[str, KernelProvider]) -> tuple[Any, str]:
     return prov.impl, f"{prov.name} provider"
 
 
-class KernelRoPESelfAttention(mc.SelfAttention):
+class KernelRoPESelfAttention(SelfAttention):
     """megatron's SelfAttention with q/k rotated by a Primus ``rope`` provider."""
 
     def __init__(self, *args: Any, rope: Any = "", **kwargs: Any) -> None:

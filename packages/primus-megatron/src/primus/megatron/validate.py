@@ -104,11 +104,6 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
         refuse(
             "train.compile", "torch.compile of megatron-core modules is not supported by this backend", True, "false"
         )
-    if t.init_from_hf:
-        from primus.core.hf.safetensors_io import folder_problem
-
-        if why := folder_problem(t.init_from_hf):
-            refuse("train.init_from_hf", why, t.init_from_hf, "a folder with config.json and *.safetensors")
     if m.rope_scaling is not None and m.rope_scaling.type == "yarn":
         refuse(
             "model.rope_scaling.type",

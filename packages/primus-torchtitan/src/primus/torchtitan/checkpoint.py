@@ -1,32 +1,21 @@
-"""Atomic, resumable checkpoints on torchtitan's own checkpointer (DCP: each rank writes its shards, any
-layout can load them, resharding FSDP / TP / PP / DP).
+"""TorchTitan's state in a checkpoint folder, through torchtitan's own checkpointer (DCP: each rank writes its
+shards, any layout can load them, resharding FSDP / TP / PP / DP).
 
-Layout: ``<dir>/step-12/`` per checkpoint (torchtitan's names). :class:`AtomicCheckpointManager` is
-torchtitan's ``CheckpointManager`` with five methods replaced, so what and when it saves stays
-torchtitan's, while the bookkeeping is Primus's (:mod:`primus.core.checkpoints`, as in the megatron
-backend). Its methods replaced:
+Core's loop owns the policy (:mod:`primus.core.loop`: folder names ``step_00000012``, when to save, atomic
+commit with the manifest, keep-last, resume, the shape check); this module writes and reads the engine's part
+with torchtitan's ``CheckpointManager.dcp_save`` / ``dcp_load`` over the states torchtitan itself checkpoints:
+the model, the optimizers, the LR schedulers, the data loader (its position: a resumed run continues with the
+next unseen samples, also at another data-parallel size) and the train state.
 
-- ``dcp_save``: every rank writes into ``step-12.tmp``; after a barrier rank 0 writes ``manifest.json``
-  (step, config hash, model shape, layout, versions of torch / torchtitan / primus, time) last and
-  renames the folder to ``step-12``. A rank killed mid-save leaves a ``.tmp`` without manifest;
-- ``_find_load_step`` (resume): the newest *complete* checkpoint (final name + manifest of its step);
-  partial folders never shadow it, and with none (``load``) the run starts from its initial weights;
-- ``dcp_load``: refuses a checkpoint of another model shape (from its manifest, before DCP reads any
-  tensor), naming both shapes;
-- ``_purge_stale_checkpoints`` (``checkpoint.keep_last``): counts complete checkpoints only; partial
-  saves stay for inspection until a complete save of a later step removes them.
-
-Async checkpointing is refused (``backend.extra.checkpoint.async_mode``): its save completes after
-``dcp_save`` returns, so there would be nothing to commit at that point.
+A *seed checkpoint* (``backend.extra.checkpoint.create_seed_checkpoint``) holds only the model at step 0, taken
+by ``checkpoint.initial_load_path`` (as are Hugging Face folders, through the state-dict adapter) as the initial
+weights: :func:`load_initial`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +24,13 @@ import torch.distributed as dist
 from primus.core import checkpoints as core
 from primus.core.config.schema import PrimusConfig
 from primus.torchtitan import compat
-from primus.torchtitan.faults import FaultInjection
 
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
-from torchtitan.components.checkpoint import AsyncMode, CheckpointManager  # noqa: E402
+from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager  # noqa: E402
 
 log = logging.getLogger("primus.torchtitan.checkpoint")
 
-NAMING = core.Naming("step-{step}", re.compile(r"^step-(\d+)$"))
+NAMING = core.NAMING
 DISTRIBUTIONS = ("primus-torchtitan", "primus-core", "torchtitan", "torch")
 BACKEND = "primus-torchtitan"
 
@@ -50,7 +38,7 @@ BACKEND = "primus-torchtitan"
 def manifest(cfg: PrimusConfig, step: int, layout: dict[str, int]) -> dict[str, Any]:
     man = core.manifest(cfg, step, layout, DISTRIBUTIONS)
     if step == 0:
-        man["seed"] = True  # the initial weights only (torchtitan saves step 0 model-only)
+        man["seed"] = True  # the initial weights only
     return man
 
 
@@ -84,93 +72,57 @@ def save_one_process(target: Path, cfg: PrimusConfig, write: Callable[[Path], No
     core.atomic_save(target, manifest(cfg, step, layout(cfg, 1)), 0, write, lambda: None)
 
 
-@dataclass(frozen=True)
-class CheckpointContext:
-    """What the checkpointer needs from Primus: the config (manifest, shape check), the layout and the
-    test-only fault injector."""
-
-    cfg: PrimusConfig
-    layout: dict[str, int]
-    faults: FaultInjection = field(default_factory=FaultInjection)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-class AtomicCheckpointManager(CheckpointManager):
-    """torchtitan 0.2.2's CheckpointManager with atomic saves, manifest-based resume and shape checks."""
+def write(checkpointer: CheckpointManager, folder: Path) -> None:
+    """This rank's shards of every state torchtitan checkpoints into ``folder`` (core commits it)."""
+    states = checkpointer._flattened_model_states_sd()
+    checkpointer.dcp_save(states, str(folder), AsyncMode.DISABLED, enable_garbage_collection=True)
 
-    def __init__(self, *args: Any, primus: CheckpointContext, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.primus = primus
-        mode = getattr(self, "async_mode", AsyncMode.DISABLED)  # unset when checkpointing is off
-        if mode != AsyncMode.DISABLED:
-            raise ValueError(
-                f"backend.extra.checkpoint.async_mode={mode.value}: Primus's atomic checkpoints need "
-                "synchronous saves (allowed: disabled)"
-            )
 
-    def dcp_save(
-        self,
-        state_dict: dict[str, Any],
-        checkpoint_id: str,
-        async_mode: AsyncMode,
-        enable_garbage_collection: bool = False,
-        to_hf: bool = False,
-    ) -> None:
-        final = Path(checkpoint_id)
-        step = NAMING.step_of(final.name)
-        if step is None or async_mode != AsyncMode.DISABLED:
-            raise ValueError(f"unexpected torchtitan save of {checkpoint_id} (async_mode {async_mode})")
-        rank = _rank()
+def read(checkpointer: CheckpointManager, folder: Path) -> None:
+    """Load what :func:`write` wrote, resharded to this run's layout (``checkpoint.exclude_from_loading`` kept)."""
+    states = checkpointer._states_to_load(model_only=False)
+    checkpointer.dcp_load(states, str(folder), from_hf=False, from_quantized=False)
 
-        def write(tmp: Path) -> None:
-            CheckpointManager.dcp_save(self, state_dict, str(tmp), async_mode, enable_garbage_collection, to_hf)
-            self.primus.faults.during_save(step, rank)
 
-        man = manifest(self.primus.cfg, step, self.primus.layout)
-        core.atomic_save(final, man, rank, write, _barrier)
-        log.info("committed checkpoint %s", final)
+def load_model(checkpointer: CheckpointManager, folder: Path, cfg: PrimusConfig) -> None:
+    """The model weights of a torchtitan checkpoint of any layout (a seed, an import or a training checkpoint)."""
+    check_compatible(folder, cfg)
+    checkpointer.dcp_load(checkpointer.states[MODEL].state_dict(), str(folder), from_hf=False, from_quantized=False)
+    log.info("initialised the model from %s", folder)
 
-    def save(self, curr_step: int, last_step: bool = False) -> None:
-        super().save(curr_step, last_step)
-        # torchtitan 0.2.2 purges old checkpoints (keep_latest_k) after interval saves but returns before purging
-        # on the last step's save, so a run would end with one more than checkpoint.keep_last
-        if last_step and self.enable and self.keep_latest_k > 0:
-            self._purge_stale_checkpoints()
 
-    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        path = Path(checkpoint_id)
-        if from_hf:
-            pass  # Hugging Face safetensors (train.init_from_hf): checked against the model by primus.torchtitan.hf
-        elif core.read_manifest(path) is not None or path.parent == Path(self.folder):
-            check_compatible(path, self.primus.cfg)
-        else:  # an initial_load_path written by torchtitan itself
-            log.info("%s has no %s: loading it without the model-shape check", path, core.MANIFEST)
-        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+def load_initial(checkpointer: CheckpointManager, cfg: PrimusConfig) -> bool:
+    """The initial weights torchtitan's config names (``checkpoint.initial_load_path``: a seed checkpoint or,
+    with ``initial_load_in_hf``, a Hugging Face folder), never a checkpoint of core's folder; a Primus seed is
+    checked against the model first. Returns whether anything was loaded."""
+    if not checkpointer.enable:  # (a disabled checkpointer is built without its initial_load_* attributes)
+        return False
+    path = checkpointer.initial_load_path
+    if not (path or checkpointer.initial_load_in_hf):
+        return False
+    if path and not checkpointer.initial_load_in_hf and core.read_manifest(Path(path)) is not None:
+        check_compatible(Path(path), cfg)
+    folder = getattr(checkpointer, "folder", "")
+    checkpointer.folder = str(Path(folder or ".") / "no-such-folder")  # torchtitan's initial-load branch
+    try:
+        return checkpointer.load()
+    finally:
+        checkpointer.folder = folder
 
-    def load(self, step: int = -1) -> bool:
-        """torchtitan loads ``initial_load_path`` (seed, HF weights) only while the checkpoint folder does
-        not exist. A folder holding only partial saves (a run killed during its first save) has nothing
-        to resume either: start from the initial weights, as a fresh run would."""
-        if step == -1 and self.enable and os.path.isdir(self.folder) and self._find_load_step() == -1:
-            folder, self.folder = self.folder, os.path.join(self.folder, "no-complete-checkpoint")
-            try:
-                return super().load(step)
-            finally:
-                self.folder = folder
-        return super().load(step)
 
-    def _find_load_step(self, folder: str = "") -> int:
-        found = core.latest(Path(folder or self.folder), NAMING)
-        return found[0] if found else -1
+def save_seed(checkpointer: CheckpointManager, root: Path, cfg: PrimusConfig, layout_: dict[str, int]) -> Path:
+    """The model alone as the step-0 checkpoint under ``root``: every layout can start from these weights."""
+    final = NAMING.folder(root, 0)
+    rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def _purge_stale_checkpoints(self) -> None:
-        if self.keep_latest_k > 0 and _rank() == 0:
-            core.purge(Path(self.folder), NAMING, self.keep_latest_k)
+    def write_model(tmp: Path) -> None:
+        checkpointer.dcp_save(checkpointer.states[MODEL].state_dict(), str(tmp), AsyncMode.DISABLED)
+
+    core.atomic_save(final, manifest(cfg, 0, layout_), rank, write_model, _barrier)
+    log.info("saved seed checkpoint %s", final)
+    return final

@@ -1,8 +1,13 @@
-"""Everything that depends on the exact torchtitan release (0.2.2): its import, its config object, its
-registration API, and the few adaptations it needs on a CPU-only machine.
+"""Every patch primus-torchtitan makes on torchtitan 0.2.2, and the version check and CPU import they need.
 
-When the pin moves, this is the module to re-check; ``tests/test_compat.py`` fails if any assumption
-below stops holding. Each adaptation is one small, named function, applied only where it is needed.
+A patch is a last resort: one small named function per engine behaviour, listed in :data:`PATCHES` (below)
+with what it replaces, why, and the test that fails when torchtitan changes under it. The table also lists
+the engine methods Primus overrides or calls privately elsewhere in the package (trainer, checkpoint, metrics,
+kernels, dense, hf, models), so this is the one place to re-check when the pin moves. Config translation is
+not here: the JobConfig mapping is :mod:`primus.torchtitan.job_config`, the refusals :mod:`primus.torchtitan.validate`.
+
+Kept here though not patches: :func:`check_version` and :func:`import_torchtitan` (which applies the CPU
+patches before torchtitan's first import).
 """
 
 from __future__ import annotations
@@ -16,24 +21,142 @@ import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-
-from primus.core.health import collective_timeout
-from primus.torchtitan import faults
 
 log = logging.getLogger("primus.torchtitan")
 
 TORCHTITAN_VERSION = "0.2.2"
 
-# Primus pipeline schedule names -> torch.distributed.pipelining names, as torchtitan 0.2.2 takes them.
-PP_SCHEDULES = {
-    "1f1b": "1F1B",
-    "gpipe": "GPipe",
-    "interleaved_1f1b": "Interleaved1F1B",
-    "zero_bubble": "InterleavedZeroBubble",
-}
+
+class Patch(NamedTuple):
+    name: str  # where it lives (module.function, or Class.method for an override)
+    patches: str  # the engine attribute / method it replaces or overrides
+    why: str
+    test: str  # tests (tests/<file>::<function>, comma-separated) that fail when the engine changes under it
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "compat.cpu_device_detection (CpuDeviceModule)",
+        "torch._utils._get_available_device_type / _get_device_module while torchtitan.tools.utils is first "
+        "imported (CPU only)",
+        'torchtitan picks its device once at import (`_get_available_device_type() or "cuda"`) and four modules '
+        'copy the name: a CPU build would get "cuda"',
+        "test_compat.py::test_device_detection_still_falls_back_to_cuda, "
+        "test_compat.py::test_cpu_device_reaches_every_module_that_copies_it",
+    ),
+    Patch(
+        "compat.install_triton_standin",
+        "sys.modules['torchtitan.models.moe.kernels'] (CPU without triton)",
+        "that module imports triton at import and is reached from `import torchtitan`; dense models never call it",
+        "test_compat.py::test_moe_kernels_still_import_triton",
+    ),
+    Patch(
+        "compat.gloo_parallelize (force_sum_reduction)",
+        "the TrainSpec's parallelize_fn, wrapped on CPU: FSDP modules reduce with SUM",
+        "torchtitan sets FSDP's gradient divide factor to 1, which torch reduces with PREMUL_SUM; gloo has none",
+        "test_compat.py::test_fsdp_without_divide_factor_uses_premul_sum_unless_forced",
+    ),
+    Patch(
+        "compat.tied_embedding_fsdp_group",
+        "torchtitan.models.llama3.infra.parallelize.fully_shard, while a tied dense model is parallelized",
+        "llama3's apply_fsdp shards tok_embeddings and [norm, output] as two FSDP groups; torch refuses a tied "
+        "weight in two groups",
+        "test_compat.py::test_tied_embedding_fully_shard_patch",
+    ),
+    Patch(
+        "compat.register_train_spec",
+        "torchtitan.protocols.train_spec._extra_train_specs (private dict): the name popped before registering",
+        "register_train_spec refuses a name already registered; one process may register a run's TrainSpec again",
+        "test_compat.py::test_register_train_spec_replaces_through_the_private_dict",
+    ),
+    Patch(
+        "compat.grad_norm_recorder",
+        "torchtitan.distributed.utils.clip_grad_norm_, during one PrimusTrainer.train_step",
+        "train_step clips and steps the optimizer in one method; the health check needs the norm before the update",
+        "test_compat.py::test_train_step_still_clips_then_steps_the_optimizer_and_schedule",
+    ),
+    Patch(
+        "compat.pp_grad_scale, compat.ddp_grad_scale, compat.rescale_grads (applied by "
+        "PrimusTrainer.forward_backward_step)",
+        "the gradients after a step's last micro-batch, before torchtitan clips them",
+        "pipelines backpropagate the summed token loss (torchtitan#2972); DDP averages a loss already divided by "
+        "the global token count (torchtitan#2318): gradients, clipping and grad norm would depend on the layout",
+        "test_compat.py::test_pipeline_still_backpropagates_the_summed_loss, "
+        "test_compat.py::test_ddp_still_averages_over_replicas",
+    ),
+    Patch(
+        "trainer.PrimusTrainer.forward_backward_step",
+        "override of Trainer.forward_backward_step (same keyword-only signature, calls super)",
+        "hands the labels to a fused output head, records the micro-batch loss for the health check, applies "
+        "the gradient-scale correction after the step's last micro-batch",
+        "test_compat.py::test_trainer_overrides_keep_torchtitans_signatures",
+    ),
+    Patch(
+        "trainer.PrimusTrainer.train_step",
+        "override of Trainer.train_step (calls super); core's loop calls it once per step instead of Trainer.train",
+        "the step runs under grad_norm_recorder, so core's health gate sees the loss and grad norm before the update",
+        "test_compat.py::test_trainer_overrides_keep_torchtitans_signatures, "
+        "test_compat.py::test_train_step_still_clips_then_steps_the_optimizer_and_schedule",
+    ),
+    Patch(
+        "trainer.PrimusTrainer.maybe_enable_amp",
+        "the instance attribute Trainer.__init__ sets (dist_utils.maybe_enable_amp), nullcontext() for fp32",
+        "without FSDP/TP/PP torchtitan autocasts to mixed_precision_param even when it is float32 (warns, no effect)",
+        "test_compat.py::test_maybe_enable_amp_is_an_attribute_built_once",
+    ),
+    Patch(
+        "trainer.PrimusTrainer.__init__ (optimizers.step, lr_schedulers.step), trainer.PrimusTrainer.set_lr",
+        "the step methods of torchtitan's optimizer and LR-scheduler containers, replaced per instance; the lr "
+        "of each optimizer's param groups",
+        "a step the health gate refuses applies no update; the learning rate is core's (primus.core.schedule), "
+        "set before each step, so torchtitan's schedulers never step",
+        "test_compat.py::test_train_step_still_clips_then_steps_the_optimizer_and_schedule",
+    ),
+    Patch(
+        "checkpoint.write, checkpoint.read, checkpoint.load_initial, checkpoint.save_seed",
+        "CheckpointManager.dcp_save / dcp_load / load called directly, with the private _flattened_model_states_sd "
+        "and _states_to_load, and its folder attribute pointed away for the initial load",
+        "core names the folder and commits it; torchtitan has no public call that saves or loads a given folder, "
+        "and loads initial_load_path only while its own folder does not exist",
+        "test_checkpoint.py::test_checkpointer_calls_keep_torchtitans_signatures",
+    ),
+    Patch(
+        "metrics.SilentMetricsProcessor.should_log",
+        "override of MetricsProcessor.should_log (always False)",
+        "core's loop reports every metric; torchtitan's train_step returns before its own loss reductions and log",
+        "test_compat.py::test_metrics_processor_override_keeps_should_log",
+    ),
+    Patch(
+        "kernels.swap_modules, loss.fuse_output",
+        "module instances retyped: nn.RMSNorm, ScaledDotProductAttentionWrapper.forward, llama3/qwen3 "
+        "FeedForward.forward, the output nn.Linear (FusedOutput)",
+        "the selected kernel providers run inside torchtitan's own modules (same parameters, names, TP plans, "
+        "FSDP groups)",
+        "test_compat.py::test_ops_the_kernel_swap_retypes_are_still_torchtitans",
+    ),
+    Patch(
+        "dense.DenseTransformer",
+        "subclass of llama3's Transformer: __init__ and init_weights overridden",
+        "qkv bias and tied embeddings, which llama3 lacks; init_weights ties again after to_empty",
+        "test_compat.py::test_dense_model_overrides_keep_signatures",
+    ),
+    Patch(
+        "hf.DenseStateDictAdapter",
+        "subclass of Llama3StateDictAdapter: to_hf / from_hf overridden; its private _permute, _reverse_permute "
+        "and from_hf_map used",
+        "q/k/v biases (permuted like their weights) and tied embeddings in the Hugging Face mapping",
+        "test_compat.py::test_dense_state_dict_adapter_relies_on_llama3s_helpers",
+    ),
+    Patch(
+        "models.train_spec (qwen3 pipelining_fn)",
+        "the qwen3 TrainSpec's pipelining_fn, set to torchtitan's pipeline_llm",
+        "0.2.2 registers no pipeline split for qwen3; its decoder has llama3's module layout",
+        "test_compat.py::test_qwen3_still_has_no_pipelining_fn",
+    ),
+)
 
 
 def check_version() -> None:
@@ -148,25 +271,13 @@ def import_torchtitan(device: str | None = None) -> str:
         if tt_utils.device_type != "cpu":
             raise RuntimeError(
                 "torchtitan was imported before primus.torchtitan could select the CPU; "
-                "import primus.torchtitan.runner first"
+                "import primus.torchtitan.engine first"
             )
         return "cpu"
     with cpu_device_detection():
         import torchtitan.tools.utils as tt_utils
         import torchtitan.train  # noqa: F401  (imports every module that copies the device name)
     return tt_utils.device_type
-
-
-def cpu_refusal(cfg: Any) -> str | None:
-    """What cannot run on a CPU (gloo) with torch 2.13, though it runs on GPUs: torch registers no DTensor
-    sharding rule for the CPU flash-attention op that SDPA picks, which context parallelism and qwen3's
-    tensor parallelism (its attention runs on DTensors) reach."""
-    p = cfg.parallel
-    if p.cp > 1:
-        return "parallel.cp > 1 needs a GPU: no DTensor sharding rule for CPU flash attention"
-    if cfg.model.family == "qwen3" and p.tp > 1:
-        return "qwen3 with parallel.tp > 1 needs a GPU: no DTensor sharding rule for CPU flash attention"
-    return None
 
 
 def force_sum_reduction(model: torch.nn.Module) -> None:
@@ -217,169 +328,12 @@ def tied_embedding_fsdp_group(model: torch.nn.Module) -> Iterator[None]:
         llama3_parallelize.fully_shard = original
 
 
-# ------------------------------------------------------------------------------------------------ engine API
-
-
-def job_config_cls() -> type:
-    from torchtitan.config import JobConfig
-
-    return JobConfig
-
-
-def new_job_config() -> Any:
-    return job_config_cls()()
-
-
-def apply_overrides(job_config: Any, extra: dict[str, Any], prefix: str = "") -> None:
-    """Set ``backend.extra`` entries on the JobConfig: nested mappings (``{checkpoint: {folder: x}}``)
-    or dotted keys (``"checkpoint.folder": x``) naming torchtitan's own config fields."""
-    for key, value in extra.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            apply_overrides(job_config, value, prefix=f"{path}.")
-            continue
-        *parents, leaf = path.split(".")
-        obj = job_config
-        for part in parents:
-            if not hasattr(obj, part):
-                raise KeyError(f"backend.extra.{path}: torchtitan's JobConfig has no section {part!r}")
-            obj = getattr(obj, part)
-        if not hasattr(obj, leaf):
-            raise KeyError(f"backend.extra.{path}: torchtitan's JobConfig has no field {leaf!r}")
-        if isinstance(getattr(obj, leaf), str) and not isinstance(value, str):
-            value = str(value)  # e.g. selective_ac_option: 2 from YAML or the command line
-        setattr(obj, leaf, value)
-
-
-def build_job_config(cfg: Any, *, model_name: str, flavor: str, output_dir: str, checkpoint_dir: str, gpu: bool) -> Any:
-    """torchtitan's JobConfig for a validated, resolved Primus config (``backend.extra`` applied last)."""
-    t, p, o = cfg.train, cfg.parallel, cfg.train.optimizer
-    jc = new_job_config()
-    jc.job.dump_folder = output_dir
-    jc.job.description = cfg.description or cfg.model.name
-    jc.model.name, jc.model.flavor = model_name, flavor
-
-    jc.optimizer.name = {"adamw": "AdamW", "adam": "Adam"}[o.name]
-    jc.optimizer.lr, jc.optimizer.eps, jc.optimizer.weight_decay = o.lr, o.eps, o.weight_decay
-    jc.optimizer.beta1, jc.optimizer.beta2 = o.beta1, o.beta2
-    jc.optimizer.implementation = "fused" if gpu else "foreach"
-    jc.lr_scheduler.warmup_steps = t.schedule.warmup_steps
-    jc.lr_scheduler.decay_type = "cosine" if t.schedule.decay == "constant" else t.schedule.decay
-    jc.lr_scheduler.decay_ratio = 0.0 if t.schedule.decay == "constant" else None
-    jc.lr_scheduler.min_lr_factor = o.min_lr / o.lr
-
-    dp = p.dp_replicate * int(p.dp_shard)
-    # torchtitan feeds a pipeline one local batch per step, cut into pp micro-batches; without pp it
-    # accumulates gradients over local batches of micro_batch_size.
-    local_batch = t.global_batch_size // dp if p.pp > 1 else t.micro_batch_size
-    jc.training.local_batch_size, jc.training.global_batch_size = local_batch, t.global_batch_size
-    jc.training.seq_len, jc.training.steps = t.seq_len, t.steps
-    jc.training.max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-    jc.training.dtype = "float32"  # parameters and optimizer state stay fp32
-    jc.training.mixed_precision_param = "bfloat16" if t.precision == "bf16" else "float32"
-    jc.training.mixed_precision_reduce = "float32"
-
-    par = jc.parallelism
-    par.data_parallel_replicate_degree, par.data_parallel_shard_degree = p.dp_replicate, int(p.dp_shard)
-    par.fsdp_reshard_after_forward = "default" if p.reshard_after_forward else "never"
-    par.tensor_parallel_degree, par.context_parallel_degree = p.tp, p.cp
-    par.pipeline_parallel_degree = p.pp
-    if p.pp > 1:
-        par.pipeline_parallel_schedule = PP_SCHEDULES[p.pp_schedule]
-        par.pipeline_parallel_microbatch_size = t.micro_batch_size
-        par.module_fqns_per_model_part = llama3_fqns_per_stage(p.pp * p.vpp, cfg.model.num_layers)
-
-    ac = jc.activation_checkpoint
-    ac.mode = p.recompute
-    if p.recompute == "selective":
-        # per-op SAC; backend.extra {activation_checkpoint: {selective_ac_option: N}} checkpoints every N-th layer
-        ac.selective_ac_option = "op"
-    jc.compile.enable = t.compile
-    jc.compile.components = ["model", "loss"]
-
-    ck = jc.checkpoint
-    ck.enable = cfg.checkpoint.enabled
-    ck.folder = checkpoint_dir  # absolute: os.path.join(dump_folder, folder) keeps it
-    ck.interval = cfg.checkpoint.interval or t.steps
-    ck.keep_latest_k = cfg.checkpoint.keep_last
-    ck.last_save_model_only = False  # the final checkpoint must be resumable too
-    ck.async_mode = "disabled"
-
-    # a hung collective errors out after train.health.collective_timeout_s, at init and while training
-    timeout = int(collective_timeout(t.health).total_seconds())
-    jc.comm.init_timeout_seconds = jc.comm.train_timeout_seconds = timeout
-
-    jc.metrics.log_freq = cfg.logging.interval
-    jc.metrics.enable_tensorboard = False  # core's run log writes TensorBoard
-    jc.metrics.disable_color_printing = True
-    jc.debug.seed = t.seed
-    # backend.extra.fault_injection is Primus's (primus.torchtitan.faults), not a JobConfig section
-    apply_overrides(jc, {k: v for k, v in cfg.backend.extra.items() if k != faults.EXTRA_KEY})
-    if not cfg.checkpoint.enabled and ck.initial_load_path:
-        ck.enable, ck.load_only = True, True  # load the initial weights, save nothing
-    return jc
-
-
-@contextmanager
-def checkpoint_manager_class(factory: Callable[..., Any]) -> Iterator[None]:
-    """torchtitan 0.2.2's ``Trainer.__init__`` builds its checkpointer by calling the name
-    ``CheckpointManager`` of ``torchtitan.train``; while it runs, that name is ``factory`` (which builds
-    a subclass, :class:`primus.torchtitan.checkpoint.AtomicCheckpointManager`)."""
-    import torchtitan.train as tt_train
-
-    original = tt_train.CheckpointManager
-    tt_train.CheckpointManager = factory
-    try:
-        yield
-    finally:
-        tt_train.CheckpointManager = original
-
-
-def extra_value(extra: dict[str, Any], path: str, default: Any = None) -> Any:
-    """The value ``backend.extra`` gives a JobConfig field, written nested or dotted."""
-    if path in extra:
-        return extra[path]
-    head, _, rest = path.partition(".")
-    if rest and isinstance(extra.get(head), dict):
-        return extra_value(extra[head], rest, default)
-    return default
-
-
-def job_config_fields() -> dict[str, set[str]]:
-    """Section -> field names of torchtitan's JobConfig (for validating ``backend.extra``)."""
-    import dataclasses
-
-    jc = job_config_cls()
-    out = {}
-    for f in dataclasses.fields(jc):
-        section = f.default_factory()  # type: ignore[misc]
-        out[f.name] = {g.name for g in dataclasses.fields(section)}
-    return out
-
-
 def register_train_spec(name: str, spec: Any) -> None:
     """Register (or, within one process, replace) a TrainSpec; 0.2.2 keeps them in a plain dict."""
     import torchtitan.protocols.train_spec as ts
 
     ts._extra_train_specs.pop(name, None)
     ts.register_train_spec(name, spec)
-
-
-def llama3_fqns_per_stage(num_stages: int, num_layers: int) -> list[list[str]]:
-    """Module names per pipeline stage for torchtitan's decoder models: layers split as evenly as possible
-    (earlier stages take the remainder), the embedding on the first stage, norm and output on the last."""
-    base, rem = divmod(num_layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < rem else 0)
-        names = [f"layers.{i}" for i in range(start, start + n)]
-        start += n
-        if s == 0:
-            names.insert(0, "tok_embeddings")
-        if s == num_stages - 1:
-            names += ["norm", "output"]
-        out.append(names)
-    return out
 
 
 def rescale_grads(model_parts: list[torch.nn.Module], factor: float) -> None:

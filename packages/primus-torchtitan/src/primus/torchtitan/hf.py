@@ -8,10 +8,10 @@
   :class:`DenseStateDictAdapter`, the llama3 adapter plus the q/k/v biases (q and k biases permuted like their
   weights) and the tied head.
 
-``train.init_from_hf`` uses torchtitan's checkpointer path for HF weights (``checkpoint.initial_load_in_hf``):
-DCP's ``HuggingFaceStorageReader`` reads each rank's FSDP/TP shards and the adapter maps names. Checkpoints
-written by ``primus checkpoint import`` are DCP folders ``OUT/step-0`` holding the model only (the layout of
-torchtitan's own seed checkpoint), loadable under any parallel layout.
+``train.init_from`` with a HF folder fills each rank's model parts through the adapter, layer by layer
+(:func:`fill_from_hf`, which ``train.init: canonical`` uses too). Checkpoints written by ``primus checkpoint import``
+are DCP folders ``OUT/step_00000000`` holding the model only, loadable under any parallel layout
+(``train.init_from=OUT``).
 """
 
 from __future__ import annotations
@@ -88,21 +88,56 @@ def adapter(cfg: PrimusConfig, hf_dir: str | Path | None = None) -> Any:
     return adapter_cls(cfg.model)(model_args(cfg.model, cfg.train.seq_len), str(hf_dir) if hf_dir else None)
 
 
-def init_from_hf(job_config: Any, cfg: PrimusConfig) -> None:
-    """``train.init_from_hf``: torchtitan's checkpointer loads the HF folder (model only) when the run has no
-    checkpoint of its own yet; with ``checkpoint.enabled: false`` it loads and saves nothing."""
+def load_init_from(trainer: Any, cfg: PrimusConfig) -> None:
+    """``train.init_from``: the model parts take the weights of a HF folder (checked to match the model; through
+    the state-dict adapter, layer by layer) or of a torchtitan checkpoint of any layout (its model states, DCP)."""
     from primus.core.hf.config import check_matches
     from primus.core.hf.safetensors_io import HFReader
+    from primus.core.init_from import source
+    from primus.torchtitan.checkpoint import load_model
 
-    hf_dir = Path(cfg.train.init_from_hf).expanduser().absolute()
-    check_matches(cfg.model, HFReader(hf_dir).config, f"train.init_from_hf {hf_dir}")
-    job_config.model.hf_assets_path = str(hf_dir)  # the adapter reads the HF shard index from here
-    ck = job_config.checkpoint
-    ck.initial_load_path = str(hf_dir)
-    ck.initial_load_in_hf = True
-    ck.initial_load_model_only = True
-    if not cfg.checkpoint.enabled:
-        ck.enable, ck.load_only = True, True
+    src = source(cfg.train.init_from)
+    if src.kind == "checkpoint":
+        load_model(trainer.checkpointer, src.path, cfg)
+        return
+    reader = HFReader(src.path)
+    check_matches(cfg.model, reader.config, f"train.init_from {src.path}")
+    n = fill_from_hf(trainer.model_parts, cfg, reader.get)
+    log.info("initialised %d tensors from Hugging Face weights in %s", n, src.path)
+
+
+def fill_from_hf(model_parts: list[torch.nn.Module], cfg: PrimusConfig, get: Any) -> int:
+    """HF tensors (``get(hf_name)``, whole and fp32) into this rank's model parts, whatever their layout (FSDP /
+    TP DTensors, pipeline stages): one layer at a time through the state-dict adapter, so no rank holds more than
+    one layer's whole tensors. Returns the tensors filled."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, layer_names
+
+    m = cfg.model
+    groups = [[EMBED, FINAL_NORM] + ([] if m.tie_word_embeddings else [LM_HEAD])]
+    groups += [list(layer_names(m, i).values()) for i in range(m.num_layers)]
+    ad = adapter(cfg)
+    wanted = [set(part.state_dict()) for part in model_parts]
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    filled = 0
+    for names in groups:
+        converted = ad.from_hf({name: get(name) for name in names})
+        for part, keys in zip(model_parts, wanted, strict=True):
+            mine = {k: v for k, v in converted.items() if k in keys}
+            if mine:
+                set_model_state_dict(part, mine, options=options)
+                filled += len(mine)
+    return filled
+
+
+def init_canonical(model_parts: list[torch.nn.Module], cfg: PrimusConfig) -> None:
+    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.init`, by HF name) into this rank's
+    shards, so every layout, and the Megatron backend, starts from the same weights."""
+    from primus.core import init
+
+    n = fill_from_hf(model_parts, cfg, lambda name: init.tensor(name, cfg.model, cfg.train.seed))
+    log.info("initialised %d tensors from train.seed %d (canonical init)", n, cfg.train.seed)
 
 
 def build_model(cfg: PrimusConfig, device: str = "cpu") -> torch.nn.Module:
@@ -146,8 +181,7 @@ class TorchtitanHF:
     """``BackendSpec.hf`` of the torchtitan backend (:class:`primus.core.hf.contract.HFInterop`)."""
 
     def import_hf(self, cfg: PrimusConfig, hf_dir: Path, out: Path) -> Path:
-        """``OUT/step-0``: the model only, in DCP format. Start a run from it with ``checkpoint.dir=OUT
-        --resume`` or ``backend.extra.checkpoint.initial_load_path=OUT/step-0``."""
+        """``OUT/step_00000000``: the model only, in DCP format. Start a run from it with ``train.init_from=OUT``."""
         import torch.distributed.checkpoint as dcp
         import yaml
 

@@ -14,29 +14,10 @@ def primus_backends() -> list[BackendSpec]:
             name="torchtitan",
             description="TorchTitan 0.2.2 Trainer: llama3/qwen3 models, FSDP2/HSDP/DDP, TP+SP, PP (1F1B, interleaved, "
             "zero-bubble), CP, activation checkpointing, torch.compile",
-            run="primus.torchtitan.runner:run",
+            engine="primus.torchtitan.engine:build",
             validate="primus.torchtitan.validate:validate",
             hf="primus.torchtitan.hf:INTEROP",
+            planner="primus.torchtitan.planner_profile:PROFILE",
             model_families=FAMILIES,
-            features=frozenset(
-                {
-                    "fsdp",
-                    "hsdp",
-                    "ddp",
-                    "tp",
-                    "sp",
-                    "pp",
-                    "vpp",
-                    "cp",
-                    "recompute",
-                    "compile",
-                    "bf16",
-                    "checkpoint",
-                    "resume",
-                    "kernels",
-                    "profile",
-                    "health",
-                }
-            ),
         )
     ]

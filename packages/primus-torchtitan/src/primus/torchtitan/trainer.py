@@ -1,5 +1,5 @@
-"""torchtitan's Trainer, with its gradient scale made the same for every layout, Primus's health checks
-and Primus's step profiler.
+"""torchtitan's Trainer, driven one step at a time by core's training loop (:mod:`primus.torchtitan.engine`), with
+its gradient scale made the same for every layout and core's health gate before each update.
 
 Two torchtitan 0.2.2 behaviours make the gradients (and so clipping, the grad norm and, through
 clipping, the training) depend on the layout: pipelines backpropagate the summed token loss, and DDP
@@ -7,18 +7,13 @@ averages over replicas a loss already divided by the global token count. After t
 of a step, before torchtitan clips, the gradients are rescaled to those of the mean token loss
 (:func:`primus.torchtitan.compat.pp_grad_scale`, :func:`~primus.torchtitan.compat.ddp_grad_scale`).
 
-Health (``train.health``, :class:`primus.core.health.HealthMonitor`): once the step's grad norm is known
-(torchtitan's clip, :func:`primus.torchtitan.compat.grad_norm_recorder`) and before the optimizer
-update, the step's global loss and grad norm are checked. A non-finite one stops the run
-(:class:`~primus.core.health.NonFiniteError`, nothing of that step is applied or saved) or, with
-``on_nonfinite: skip``, drops the update: gradients zeroed, neither the optimizer nor the LR schedule
-steps (the schedule counts applied updates, as Megatron's does), while the step counter and the data
-move on (step ``n`` always consumed global batch ``n``; checkpoints keep their step names).
+Health: once the step's grad norm is known (torchtitan's clip,
+:func:`primus.torchtitan.compat.grad_norm_recorder`) and before the optimizer update, the step's global loss
+and grad norm go to core's gate (``self.gate``); a refused update is dropped: gradients zeroed, the
+optimizer does not step. The learning rate is core's (:mod:`primus.core.schedule`), set on every
+optimizer before the step (:meth:`PrimusTrainer.set_lr`); torchtitan's LR schedulers do not step.
 
-Profiling (``profile``, :class:`primus.core.profile.capture.StepProfiler`): entered around the training
-loop, stepped after each training step; traces land in ``<output_dir>/traces/rank<r>.json``.
-
-Everything else is torchtitan's own training step and loop.
+Everything else is torchtitan's own training step.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from primus.core.health import HealthMonitor
 from primus.torchtitan import compat
 from primus.torchtitan.loss import head_targets
 
@@ -39,34 +33,26 @@ from torchtitan.train import Trainer  # noqa: E402
 
 
 class PrimusTrainer(Trainer):
-    def __init__(
-        self,
-        job_config: Any,
-        *,
-        health: HealthMonitor | None = None,
-        profiler: Any = None,
-        on_step: Any = None,
-        checkpoint_manager: Any = None,
-    ) -> None:
-        # checkpoint_manager builds torchtitan's checkpointer (Primus's atomic one, primus.torchtitan.checkpoint)
-        with compat.checkpoint_manager_class(checkpoint_manager) if checkpoint_manager else contextlib.nullcontext():
-            super().__init__(job_config)
-        self.on_step = on_step  # called with the step number after each training step (plugins' per-step hook)
+    def __init__(self, job_config: Any) -> None:
+        super().__init__(job_config)
         self._microbatch = 0
         if job_config.training.mixed_precision_param == "float32":
             self.maybe_enable_amp = contextlib.nullcontext()  # fp32 needs no autocast (which would warn)
-        self.health = health
-        self.profiler = profiler if profiler is not None else contextlib.nullcontext()
-        self.metrics_processor.health = health
         self._step_losses: list[torch.Tensor] = []
-        self._skip_update = False
-        # the update of a step the health check skips: neither the optimizer nor the LR schedule steps
-        optimizer_step, lr_step = self.optimizers.step, self.lr_schedulers.step
+        self.gate: Any = None  # core's health gate of the running step: gate(loss, grad_norm) -> apply?
+        self.last_loss, self.last_grad_norm, self.skipped = math.nan, None, False
+        # a step the health gate refuses: the optimizer does not step; core's loop owns the learning rate
+        optimizer_step = self.optimizers.step
         self.optimizers.step = lambda *a, **k: self._unless_skipped(optimizer_step, *a, **k)
-        self.lr_schedulers.step = lambda *a, **k: self._unless_skipped(lr_step, *a, **k)
+        self.lr_schedulers.step = lambda *a, **k: None
+
+    def set_lr(self, lr: float) -> None:
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
     def _unless_skipped(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._skip_update:
+        if self.skipped:
             self.optimizers.zero_grad()
             return None
         return fn(*args, **kwargs)
@@ -93,11 +79,9 @@ class PrimusTrainer(Trainer):
         return math.nan if bad > 0 else loss / dims.tp
 
     def _check_health(self, grad_norm: torch.Tensor) -> None:
-        """Called with the step's grad norm, before the optimizer update (stop raises, skip gates it)."""
-        self._skip_update = False
-        if self.health is not None:
-            verdict = self.health.check(self.step, self._global_loss(), float(grad_norm))
-            self._skip_update = verdict == "skip"
+        """Called with the step's grad norm, before the optimizer update (the gate raises to stop the run)."""
+        self.last_loss, self.last_grad_norm = self._global_loss(), float(grad_norm)
+        self.skipped = not self.gate(self.last_loss, self.last_grad_norm)
 
     def _grad_scale(self, global_valid_tokens: torch.Tensor) -> float:
         dims = self.parallel_dims
@@ -123,14 +107,6 @@ class PrimusTrainer(Trainer):
 
     def train_step(self, data_iterator: Any) -> None:
         self._step_losses.clear()
+        self.skipped = False
         with compat.grad_norm_recorder(self._check_health):
             super().train_step(data_iterator)
-        self._skip_update = False
-        self.profiler.step()
-        if self.on_step is not None:
-            self.on_step(self.step)
-
-    def train(self) -> None:
-        self.metrics_processor.reset_clock()
-        with self.profiler:
-            super().train()

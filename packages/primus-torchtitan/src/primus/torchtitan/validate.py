@@ -1,6 +1,8 @@
 """What the torchtitan backend refuses, before any work, each with the reason and what would work.
 
-This module imports neither torch nor torchtitan (``primus config validate`` stays fast).
+This module imports neither torch nor torchtitan (``primus config validate`` stays fast). What it knows of
+torchtitan's JobConfig (its sections, the schedule names, how ``backend.extra`` names a field) comes from
+:mod:`primus.torchtitan.job_config`, the mapping a run builds its JobConfig with.
 """
 
 from __future__ import annotations
@@ -10,32 +12,9 @@ from typing import Any
 from primus.core.config.schema import PrimusConfig
 from primus.core.protocols import ConfigIssue
 from primus.torchtitan import faults, fp8
+from primus.torchtitan.job_config import JOB_CONFIG_SECTIONS, PP_SCHEDULES, extra_value
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-
-# JobConfig sections torchtitan 0.2.2 has: backend.extra may only name these (fields are checked at run)
-JOB_CONFIG_SECTIONS = frozenset(
-    {
-        "job",
-        "profiling",
-        "metrics",
-        "model",
-        "optimizer",
-        "lr_scheduler",
-        "training",
-        "parallelism",
-        "checkpoint",
-        "activation_checkpoint",
-        "compile",
-        "quantize",
-        "comm",
-        "memory_estimation",
-        "fault_tolerance",
-        "experimental",
-        "validation",
-        "debug",
-    }
-)
 
 
 def _model_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
@@ -98,7 +77,7 @@ def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
             out.append(
                 ConfigIssue(
                     "parallel.pp_schedule",
-                    "torchtitan's zero-bubble schedule (InterleavedZeroBubble) needs several stages per rank",
+                    f"torchtitan's zero-bubble schedule ({PP_SCHEDULES['zero_bubble']}) needs several stages per rank",
                     value=p.pp_schedule,
                     allowed="1f1b, gpipe, or parallel.vpp > 1",
                 )
@@ -190,18 +169,6 @@ def _train_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 allowed="adamw, adam",
             )
         )
-    if t.init_from_hf:
-        from primus.core.hf.safetensors_io import folder_problem
-
-        if why := folder_problem(t.init_from_hf):
-            out.append(
-                ConfigIssue(
-                    "train.init_from_hf",
-                    why,
-                    value=t.init_from_hf,
-                    allowed="a folder with config.json and *.safetensors",
-                )
-            )
     if cfg.checkpoint.keep_last == 1:
         out.append(
             ConfigIssue(
@@ -228,7 +195,7 @@ def _dtensor_reason(cfg: PrimusConfig, op: str) -> str:
     """Why ``op`` runs on DTensors (which only torch ops take) in this layout, or "" (mirrors
     :func:`primus.torchtitan.kernels.plan`)."""
     p = cfg.parallel
-    loss_parallel = not _extra_flag(cfg.backend.extra, "parallelism.disable_loss_parallel")
+    loss_parallel = not extra_value(cfg.backend.extra, "parallelism.disable_loss_parallel", False)
     if op == "rms_norm" and p.tp > 1:
         return "torchtitan's tensor parallelism runs the norms on DTensors (sequence parallel)"
     if op == "cross_entropy" and p.tp > 1 and loss_parallel:
@@ -241,13 +208,6 @@ def _dtensor_reason(cfg: PrimusConfig, op: str) -> str:
     if op == "attention" and p.cp > 1:
         return "torchtitan's context parallelism wraps its own SDPA module"
     return ""
-
-
-def _extra_flag(extra: dict[str, Any], path: str) -> bool:
-    head, _, rest = path.partition(".")
-    if path in extra:
-        return bool(extra[path])
-    return isinstance(extra.get(head), dict) and bool(extra[head].get(rest, False))
 
 
 def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
@@ -287,6 +247,16 @@ def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
                 ConfigIssue(f"backend.extra.{key}", problem, allowed=", ".join(faults.KEYS))
                 for problem in faults.issues(extra)
             ]
+        elif section == "lr_scheduler":  # torchtitan's schedulers never step: core's loop sets the lr
+            out.append(
+                ConfigIssue(
+                    f"backend.extra.{key}",
+                    "the learning-rate schedule is core's, the same on every engine",
+                    value=value,
+                    allowed="train.schedule.warmup_steps, train.schedule.decay, train.schedule.decay_steps, "
+                    "train.optimizer.lr / min_lr",
+                )
+            )
         elif section not in JOB_CONFIG_SECTIONS:
             out.append(
                 ConfigIssue(
@@ -299,8 +269,7 @@ def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
             out.append(
                 ConfigIssue(f"backend.extra.{key}", "must be a mapping of torchtitan config fields", value=value)
             )
-    section = extra.get("checkpoint")
-    async_mode = extra.get("checkpoint.async_mode", section.get("async_mode") if isinstance(section, dict) else None)
+    async_mode = extra_value(extra, "checkpoint.async_mode")
     if async_mode not in (None, "disabled"):
         out.append(
             ConfigIssue(
@@ -311,6 +280,18 @@ def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
             )
         )
     return out
+
+
+def cpu_refusal(cfg: PrimusConfig) -> str | None:
+    """What cannot run on a CPU (gloo) with torch 2.13, though it runs on GPUs: torch registers no DTensor
+    sharding rule for the CPU flash-attention op that SDPA picks, which context parallelism and qwen3's
+    tensor parallelism (its attention runs on DTensors) reach. Asked by the engine adapter, which knows the device."""
+    p = cfg.parallel
+    if p.cp > 1:
+        return "parallel.cp > 1 needs a GPU: no DTensor sharding rule for CPU flash attention"
+    if cfg.model.family == "qwen3" and p.tp > 1:
+        return "qwen3 with parallel.tp > 1 needs a GPU: no DTensor sharding rule for CPU flash attention"
+    return None
 
 
 def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:

@@ -7,11 +7,14 @@ FLOPs (causal, the usual convention): forward ``4·b·h·s²·d / 2``; backward 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from primus.tune.bench import interleaved_medians
+
+if TYPE_CHECKING:
+    from primus.core.plugins import Registry
 
 
 def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: bool = True) -> float:
@@ -28,12 +31,9 @@ def benchmark_providers(
     dtype: str,
     repeats: int,
     platform: str,
-    registry: Any = None,
+    registry: Registry,
 ) -> list[dict[str, Any]]:
-    if registry is None:
-        from primus.core.plugins import get_registry
-
-        registry = get_registry()
+    """One row per attention provider of ``registry`` (the CLI's): its TF/s, or why it was not timed."""
     device = "cpu" if platform == "cpu" else "cuda"
     dt = getattr(torch, dtype)
     q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dt, requires_grad=True)

@@ -299,6 +299,7 @@ def benchmark_attention(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
 ) -> None:
     """Each attention provider available here (core's registry): causal forward and forward+backward TF/s."""
+    from primus.core.plugins import get_registry
     from primus.tune.attention import benchmark_providers
 
     rows = benchmark_providers(
@@ -310,6 +311,7 @@ def benchmark_attention(
         dtype=DTYPES[dtype],
         repeats=repeats,
         platform=_platform(),
+        registry=get_registry(),
     )
     table = Table(box=None, header_style="bold", pad_edge=False)
     for col in ("provider", "package", "fwd TF/s", "fwd+bwd TF/s", "note"):

@@ -52,7 +52,8 @@ def primus_on_model_ready(config: Any, model_parts: list[Any], info: Any) -> Non
 
 
 @hookimpl
-def primus_on_train_step(step: int, info: Any) -> None:
+def primus_on_optimizer_step(step: int, info: Any) -> None:
+    """``kernels.gemm_tuning: online``: search the GEMM shapes this step met that are not tuned yet."""
     tuning = _active.get("tuning")
     if tuning is not None:
         tuning.step_end(step)

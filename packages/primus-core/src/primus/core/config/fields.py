@@ -31,12 +31,20 @@ def field_info(dotted: str, root: type[BaseModel] = PrimusConfig) -> FieldInfo |
 
 
 def coerce(dotted: str, value: Any) -> Any:
-    """Convert a command-line value to its field's type where that is unambiguous ("8" -> 8)."""
+    """Convert a command-line value to its field's type where that is unambiguous ("8" -> 8). ``true`` / ``false``
+    never become a number (pydantic's lax mode reads True as 1): they stay as they are, and the strict
+    validation refuses them for an int or float field, naming the key, as it does in a YAML file."""
     info = field_info(dotted)
     if info is None or info.annotation is None or _model_in(info.annotation) is not None:
         return value
+    adapter = TypeAdapter(info.annotation)
     try:
-        return TypeAdapter(info.annotation).validate_python(value, strict=False)
+        return adapter.validate_python(value, strict=True)
+    except ValidationError:
+        if isinstance(value, bool):
+            return value
+    try:
+        return adapter.validate_python(value, strict=False)
     except ValidationError:
         return value  # strict validation reports it, naming the key
 

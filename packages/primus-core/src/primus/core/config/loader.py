@@ -50,9 +50,16 @@ def parse_scalar(text: str) -> Any:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
     except FileNotFoundError:
         raise ConfigError([ConfigIssue(str(path), "file not found")]) from None
+    except UnicodeDecodeError as exc:
+        where = f"byte {exc.object[exc.start : exc.start + 1].hex()} at offset {exc.start}"
+        raise ConfigError(
+            [ConfigIssue(str(path), f"not UTF-8 text ({where})", allowed="a YAML file saved as UTF-8")]
+        ) from None
+    except OSError as exc:  # unreadable (permissions), a folder, ...
+        raise ConfigError([ConfigIssue(str(path), f"cannot read it: {exc.strerror or exc}")]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([ConfigIssue(str(path), f"not valid YAML: {exc}")]) from None
     if data is None:

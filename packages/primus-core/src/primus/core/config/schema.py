@@ -66,6 +66,9 @@ class OptimizerConfig(Section):
 class ScheduleConfig(Section):
     warmup_steps: int = Field(2, ge=0, description="linear warmup steps")
     decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
+    decay_steps: int | None = Field(
+        None, gt=0, description="steps from 0 to the end of decay (default train.steps); min_lr after them"
+    )
 
 
 class HealthConfig(Section):
@@ -93,7 +96,16 @@ class TrainConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     compile: bool = Field(False, description="torch.compile the blocks")
-    init_from_hf: str | None = Field(None, description="start from a Hugging Face checkpoint folder")
+    init_from: str | None = Field(
+        None,
+        description="start from these weights: a Hugging Face folder (its config.json gives the model) or a Primus "
+        "checkpoint of either engine (primus.core.init_from)",
+    )
+    init: Literal["canonical", "engine"] = Field(
+        "canonical",
+        description="initial weights: canonical = each tensor drawn from train.seed by its Hugging Face name, the "
+        "same on every engine and layout (primus.core.init); engine = the engine's own init",
+    )
     health: HealthConfig = Field(default_factory=HealthConfig)
 
 

@@ -9,6 +9,8 @@ plugins (backend, strategy and kernel names; the backend's own refusals).
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -129,6 +131,16 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         )
     if p.sequence_parallel and p.tp == 1:
         out.append(ConfigIssue("parallel.sequence_parallel", "needs parallel.tp > 1", value=True))
+    elif p.sequence_parallel and t.seq_len % p.tp:  # every engine splits the sequence over the tp ranks
+        out.append(
+            ConfigIssue(
+                "train.seq_len",
+                f"{t.seq_len} is not divisible by parallel.tp ({p.tp}): sequence parallel splits the sequence "
+                "over the tp ranks",
+                value=t.seq_len,
+                allowed=f"a multiple of {p.tp}",
+            )
+        )
     if p.vpp > 1 and p.pp == 1:
         out.append(ConfigIssue("parallel.vpp", f"{p.vpp} needs parallel.pp > 1", value=p.vpp))
     if p.pp_schedule == "interleaved_1f1b" and p.vpp == 1:
@@ -268,6 +280,32 @@ def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> l
     if backend is not None and not out:
         out.extend(validate_with(backend, cfg, world_size))
     return out
+
+
+def folder_issue(key: str, folder: str | Path) -> ConfigIssue | None:
+    """Why ``folder`` (named by config key ``key``) cannot be a run's writable folder, or None when it is one
+    or can be made one: a file in its place, a file where a parent folder should be, no write permission in the
+    nearest folder that exists. Only looks (stat, access): nothing is created."""
+    path = Path(folder).expanduser().absolute()
+    allowed = "a folder path you can write to (created if missing)"
+    try:
+        if path.is_symlink() and not path.exists():
+            return ConfigIssue(key, f"{folder} is a broken symbolic link", allowed=allowed)
+        if path.exists() and not path.is_dir():
+            return ConfigIssue(key, f"{folder} is a file, not a folder", allowed=allowed)
+        existing = path
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            return ConfigIssue(key, f"cannot create {folder}: {existing} is a file, not a folder", allowed=allowed)
+    except OSError as exc:  # a parent we may not even look into
+        return ConfigIssue(key, f"cannot use {folder}: {exc.strerror or exc}", allowed=allowed)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = (
+            f"{folder} is not writable" if existing == path else f"cannot create {folder}: {existing} is not writable"
+        )
+        return ConfigIssue(key, what + " (no write permission)", allowed=allowed)
+    return None
 
 
 def validate_config(data: dict[str, Any], world_size: int = 1, registry: Registry | None = None) -> PrimusConfig:

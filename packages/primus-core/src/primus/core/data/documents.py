@@ -12,6 +12,7 @@ A folder stands for every supported file under it (recursively), a glob for its 
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 from collections.abc import Iterator
@@ -115,6 +116,24 @@ def iter_documents(item: Input, text_key: str = "text") -> Iterator[str]:
         yield from _parquet(item.path, text_key)
     else:
         raise DataError(f"{item.path}: {item.format} inputs hold tokens, not text")
+
+
+#: How much of a .txt file :func:`first_document` reads.
+HEAD_BYTES = 1 << 16
+
+
+def first_document(item: Input, text_key: str = "text") -> str | None:
+    """The first non-empty document of a text input (of a .txt file: its first :data:`HEAD_BYTES`), or None if
+    it has none. Reads only up to that document, so it is a cheap check of a large corpus: it raises what
+    :func:`iter_documents` raises for the file's first records (not UTF-8, not JSON, no ``text_key``)."""
+    if item.format == "txt":
+        with open(item.path, "rb") as stream:
+            head = stream.read(HEAD_BYTES)
+        try:  # a multi-byte character cut at the end of the head is not an error; at the end of the file it is
+            return codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < HEAD_BYTES) or None
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{item.path}: not UTF-8 text ({exc})") from exc
+    return next((doc for doc in iter_documents(item, text_key) if doc), None)
 
 
 def _jsonl(path: Path, text_key: str) -> Iterator[str]:

@@ -50,24 +50,10 @@ def load_token_stream(data_cfg: DataConfig, tokenizer: Tokenizer | None, vocab_s
     if data_cfg.source == "mock":
         return np.random.default_rng(seed).integers(0, vocab_size, size=MOCK_TOKENS, dtype=np.int32)
 
-    if data_cfg.source == "bundled":
-        inputs: list[Input] = []
-        if data_cfg.paths:
-            inputs = resolve_inputs([(p, f"data.paths[{i}]") for i, p in enumerate(data_cfg.paths)], data_cfg.format)
-    else:
-        specs = [(data_cfg.source, "data.source")] + [(p, f"data.paths[{i}]") for i, p in enumerate(data_cfg.paths)]
-        inputs = resolve_inputs(specs, data_cfg.format)
-
-    needs_text = data_cfg.source == "bundled" or any(item.format != "megatron" for item in inputs)
-    if needs_text and tokenizer is None:
-        tokenizer = load_tokenizer(data_cfg.tokenizer)
-    if tokenizer is not None and needs_text:
-        size = tokenizer.get_vocab_size(with_added_tokens=True)
-        if size > vocab_size:
-            raise DataError(
-                f"tokenizer {data_cfg.tokenizer!r} has {size} tokens but model.vocab_size is "
-                f"{vocab_size}: token ids must be < vocab_size (raise model.vocab_size)"
-            )
+    inputs = source_inputs(data_cfg)
+    needs_text = needs_tokenizer(data_cfg, inputs)
+    if needs_text:
+        tokenizer = text_tokenizer(data_cfg, tokenizer, vocab_size)
 
     key = {
         "v": STREAM_VERSION,
@@ -87,12 +73,50 @@ def load_token_stream(data_cfg: DataConfig, tokenizer: Tokenizer | None, vocab_s
             stream = _load_cached(path)
             assert stream is not None, path
 
-    if stream.size and int(stream.max()) >= vocab_size:
+    if stream.size:
+        check_token_ids(data_cfg, int(stream.max()), vocab_size)
+    return stream
+
+
+def source_inputs(data_cfg: DataConfig) -> list[Input]:
+    """The files of ``data.source`` (unless "bundled") and ``data.paths``, in order; none for "mock" (random
+    tokens, the paths unused).
+
+    :raises DataError: naming the key and path: no such file / folder / prefix, an unknown extension, an empty
+        folder, a glob matching nothing, half a Megatron pair.
+    """
+    if data_cfg.source == "mock":
+        return []
+    specs = [(p, f"data.paths[{i}]") for i, p in enumerate(data_cfg.paths)]
+    if data_cfg.source != "bundled":
+        specs.insert(0, (data_cfg.source, "data.source"))
+    return resolve_inputs(specs, data_cfg.format) if specs else []
+
+
+def needs_tokenizer(data_cfg: DataConfig, inputs: list[Input]) -> bool:
+    """Whether the stream is tokenized here (text), not read as tokens (Megatron .bin/.idx, "mock")."""
+    return data_cfg.source == "bundled" or any(item.format != "megatron" for item in inputs)
+
+
+def text_tokenizer(data_cfg: DataConfig, tokenizer: Tokenizer | None, vocab_size: int) -> Tokenizer:
+    """``tokenizer``, or ``data.tokenizer`` loaded, once its ids are known to fit ``model.vocab_size``."""
+    if tokenizer is None:
+        tokenizer = load_tokenizer(data_cfg.tokenizer)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
         raise DataError(
-            f"{data_cfg.source}: token id {int(stream.max())} >= model.vocab_size {vocab_size} "
+            f"tokenizer {data_cfg.tokenizer!r} has {size} tokens but model.vocab_size is "
+            f"{vocab_size}: token ids must be < vocab_size (raise model.vocab_size)"
+        )
+    return tokenizer
+
+
+def check_token_ids(data_cfg: DataConfig, max_id: int, vocab_size: int) -> None:
+    if max_id >= vocab_size:
+        raise DataError(
+            f"{data_cfg.source}: token id {max_id} >= model.vocab_size {vocab_size} "
             "(the data was tokenized with a larger vocabulary than the model's)"
         )
-    return stream
 
 
 def _fingerprint(item: Input) -> list:

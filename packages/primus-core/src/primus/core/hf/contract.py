@@ -16,6 +16,7 @@ from primus.core.errors import UserError
 
 if TYPE_CHECKING:
     from primus.core.config.schema import ModelConfig, PrimusConfig
+    from primus.core.plugins import Registry
 
 log = logging.getLogger("primus.hf")
 
@@ -71,7 +72,7 @@ class HFInterop(Protocol):
 
 
 # A checkpoint is read (and an import written) by one process: a run's layout does not apply, nor where its
-# weights came from (the HF folder of train.init_from_hf may be gone by then).
+# weights came from (the folder of train.init_from may be gone by then).
 OFFLINE_OVERRIDES = (
     "parallel.strategy=manual",
     "parallel.dp_replicate=1",
@@ -81,16 +82,21 @@ OFFLINE_OVERRIDES = (
     "parallel.vpp=1",
     "parallel.cp=1",
     "parallel.sequence_parallel=false",
-    "train.init_from_hf=null",
+    "train.init_from=null",
 )
 
 
-def interop(cfg: PrimusConfig, registry: Any = None) -> HFInterop:
-    """The HF importer/exporter of ``cfg.backend.name``; a clear error when the backend has none."""
+def _registry() -> Registry:
+    """The process's registry, for a top-level call that was handed none."""
     from primus.core.plugins import get_registry
+
+    return get_registry()
+
+
+def interop(cfg: PrimusConfig, registry: Registry) -> HFInterop:
+    """The HF importer/exporter of ``cfg.backend.name``; a clear error when the backend has none."""
     from primus.core.protocols import load_ref
 
-    registry = registry or get_registry()
     spec = registry.backends.get(cfg.backend.name)
     if spec is None:
         raise UserError(f"backend.name {cfg.backend.name!r} is not installed; allowed: {', '.join(registry.backends)}")
@@ -116,8 +122,12 @@ def tokenizer_source(cfg: PrimusConfig) -> Path | None:
     return path if path.is_file() else None
 
 
-def import_checkpoint(cfg: PrimusConfig, hf_dir: str | Path, out: str | Path) -> Path:
-    """HF folder -> the checkpoint of ``cfg.backend.name`` under ``out`` (``cfg.model`` must describe it)."""
+def import_checkpoint(
+    cfg: PrimusConfig, hf_dir: str | Path, out: str | Path, *, registry: Registry | None = None
+) -> Path:
+    """HF folder -> the checkpoint of ``cfg.backend.name`` under ``out`` (``cfg.model`` must describe it).
+
+    ``registry``: the installed plugins' (the CLI's); the process's own when not given."""
     from primus.core.hf.config import check_matches
     from primus.core.hf.safetensors_io import HFReader, missing
 
@@ -126,17 +136,24 @@ def import_checkpoint(cfg: PrimusConfig, hf_dir: str | Path, out: str | Path) ->
     lacking = missing(reader, hf_names(cfg.model))
     if lacking:
         raise UserError(f"HF folder {hf_dir} lacks {len(lacking)} tensor(s) of the model, e.g. {lacking[:3]}")
-    return interop(cfg).import_hf(cfg, Path(hf_dir), Path(out))
+    return interop(cfg, registry or _registry()).import_hf(cfg, Path(hf_dir), Path(out))
 
 
 def export_checkpoint(
-    cfg: PrimusConfig, checkpoint: str | Path, out: str | Path, *, max_shard_bytes: int = 5 * 2**30
+    cfg: PrimusConfig,
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    registry: Registry | None = None,
 ) -> Path:
-    """The engine checkpoint ``checkpoint`` -> a HF folder ``out`` that ``from_pretrained`` loads."""
+    """The engine checkpoint ``checkpoint`` -> a HF folder ``out`` that ``from_pretrained`` loads.
+
+    ``registry``: as in :func:`import_checkpoint`."""
     from primus.core.hf.config import hf_config
     from primus.core.hf.safetensors_io import write_hf
 
-    tensors = interop(cfg).export_hf(cfg, Path(checkpoint))
+    tensors = interop(cfg, registry or _registry()).export_hf(cfg, Path(checkpoint))
     expected = hf_names(cfg.model)
     if sorted(tensors) != sorted(expected):
         raise RuntimeError(

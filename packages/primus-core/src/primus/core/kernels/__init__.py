@@ -27,6 +27,7 @@ from primus.core.protocols import KERNEL_OPS, KernelProvider
 
 if TYPE_CHECKING:
     from primus.core.config.schema import KernelsConfig
+    from primus.core.planner.profile import EngineProfile
     from primus.core.plugins import Registry
 
 log = logging.getLogger("primus.kernels")
@@ -38,20 +39,24 @@ class KernelUnavailable(UserError, RuntimeError):
     pass
 
 
-def fused_loss_refusal(engine: str, *, tp: int, pp: int = 1, cp: int = 1, fp8_head: bool = False) -> str:
-    """Why ``engine`` keeps its own output layer + loss instead of a provider's ``linear_cross_entropy`` in
-    this layout ("" where it fuses them). One rule for both backends and the planner's memory model.
-    ``fp8_head``: the output head is an FP8 linear (:func:`~primus.core.kernels.fp8_recipe.fp8_output_head`),
-    which the bf16 fused kernel would bypass."""
-    if fp8_head:
-        return "the output head is an FP8 linear (kernels.fp8_recipe.bf16_output_head: false)"
-    if tp > 1:
-        return "the output projection is vocab-sharded under tensor parallelism"
-    if engine == "torchtitan" and pp > 1:
-        return "pipeline schedules call the loss outside the last stage's forward"
-    if engine == "torchtitan" and cp > 1:
-        return "context parallelism shards the labels inside torchtitan's train context"
-    return ""
+def fused_loss_refusal(
+    engine: str | EngineProfile,
+    *,
+    tp: int,
+    pp: int = 1,
+    cp: int = 1,
+    fp8_head: bool = False,
+    registry: Registry | None = None,
+) -> str:
+    """Why ``engine`` (a backend's name, or its planner profile) keeps its own output layer + loss instead of a
+    provider's ``linear_cross_entropy`` in this layout ("" where it fuses them). One rule for the backends and the
+    planner's memory model: :meth:`EngineProfile.fused_loss_refusal <primus.core.planner.profile.EngineProfile>`
+    with the engine's facts (``fused_loss``, ``fused_loss_refused``: what it cannot fuse under PP or CP).
+    ``fp8_head``: the output head is an FP8 linear (:func:`~primus.core.kernels.fp8_recipe.fp8_output_head`), which
+    the bf16 fused kernel would bypass."""
+    from primus.core.planner.profile import profile_of
+
+    return profile_of(engine, registry).fused_loss_refusal(tp=tp, pp=pp, cp=cp, fp8_head=fp8_head)
 
 
 def detect_device() -> str:

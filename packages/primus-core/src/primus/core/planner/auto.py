@@ -2,20 +2,25 @@
 
 Fields the user set explicitly under ``parallel`` (any layer but the defaults) are kept: the planner
 only considers layouts that agree with them. The device is the one this process sees (the first
-GPU, or the host for CPU runs).
+GPU, or the host for CPU runs). The engine is ``backend.name``'s, planned with its backend's profile
+(:mod:`primus.core.planner.profile`; the generic engine's where it gives none).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device, device
 from primus.core.planner.memory import GIB, Layout
+from primus.core.planner.profile import profile_of
 from primus.core.planner.search import Candidate, Cluster, candidates
+
+if TYPE_CHECKING:
+    from primus.core.plugins import Registry
 
 log = logging.getLogger("primus.planner")
 
@@ -44,8 +49,9 @@ def to_parallel(layout: Layout) -> dict[str, Any]:
         "pp_schedule": "interleaved_1f1b" if layout.vpp > 1 else "1f1b",
         "recompute": "full" if layout.recompute == "partial" else layout.recompute,
     }
-    if layout.recompute == "partial":
-        out.update(recompute_method="block", recompute_layers=layout.recompute_layers)
+    if layout.recompute == "partial":  # in the config the way the engine's profile says (None: it cannot be)
+        method = layout.engine_profile.partial_recompute_method
+        out.update(recompute_method=method, recompute_layers=layout.recompute_layers)
     return out
 
 
@@ -54,7 +60,15 @@ def _agrees(cand: Candidate, explicit: dict[str, Any]) -> bool:
     return all(filled.get(k, v) == v for k, v in explicit.items())
 
 
-def choose(cfg: PrimusConfig, explicit_keys: set[str], world_size: int, dev: Device | None = None) -> PrimusConfig:
+def choose(
+    cfg: PrimusConfig,
+    explicit_keys: set[str],
+    world_size: int,
+    dev: Device | None = None,
+    registry: Registry | None = None,
+) -> PrimusConfig:
+    """``cfg`` with its parallel section filled by the best layout that fits. ``registry``: where the backend's
+    profile is looked up first (then among the installed backends) and the kernel providers (None: the process's)."""
     dev = dev or local_device()
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     cluster = Cluster(dev, max(world_size // gpn, 1), gpn)
@@ -62,23 +76,24 @@ def choose(cfg: PrimusConfig, explicit_keys: set[str], world_size: int, dev: Dev
     explicit = {k: getattr(cfg.parallel, k) for k in explicit_keys if k not in ("strategy",)}
     from primus.core.strategies import kernel_terms  # strategies imports the planner
 
+    engine = profile_of(cfg.backend.name, registry)
     every = candidates(
         cfg.model,
         cluster,
         t.seq_len,
         t.micro_batch_size,
         t.global_batch_size,
-        cfg.backend.name,
+        engine,
         t.precision,
-        kernel_terms(cfg),
+        kernel_terms(cfg, registry),
     )
     cands = [
         c
         for c in every
-        # TorchTitan's "checkpoint every k-th block" has no field in the schema yet
+        # a partial recompute the config cannot ask for (the profile names no recompute_method for it) is not picked
         if c.fits
         and _agrees(c, explicit)
-        and not (cfg.backend.name == "torchtitan" and c.layout.recompute == "partial")
+        and not (c.layout.recompute == "partial" and engine.partial_recompute_method is None)
     ]
     if not cands:
         from primus.core.config.errors import ConfigError
@@ -111,16 +126,15 @@ def choose(cfg: PrimusConfig, explicit_keys: set[str], world_size: int, dev: Dev
     return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=to_parallel(pick.layout))})
 
 
-def check_fits(cfg: PrimusConfig, world_size: int, dev: Device | None = None) -> None:
+def check_fits(cfg: PrimusConfig, world_size: int, dev: Device | None = None, registry: Registry | None = None) -> None:
     """Refuse, before any model is built, a layout whose estimated per-device memory exceeds the device's
-    by more than the memory model's validated error (``calibration.FIT_TOLERANCE``), with the numbers."""
-    if cfg.backend.name not in ("megatron", "torchtitan"):
-        return  # the planner models these two engines only
+    by more than the memory model's validated error (``calibration.FIT_TOLERANCE``), with the numbers.
+    Every backend is checked: with its profile, or as the generic engine where it gives none."""
     from primus.core.errors import UserError
     from primus.core.strategies import estimate_memory
 
     dev = dev or local_device()
-    est = estimate_memory(cfg, world_size)
+    est = estimate_memory(cfg, world_size, registry)
     need, have = est.total / GIB, dev.memory_gib
     if need <= have * (1 + cal.FIT_TOLERANCE):
         return

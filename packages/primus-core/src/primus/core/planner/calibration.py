@@ -21,23 +21,20 @@ COMM_BUFFER_BYTES = 1.0 * GIB
 WORKSPACE_BYTES = 0.5 * GIB
 # Allocator fragmentation: reserved − allocated at the peak, as a fraction of what the model counts.
 FRAGMENTATION = 0.05
-# Multiplier on the activation formula of memory.py, per engine (1.0 = the formula as derived).
-ACTIVATION_SCALE = {"megatron": 1.0, "torchtitan": 1.0}
 # Bytes per logit besides the logits themselves: the fp32 copy the loss works on and its gradient.
 LOGITS_EXTRA_BYTES = 8
 # A fused linear + cross-entropy (primus-turbo) holds one chunk of logits at a time (its CHUNK_BUDGET_BYTES).
 FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
-# Selective recompute: the share of a layer's saved activations that stays. Measured on the H200
-# (memory_validation.json, 2026-11-29, llama3.2-1b s4096 mbs2): TorchTitan's op-level policy (recompute all but
-# the matmuls' outputs, every other one kept) freed 7.0 of ~10.2 GiB -> 0.32; Megatron's selective recomputes
-# only core attention, and with flash/cuDNN attention (all our providers) that saves nothing measurable
-# (peak 31.5 GiB with and without) -> 1.0.
-SELECTIVE_KEPT = {"megatron": 1.0, "torchtitan": 0.32}
-# TorchTitan without FSDP trains fp32 weights under torch.autocast: the residual stream (layer input and the
-# attention block's output sum, both saved for the norms' backward) stays fp32; the norm outputs are saved
-# as the bf16 copies autocast makes for the next GEMM.
+# What is particular to an engine (its state bytes per parameter, the share of activations its selective recompute
+# keeps, a multiplier on the activation formula) is in its planner profile (primus.core.planner.profile), each
+# number there with where it was measured: primus.megatron.planner_profile, primus.torchtitan.planner_profile.
+#
+# An engine that trains fp32 weights under torch.autocast (profile.autocast; TorchTitan without FSDP): the residual
+# stream (layer input and the attention block's output sum, both saved for the norms' backward) stays fp32; the
+# norm outputs are saved as the bf16 copies autocast makes for the next GEMM.
 AUTOCAST_RESIDUAL_BYTES = 4
-# TorchTitan without FSDP: torch.autocast keeps a bf16 copy of each fp32 weight from the forward to the backward.
+# Such an engine (TorchTitan without FSDP): torch.autocast keeps a bf16 copy of each fp32 weight from the forward
+# to the backward.
 # The bf16 fits above absorb it (its 2 bytes per parameter are in no other term); FP8 layers run with autocast off
 # and do not make it, which is what FP8 takes off (memory.fp8_bytes). Measured on the H200 (fp8_training.json,
 # eager, 3B micro-batch 2): FP8 rowwise, which keeps the weights themselves, peaked 4.2 GiB below bf16; 2 bytes

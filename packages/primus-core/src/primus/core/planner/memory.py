@@ -1,42 +1,47 @@
-"""Per-device memory of one training layout, by category, for each engine.
+"""Per-device memory of one training layout, by category, from the engine's profile.
 
 Bytes per parameter of the most loaded pipeline stage (P = its parameters after TP/PP division,
-n = the data-parallel degree; bf16 compute with fp32 master weights and Adam):
+n = the data-parallel degree; bf16 compute, Adam), read from the engine's profile
+(:class:`~primus.core.planner.profile.EngineProfile`: w = ``weight_bytes``, g = ``grad_bytes``, m = ``master_bytes``;
+fp32 runs: w = 4, m = 0). The two in-tree engines' profiles, as examples:
 
 =========================== ========= ============= ===========================================
 layout                      weights   gradients     optimizer (master + Adam m, v)
 =========================== ========= ============= ===========================================
-Megatron DDP                2 (bf16)  4 (main_grad) 12
-Megatron DDP + dist. optim. 2         4             12 / n
-Megatron FSDP               2 / n     4 / n         12 / n   (+ two gathered bf16 layers)
-TorchTitan DDP              4 (fp32)  4             8        (no distributed optimizer)
-TorchTitan FSDP2            4 / n     4 / n         8 / n    (+ two gathered bf16 layers, one fp32
-                                                               reduce-scatter buffer)
+DDP                         w         g             m + 8
+DDP + dist. optim.          w         g             (m + 8) / n  (where the engine has one)
+FSDP                        w / n     g / n         (m + 8) / n  (+ two gathered layers and the
+                                                                 engine's reduce-scatter buffer)
+Megatron (w, g, m)          2 (bf16)  4 (main_grad) 4 + 8
+TorchTitan (w, g, m)        4 (fp32)  4             0 + 8        (FSDP2: one fp32 reduce-scatter
+                                                                 buffer; no distributed optimizer)
 =========================== ========= ============= ===========================================
 
 Activations of one layer for one micro-batch (s tokens / cp, b samples, a bytes per element; flash
 attention, so no s×s scores): a·s·b·(4d / t_sp + (h·c + 2·kv·c + h·c + 3f) / t) — the layer input,
 the two norm outputs and the residual (sharded by TP only with sequence parallel), then q, k, v, the
 attention output and the SwiGLU gate, up and product (sharded by TP). Recompute keeps less:
-selective keeps a measured share per engine (calibration.SELECTIVE_KEPT); full
+selective keeps the share the engine's profile gives (``selective_kept``, measured per engine); full
 keeps only the layer input, plus one layer's working set while it recomputes; partial applies full
 to some layers. Pipelines hold min(pp, micro-batches) micro-batches on the first stage, times
 Megatron's interleaving penalty 1 + (pp − 1)/(pp · vpp). The last stage also holds the logits:
 s·b·V/t elements at a (logits) + 4 (fp32 loss) + 4 (their gradient) bytes, or with a fused linear +
-cross-entropy one chunk of them plus the output weight's and hidden states' gradients. TorchTitan without FSDP
-runs fp32 weights under autocast: its layer input and residual are fp32 (4 bytes), the rest bf16.
+cross-entropy (where the engine's profile says it uses one) one chunk of them plus the output weight's and hidden
+states' gradients. An engine whose profile trains fp32 weights under autocast (``autocast``) without FSDP keeps
+its layer input and residual in fp32 (4 bytes), the rest bf16.
 With FP8 GEMMs (``fp8`` not off) the "fp8" part is what FP8 adds and takes off, and is mostly negative: an e4m3
 copy of the FP8 layers' weights (tensorwise) replaces autocast's bf16 one, and their linears keep their inputs in
 fewer bytes (:func:`fp8_bytes`).
 Framework memory: outside the allocator the CUDA/HIP context and, with more than one rank, NCCL/RCCL
 buffers ("context"); inside it GEMM workspaces plus allocator fragmentation ("overhead"). All constants:
-:mod:`primus.core.planner.calibration`; measured against real runs by ``benchmarks/memory_validation.py``.
+:mod:`primus.core.planner.calibration` and the engines' profiles; measured against real runs by
+``benchmarks/memory_validation.py``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from primus.core.config.schema import ModelConfig
 from primus.core.kernels import fused_loss_refusal
@@ -44,6 +49,7 @@ from primus.core.kernels.fp8_recipe import fp8_blocks
 from primus.core.modelmath import count_params
 from primus.core.planner import calibration as cal
 from primus.core.planner.calibration import GIB
+from primus.core.planner.profile import ADAM_BYTES, EngineProfile, profile_of
 
 # parts of the breakdown that live outside the framework's caching allocator (torch.cuda.max_memory_reserved
 # does not see them); the rest is what the allocator holds at the peak
@@ -52,7 +58,7 @@ OUTSIDE_ALLOCATOR = ("context",)
 
 @dataclass(frozen=True)
 class Layout:
-    engine: str  # "megatron" | "torchtitan"
+    engine: str  # the backend's name
     dp_mode: str  # "ddp" | "ddp_distopt" | "fsdp"
     dp: int
     tp: int = 1
@@ -63,6 +69,12 @@ class Layout:
     recompute_layers: int = 0  # partial: layers per stage recomputed in full
     micro_batch: int = 1
     micro_batches: int = 1  # per step, per pipeline (gradient accumulation)
+    # the engine's facts; None: those of the installed backend called ``engine`` (profile.profile_of)
+    profile: EngineProfile | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def engine_profile(self) -> EngineProfile:
+        return self.profile if self.profile is not None else profile_of(self.engine)
 
     @property
     def world(self) -> int:
@@ -141,7 +153,7 @@ def activation_bytes_per_layer(
     norms = dtype_bytes * s * b * 2 * d / t_sp
     sharded = dtype_bytes * s * b * (2 * h * c + 2 * kv * c + 3 * f) / t
     full = 2 * layer_input + norms + sharded  # the layer input and the residual, both norm outputs, the rest
-    selective = full * cal.SELECTIVE_KEPT.get(layout.engine, 1.0)
+    selective = full * layout.engine_profile.selective_kept
     return {"none": full, "selective": selective, "full": layer_input, "working": full}
 
 
@@ -171,7 +183,7 @@ def fp8_bytes(model: ModelConfig, layout: Layout, seq_len: int, kernels: KernelT
     d, f = model.hidden_size, model.ffn_hidden_size
     # per layer: the two norm outputs (sequence-sharded with SP), the attention output and the SwiGLU product
     elements = seq_len / layout.cp * layout.micro_batch * (2 * d / t_sp + (d + f) / layout.tp)
-    kept = {"none": nl, "selective": nl * cal.SELECTIVE_KEPT.get(layout.engine, 1.0), "full": 0}
+    kept = {"none": nl, "selective": nl * layout.engine_profile.selective_kept, "full": 0}
     kept_layers = kept.get(layout.recompute, nl - layout.recompute_layers)  # partial: the layers not recomputed
     saved = cal.FP8_INPUT_BYTES_SAVED["compiled" if kernels.compiled else "eager"][kernels.fp8]
     return share * (copy * nl * layer - saved * elements * kept_layers * in_flight_micro_batches(layout))
@@ -210,25 +222,24 @@ def estimate(
 ) -> MemoryBreakdown:
     """Per-device peak memory of ``layout`` with the kernels' FP8 weight copies and fused loss (``kernels``)."""
     a = 4 if precision == "fp32" else 2
+    engine = layout.engine_profile
+    layout = replace(layout, profile=engine)  # looked up once
     params, layer = stage_params(model, layout)
-    n = layout.dp * layout.cp  # Megatron and TorchTitan shard optimizer/FSDP state over dp × cp
+    n = layout.dp * layout.cp  # optimizer and FSDP state are sharded over dp × cp
     mixed = precision != "fp32"
-    if layout.engine == "megatron":
-        w, g, o = (2 if mixed else 4), 4, (12 if mixed else 8)
-        shard_w = shard_g = layout.dp_mode == "fsdp"
-        shard_o = layout.dp_mode in ("fsdp", "ddp_distopt")
-    else:  # torchtitan keeps fp32 parameters; FSDP2's mixed precision gathers bf16 copies
-        w, g, o = 4, 4, 8
-        shard_w = shard_g = shard_o = layout.dp_mode == "fsdp"
+    w, g = (engine.weight_bytes if mixed else 4), engine.grad_bytes
+    o = (engine.master_bytes if mixed else 0) + ADAM_BYTES
+    shard_w = shard_g = layout.dp_mode == "fsdp"
+    shard_o = layout.dp_mode == "fsdp" or (layout.dp_mode == "ddp_distopt" and engine.distributed_optimizer)
     parts = {
         "weights": params * w / (n if shard_w else 1),
         "gradients": params * g / (n if shard_g else 1),
         "optimizer": params * o / (n if shard_o else 1),
     }
     buffers = 0.0
-    if layout.dp_mode == "fsdp" and n > 1:
-        buffers = 2 * layer * a + (layer * 4 if layout.engine == "torchtitan" else 0)  # gathered layers, RS buffer
-    autocast = layout.engine == "torchtitan" and mixed and not (layout.dp_mode == "fsdp" and n > 1)
+    if layout.dp_mode == "fsdp" and n > 1:  # two gathered layers, and the engine's reduce-scatter buffer
+        buffers = 2 * layer * a + layer * engine.fsdp_reduce_buffer_bytes
+    autocast = engine.autocast and mixed and not (layout.dp_mode == "fsdp" and n > 1)
     per_layer = activation_bytes_per_layer(model, layout, seq_len, a, cal.AUTOCAST_RESIDUAL_BYTES if autocast else a)
     nl = layers_per_stage(model, layout)  # all virtual chunks of the stage
     if layout.recompute == "partial":
@@ -237,12 +248,11 @@ def estimate(
         kept = nl * per_layer[layout.recompute]
     if layout.recompute in ("full", "partial"):
         kept += per_layer["working"]
-    scale = cal.ACTIVATION_SCALE.get(layout.engine, 1.0)
-    parts["activations"] = kept * in_flight_micro_batches(layout) * scale
+    parts["activations"] = kept * in_flight_micro_batches(layout) * engine.activation_scale
     s = seq_len / layout.cp
-    # where the engine uses it (the rule both backends apply)
+    # where the engine uses it (the rule the backends apply)
     if kernels.fused_loss and not fused_loss_refusal(
-        layout.engine, tp=layout.tp, pp=layout.pp, cp=layout.cp, fp8_head=kernels.fp8_head
+        engine, tp=layout.tp, pp=layout.pp, cp=layout.cp, fp8_head=kernels.fp8_head
     ):
         # one chunk of logits, the output weight's gradient and the hidden states' (made in the forward)
         parts["logits"] = (

@@ -12,7 +12,8 @@
   DDP all-reduce of gradients once per step = 2·G bytes of gradients; DDP + distributed optimizer
   (reduce-scatter gradients, all-gather parameters) the same volume; FSDP per micro-batch: parameter
   all-gather in forward and again in backward (reshard after forward) plus a gradient reduce-scatter.
-  Gradients travel in bf16 on Megatron and in fp32 on TorchTitan (FSDP2's reduce dtype).
+  Gradients travel in the bytes the engine's profile gives (``grad_comm_bytes``: bf16 on Megatron, fp32 on
+  TorchTitan, FSDP2's reduce dtype).
   DDP overlaps with the backward of the last micro-batch only (earlier ones accumulate without sync);
   FSDP with every micro-batch's compute. At best 90% (DDP) / 80% (FSDP, the first gather of each step
   is exposed) is hidden.
@@ -128,7 +129,7 @@ def step_time(
     bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
 
     n = layout.dp * layout.cp
-    grad_bytes = 2 if layout.engine == "megatron" else 4
+    grad_bytes = layout.engine_profile.grad_comm_bytes
     ring = (n - 1) / n if n > 1 else 0.0
     dp_spans_nodes = layout.tp * layout.cp * layout.dp > gpus_per_node
     bw = (dev.inter_gbps if dp_spans_nodes else dev.intra_gbps) * 1e9

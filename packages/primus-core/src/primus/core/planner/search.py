@@ -1,5 +1,8 @@
 """Enumerate the layouts an engine can run on a cluster, keep those that fit, rank by estimated step time.
 
+Which data-parallel modes and recompute options an engine runs is its profile's to say
+(:class:`~primus.core.planner.profile.EngineProfile`: ``dp_modes``, ``recompute``, ``partial_recompute``).
+
 Ties (equal estimated time, e.g. DDP with and without the distributed optimizer) go to the layout
 that needs less memory, then to the one with fewer parallel dimensions. Nothing here is a lookup:
 which strategy wins follows from the memory model (memory.py) and the time model (perf.py).
@@ -9,16 +12,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import flops_per_token
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import GIB, PLAIN_KERNELS, KernelTerms, Layout, MemoryBreakdown, estimate
 from primus.core.planner.perf import StepTime, step_time
+from primus.core.planner.profile import GENERIC, EngineProfile, profile_of
+
+if TYPE_CHECKING:
+    from primus.core.plugins import Registry
 
 USABLE = 0.9  # of device memory: headroom for allocator spikes and fragmentation the model does not see
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # tokens per step when the config sets no global batch (Llama 3 used 4M+)
-ENGINES = ("megatron", "torchtitan")
 
 
 @dataclass(frozen=True)
@@ -64,19 +71,11 @@ def _tp_options(model: ModelConfig, gpus_per_node: int) -> list[int]:
     return out
 
 
-def _dp_modes(engine: str, tp: int, pp: int, dp: int) -> list[str]:
-    if engine == "torchtitan":  # 0.2.2: DDP only as the sole parallelism, and no distributed optimizer
-        return ["ddp", "fsdp"] if tp == pp == 1 and dp > 1 else ["fsdp"]
-    modes = ["ddp", "ddp_distopt"] if dp > 1 else ["ddp"]
-    return modes + (["fsdp"] if pp == 1 and dp > 1 else [])
-
-
-def _recompute_options(engine: str, lps: int) -> list[tuple[str, int]]:
-    opts: list[tuple[str, int]] = [("none", 0), ("selective", 0), ("full", 0)]
-    if engine == "torchtitan":  # selective per layer: checkpoint every k-th block
-        opts += [("partial", lps // k) for k in (4, 3, 2) if lps // k]
-    else:  # Megatron's block method: the first N layers of each stage, any N
-        opts += [("partial", n) for n in range(1, lps)]
+def _recompute_options(engine: EngineProfile, lps: int) -> list[tuple[str, int]]:
+    """The engine's recompute modes, then its partial recompute (N layers of each stage), least recompute first."""
+    opts = [(rc, 0) for rc in engine.recompute]
+    if engine.partial_recompute is not None:
+        opts += [("partial", n) for n in engine.partial_recompute(lps)]
     return opts
 
 
@@ -102,11 +101,16 @@ def candidates(
     seq_len: int,
     micro_batch: int = 1,
     global_batch: int | None = None,
-    engine: str = "megatron",
+    engine: str | EngineProfile = GENERIC,
     precision: str = "bf16",
     kernels: KernelTerms = PLAIN_KERNELS,
+    registry: Registry | None = None,
 ) -> list[Candidate]:
-    """Every layout ``engine`` can run on ``cluster``, best first, with the run's ``kernels`` counted."""
+    """Every layout ``engine`` can run on ``cluster``, best first, with the run's ``kernels`` counted. ``engine``:
+    a backend's name (its profile looked up in ``registry``, else among the installed backends; the generic
+    engine's where none is found) or a profile."""
+    profile = profile_of(engine, registry)
+    name = engine if isinstance(engine, str) else profile.name
     gbs = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq_len)
     out: list[Candidate] = []
     for tp in _tp_options(model, cluster.gpus_per_node):
@@ -125,10 +129,10 @@ def candidates(
             lps = math.ceil(model.num_layers / pp)
             vpps = [1] + [v for v in (2, 4) if pp > 1 and lps % v == 0 and m % pp == 0]
             for vpp in vpps:
-                for mode in _dp_modes(engine, tp, pp, dp):
+                for mode in profile.dp_modes(tp, pp, dp):
                     best_partial: Candidate | None = None
-                    for rc, n in _recompute_options(engine, lps):
-                        layout = Layout(engine, mode, dp, tp, pp, vpp, 1, rc, n, micro_batch, m)
+                    for rc, n in _recompute_options(profile, lps):
+                        layout = Layout(name, mode, dp, tp, pp, vpp, 1, rc, n, micro_batch, m, profile)
                         cand = evaluate(model, layout, seq_len, gbs, cluster, precision, kernels)
                         if rc != "partial":
                             out.append(cand)

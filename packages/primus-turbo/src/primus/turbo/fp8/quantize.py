@@ -17,32 +17,16 @@ needs the global amax first, so current scaling is an amax kernel then a cast ke
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
 from primus.turbo.fp8.recipe import FP8_MAX
 
-AMAX_EPS = 1e-12
-DTYPES = {
-    "e4m3": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2,
-    "e4m3fnuz": torch.float8_e4m3fnuz,  # AMD gfx942 (MI300 series)
-    "e5m2fnuz": torch.float8_e5m2fnuz,
-}
+# The pieces the Triton quantizer shares live in .scaling (imported by both), and stay importable from here.
+from primus.turbo.fp8.scaling import AMAX_EPS, DTYPES, Quantized, scale_inv_from_amax
+
 Impl = Literal["auto", "torch", "triton"]
-
-
-class Quantized(NamedTuple):
-    data: torch.Tensor  # fp8, same shape as the input
-    scale_inv: torch.Tensor  # fp32: () tensorwise, (rows, 1) rowwise
-    amax: torch.Tensor  # fp32 amax of this input (() or (rows, 1)); for delayed scaling's history
-
-
-def scale_inv_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``amax / fp8_max`` in fp32, NaN where amax is not finite (see the module doc)."""
-    amax = amax.float()
-    return torch.where(torch.isfinite(amax), amax.clamp(min=AMAX_EPS) / FP8_MAX[fmt], torch.nan)
 
 
 def resolve_impl(x: torch.Tensor, impl: Impl) -> Impl:

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from primus.turbo.fp8.quantize import AMAX_EPS, DTYPES, Quantized, scale_inv_from_amax
 from primus.turbo.fp8.recipe import FP8_MAX
+from primus.turbo.fp8.scaling import AMAX_EPS, DTYPES, Quantized, scale_inv_from_amax
 
 ROW_BLOCK = 1024  # columns per loop step of the rowwise kernel
 FLAT_BLOCK = 4096  # elements per program of the tensorwise kernels

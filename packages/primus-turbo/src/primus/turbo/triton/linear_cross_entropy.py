@@ -4,7 +4,7 @@
 computed a chunk of ``C`` tokens at a time. For each chunk:
 
 1. ``logits = hidden[c] @ weight.T`` -- ``[C, V]`` in the hidden dtype (a vendor GEMM: cuBLAS / hipBLASLt);
-2. the Triton cross-entropy kernel (``cross_entropy.py``) streams each row once for an online fp32
+2. the Triton cross-entropy kernel (``cross_entropy_rows.py``) streams each row once for an online fp32
    logsumexp and the row's loss, then overwrites the row with its gradient
    ``(softmax - onehot) / n_valid`` (zero for ``ignore_index`` tokens);
 3. ``d_hidden[c] = dlogits @ weight`` and ``d_weight += dlogits.T @ hidden[c]`` (in place, ``addmm_``).
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from primus.turbo.triton.cross_entropy import ce_rows, valid_count
+from primus.turbo.triton.cross_entropy_rows import ce_rows, valid_count
 
 CHUNK_BUDGET_BYTES = 256 * 2**20
 MIN_CHUNK = 128  # below this the GEMMs get thin and slow

@@ -1,13 +1,15 @@
 """Tuned recipes per GPU (issue #11): each is a valid config at its target's world size and fits that GPU by the
 planner's memory model; the single-node 70B one is the layout the planner itself ranks first there.
 
+Cross-package: the recipes are primus-tune's, the memory and the ranking the facts of the engine each recipe names
+(primus-torchtitan's and primus-megatron's planner profiles), so these run where all of them are installed.
+
 A recipe's file name says its target: ``<model>-<gpu>-<nodes>x<gpus per node>.yaml`` (``llama3.2-1b-h200`` is one
 GPU, measured on the H200)."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +17,9 @@ from primus.core.planner import Cluster, KernelTerms, candidates, device
 from primus.core.planner.memory import GIB
 from primus.core.strategies import estimate_memory, fused_loss
 from primus.core.train import resolve
+from primus.tune.plugin import PRESETS_DIR
 
-RECIPES = Path(__file__).parents[1] / "src" / "primus" / "tune" / "presets" / "recipes"
+RECIPES = PRESETS_DIR / "recipes"  # the installed primus-tune's
 TARGET = re.compile(r"-(?P<gpu>h200|mi300x|mi325x|mi355x)(?:-(?P<nodes>\d+)x(?P<gpn>\d+))?$")
 
 

@@ -1,0 +1,86 @@
+"""The initial weights of a run: the same tensors from the same seed on every engine and every layout.
+
+Each tensor is named by its Hugging Face name (:mod:`primus.core.hf.contract`, the names every backend already
+maps to and from) and drawn in that canonical, unsharded layout; a backend converts it to its own layout (fused
+QKV, permuted RoPE halves, ...) and keeps its shard, exactly as when it imports a Hugging Face folder. So a
+tensor-parallel, pipelined or FSDP run starts from the weights of the single-device run, on either engine.
+
+The scheme is Megatron-Core's: weights ~ N(0, init_std); the two output projections of each block
+(``o_proj``, ``down_proj``) ~ N(0, init_std / sqrt(2 · num_layers)); norms 1; biases 0.
+
+Rows are drawn in blocks of :data:`ROWS_PER_BLOCK`, each from a generator seeded by (seed, name, block), so a
+rank can draw just the rows it holds (``rows=``) and no rank ever needs the whole model, or even a whole large
+tensor: memory is one block plus the shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import TYPE_CHECKING
+
+from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, layer_names
+
+if TYPE_CHECKING:
+    import torch
+
+    from primus.core.config.schema import ModelConfig
+
+ROWS_PER_BLOCK = 64
+SCALED = ("o", "down")  # Megatron's output_layer_init_method: std / sqrt(2 L)
+
+
+def shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF name -> (shape, kind) of every tensor; kind is ``normal``, ``scaled``, ``ones`` or ``zeros``."""
+    h, c, f, v = m.hidden_size, m.kv_channels, m.ffn_hidden_size, m.vocab_size
+    q, kv = m.num_attention_heads * c, m.num_kv_heads * c
+    role_shape = {
+        "q": (q, h),
+        "k": (kv, h),
+        "v": (kv, h),
+        "o": (h, q),
+        "gate": (f, h),
+        "up": (f, h),
+        "down": (h, f),
+        "input_norm": (h,),
+        "post_norm": (h,),
+        "q_bias": (q,),
+        "k_bias": (kv,),
+        "v_bias": (kv,),
+        "q_norm": (c,),
+        "k_norm": (c,),
+    }
+    out = {EMBED: ((v, h), "normal")}
+    for i in range(m.num_layers):
+        for role, name in layer_names(m, i).items():
+            kind = "ones" if role.endswith("norm") else "zeros" if role.endswith("bias") else "normal"
+            out[name] = (role_shape[role], "scaled" if role in SCALED else kind)
+    out[FINAL_NORM] = ((h,), "ones")
+    if not m.tie_word_embeddings:
+        out[LM_HEAD] = ((v, h), "normal")
+    return out
+
+
+def _seed(seed: int, name: str, block: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()[:8], "little") >> 1
+
+
+def tensor(name: str, m: ModelConfig, seed: int, rows: slice | None = None) -> torch.Tensor:
+    """The initial value of HF tensor ``name`` (fp32, CPU), or of its ``rows`` only (a slice of dim 0)."""
+    import torch
+
+    shape, kind = shapes(m)[name]
+    start, stop, _ = (rows or slice(None)).indices(shape[0])
+    part = (stop - start, *shape[1:])
+    if kind in ("ones", "zeros"):
+        return torch.ones(part) if kind == "ones" else torch.zeros(part)
+    std = m.init_std / math.sqrt(2.0 * m.num_layers) if kind == "scaled" else m.init_std
+    out = torch.empty(part)
+    gen = torch.Generator()
+    for block in range(start // ROWS_PER_BLOCK, (stop + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK):
+        b0, b1 = block * ROWS_PER_BLOCK, min((block + 1) * ROWS_PER_BLOCK, shape[0])
+        gen.manual_seed(_seed(seed, name, block))
+        values = torch.randn((b1 - b0, *shape[1:]), generator=gen) * std
+        lo, hi = max(b0, start), min(b1, stop)
+        out[lo - start : hi - start] = values[lo - b0 : hi - b0]
+    return out

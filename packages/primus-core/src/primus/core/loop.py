@@ -1,0 +1,235 @@
+"""Core's training loop: the one loop every engine runs under.
+
+The path of one run, file by file::
+
+    primus train CONFIG        primus/core/cli.py       parse, relaunch under torchrun for several devices
+      resolve(...)             primus/core/train.py     layer + validate the config, plan the layout
+      run_rank(...)            primus/core/train.py     select kernels, RunInfo, lifecycle hooks
+        train(cfg, ctx, spec)  primus/core/loop.py      this module: steps, LR, health, metrics, checkpoints
+          spec.engine(cfg,ctx) <backend>/engine.py      the adapter: builds the engine's own objects, one step
+
+A backend is an adapter (:class:`Engine`): it builds its engine's native objects from the resolved config and
+answers a handful of calls: ``train_step`` (one optimizer step over the global batch of a step, at the learning
+rate core hands it, with core's health gate between the gradient norm and the update), ``save`` / ``load`` (its
+state into / from a folder core names), ``barrier`` and ``close``. Everything else is here, once:
+
+- **steps**: 1-based; step ``n`` consumes global batch ``n`` (the data position is the step), so a resumed run
+  continues with the next unseen batch;
+- **learning rate**: :func:`primus.core.schedule.lr_at` of the applied-update count (a skipped step does not
+  advance it);
+- **health** (``train.health``): :class:`~primus.core.health.HealthMonitor` checks the step's global loss and
+  grad norm before the update: stop raises, skip drops the update;
+- **metrics** at each ``logging.interval`` and the last step (:data:`METRICS`: the same names and meanings from
+  every engine), to the lifecycle hooks (console, metrics.jsonl, TensorBoard: core's run log);
+- **checkpoints** (``checkpoint``): folders ``step_00000012`` under ``checkpoint.dir`` (default
+  ``<output_dir>/checkpoints``), every ``interval`` steps and at the end, committed atomically
+  (:func:`primus.core.checkpoints.atomic_save`), the newest ``keep_last`` kept; the loop's own state (step,
+  applied updates) rides in the manifest. ``--resume`` / ``checkpoint.resume`` loads the newest complete one
+  (or warns and starts at step 0 when there is none); a fresh run refuses a folder that holds checkpoints;
+- **profiling** (``profile``): :class:`~primus.core.profile.capture.StepProfiler` around the steps;
+- **hooks**: ``primus_on_model_ready`` once the engine is built, ``primus_on_train_start`` once its state is
+  loaded, per step and per logging interval during the run (``RunContext``); ``primus_on_train_end`` is the
+  caller's (:func:`primus.core.train.run_rank`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from primus.core import checkpoints as ckpt
+from primus.core.config.schema import PrimusConfig
+from primus.core.errors import UserError
+from primus.core.faults import FaultInjection
+from primus.core.health import HealthMonitor
+from primus.core.metrics import Throughput, memory_gib
+from primus.core.rundir import checkpoint_root
+from primus.core.schedule import lr_at
+
+if TYPE_CHECKING:
+    from primus.core.protocols import BackendSpec, RunContext
+
+log = logging.getLogger("primus.loop")
+
+NAMING = ckpt.NAMING
+
+# What every engine reports at each logging step (runlog prints them; metrics.jsonl holds them all).
+METRICS = {
+    "loss": "mean token loss of the step's global batch (the same value on every rank)",
+    "grad_norm": "global L2 norm of the gradients before clipping",
+    "lr": "learning rate the step's update used",
+    "tokens_per_s": "tokens of the whole job per second, over the logging interval",
+    "tokens_per_s_per_device": "tokens_per_s / world size",
+    "tflops_per_device": "model TFLOP/s per device (primus.core.modelmath.flops_per_token)",
+    "mfu": "tflops_per_device / the device's dense bf16 peak (absent where the peak is unknown, e.g. CPU)",
+    "interval_s": "seconds since the previous logging step",
+    "memory_gib": "peak memory held by tensors since the previous logging step (GPU: max_memory_allocated; "
+    "CPU: the process's peak resident set)",
+    "skipped_steps": "updates the health check has skipped so far",
+    "loss_spikes": "loss spikes the health check has reported so far",
+}
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step gives the loop."""
+
+    loss: float  # mean token loss over the global batch, the same on every rank; NaN if any rank's is
+    grad_norm: float | None  # before clipping; None where the engine has none (no optimizer step ran)
+    applied: bool = True  # False when the health gate refused the update
+    tokens: int | None = None  # tokens of the global batch (default: global_batch_size × seq_len)
+
+
+Gate = Callable[[float, "float | None"], bool]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A backend's adapter: its engine's native objects behind the calls core's loop makes."""
+
+    model_parts: list[Any]  # the model modules on this rank (one per pipeline chunk)
+    # Optional: an engine whose whole job was done at build (a seed checkpoint written) sets ``finished`` to its
+    # summary, and the loop runs no step.
+    layout: dict[str, int]  # the parallel layout, recorded in each checkpoint's manifest
+    distributions: tuple[str, ...]  # whose versions each checkpoint's manifest records
+
+    def train_step(self, step: int, lr: float, gate: Gate) -> StepResult:
+        """Run step ``step`` (1-based) over its global batch at learning rate ``lr``. Once the loss and grad norm
+        are known and before the update, call ``gate(loss, grad_norm)``: False means drop the update
+        (parameters and optimizer state unchanged); it raises when the run must stop."""
+        ...
+
+    def save(self, folder: Path) -> None:
+        """Write this rank's state (model, optimizer, anything else to resume) into ``folder`` (it exists)."""
+        ...
+
+    def load(self, folder: Path) -> None:
+        """Load the state that :meth:`save` wrote (possibly from another layout) on this rank."""
+        ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None:
+        """Release the engine (process groups, files); called once, also after an error."""
+        ...
+
+
+def _due(cfg: PrimusConfig, step: int) -> bool:
+    c = cfg.checkpoint
+    return c.enabled and ((c.interval and step % c.interval == 0) or step == cfg.train.steps)
+
+
+class _Checkpoints:
+    """The checkpoint policy: where, when, atomic commit, keep-last, resume."""
+
+    def __init__(self, cfg: PrimusConfig, ctx: RunContext, backend: str) -> None:
+        self.cfg, self.backend = cfg, backend
+        self.engine: Engine | None = None  # set once built
+        self.rank = ctx.info.rank
+        self.root = checkpoint_root(cfg)
+        self.faults = FaultInjection.from_extra(cfg.backend.extra)
+        self.saved: Path | None = None
+
+    def refuse_earlier_run(self) -> None:
+        """A fresh run never writes over an earlier run's checkpoints (checked before the engine is built)."""
+        found = ckpt.complete_checkpoints(self.root, NAMING)
+        if found:
+            raise UserError(
+                f"{self.root} holds checkpoints of an earlier run (steps {[s for s, _ in found]}); pass --resume "
+                "to continue from the newest, or use another logging.output_dir / checkpoint.dir"
+            )
+
+    def resume(self) -> tuple[int, int]:
+        """Load the newest complete checkpoint: (step, applied updates); (0, 0) when there is none."""
+        found = ckpt.latest(self.root, NAMING)
+        if found is None:
+            if self.rank == 0:
+                log.warning("resume asked for, but %s holds no complete checkpoint: starting at step 0", self.root)
+            return 0, 0
+        step, folder = found
+        man = ckpt.check_compatible(folder, self.cfg, self.backend)
+        self.engine.load(folder)
+        log.info("resumed from %s (step %d)", folder, step)
+        return step, int(man.get("applied_steps", step))
+
+    def save(self, step: int, applied: int) -> None:
+        man = ckpt.manifest(self.cfg, step, self.engine.layout, self.engine.distributions)
+        man["applied_steps"] = applied
+        final = NAMING.folder(self.root, step)
+
+        def write(tmp: Path) -> None:
+            self.engine.save(tmp)
+            self.faults.during_save(step, self.rank)
+
+        ckpt.atomic_save(final, man, self.rank, write, self.engine.barrier)
+        if self.rank == 0:
+            ckpt.purge(self.root, NAMING, self.cfg.checkpoint.keep_last)
+        log.info("saved checkpoint %s", final)
+        self.saved = final
+
+
+def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, Any]:
+    """Build ``spec``'s engine on this rank and train it for ``train.steps`` steps; returns the run's summary."""
+    from primus.core.profile.capture import StepProfiler
+    from primus.core.protocols import load_ref
+
+    t = cfg.train
+    checkpoints = _Checkpoints(cfg, ctx, spec.dist or spec.name)
+    if cfg.checkpoint.enabled and not ctx.resume:
+        checkpoints.refuse_earlier_run()
+    engine: Engine = load_ref(spec.engine)(cfg, ctx)
+    checkpoints.engine = engine
+    try:
+        ctx.model_ready(engine.model_parts)
+        if getattr(engine, "finished", None) is not None:
+            return dict(engine.finished)
+        start = applied = 0
+        if ctx.resume:
+            start, applied = checkpoints.resume()
+        ctx.hooks.primus_on_train_start(config=cfg, info=ctx.info)
+
+        health = HealthMonitor(t.health)
+        meter = Throughput(ctx.info.flops_per_token, ctx.info.world_size, ctx.info.peak_flops)
+        default_tokens = int(t.global_batch_size) * t.seq_len
+        last: dict[str, float] = {}
+        with StepProfiler(cfg, ctx.info) as profiler:
+            meter.reset()
+            memory_gib(ctx.info.device, reset=True)
+            for step in range(start + 1, t.steps + 1):
+                lr = lr_at(applied + 1, t)
+
+                def gate(loss: float, grad_norm: float | None, step: int = step) -> bool:
+                    return health.check(step, loss, grad_norm) == "ok"
+
+                result = engine.train_step(step, lr, gate)
+                applied += int(result.applied)
+                profiler.step()
+                ctx.train_step(step)
+                meter.add(result.tokens or default_tokens)
+                if step % cfg.logging.interval == 0 or step == t.steps:
+                    last = {
+                        "loss": result.loss,
+                        "grad_norm": float(result.grad_norm if result.grad_norm is not None else 0.0),
+                        "lr": lr,
+                        **meter.interval(),
+                        "memory_gib": memory_gib(ctx.info.device, reset=True),
+                        **health.metrics(),
+                    }
+                    ctx.step_end(step, last)
+                if _due(cfg, step):
+                    checkpoints.save(step, applied)
+                    meter.reset()  # the save's time is not training throughput
+        return {
+            "final_step": t.steps,
+            "start_step": start,
+            "metrics": last,
+            "kernels": dict(ctx.info.kernels),
+            "checkpoint": str(checkpoints.saved) if checkpoints.saved else None,
+            **health.metrics(),
+            **getattr(engine, "summary", {}),
+        }
+    finally:
+        engine.close()

@@ -1,0 +1,186 @@
+"""What the planner knows of a training engine: its profile, which the engine's backend hands core.
+
+The planner decides nothing by an engine's name. Which layouts an engine runs, how many bytes its weights,
+gradients and optimizer keep per parameter, what its recompute keeps, where it fuses the output layer with the
+loss: all of it is an :class:`EngineProfile`, which a backend names in its spec, lazily like its other refs::
+
+    BackendSpec(name="mine", ..., planner="my_package.planner_profile:PROFILE")
+
+(an ``EngineProfile``, or a callable that returns one). The planner looks it up by the backend's name
+(:func:`profile_of`): the registry's spec of that name when the caller has a registry that holds one, else the
+installed distributions' (their ``primus`` entry points: a process whose registry was built without plugin
+autoload, or with others in their place, still plans an installed engine with its facts). A backend without
+``planner``, or a name no installed backend has, is planned as the generic engine: :data:`GENERIC`, this class
+with its defaults. So ``primus plan --engine torchtitan`` with primus-core alone plans the generic engine (and
+says so), and a third-party backend is planned, with its own facts if it gives them, without an edit to core.
+
+The generic engine (the defaults) is one that honours every parallel setting of core's config schema and keeps
+the textbook mixed-precision state:
+
+- layouts: DDP, DDP + a distributed optimizer (Adam state sharded over the replicas) and FSDP wherever there is
+  more than one replica, with any TP, PP (+ VPP) and CP; recompute ``none``, ``selective`` and ``full``, and the
+  schema's partial recompute (``recompute: full, recompute_method: block, recompute_layers: N``: the first N
+  layers of each pipeline stage, any N).
+- state per parameter (bf16 runs): bf16 weights (2 bytes), fp32 gradients (4: accumulated in fp32), an fp32 master
+  copy and Adam's m, v in the optimizer (12) — 18 bytes; fp32 runs keep fp32 weights and no master copy (16).
+  Gradients are reduced in fp32 (4 bytes each on the wire). FSDP holds two gathered layers and no separate
+  reduce-scatter buffer. No torch.autocast weight copies (the weights already are bf16).
+- activations: the formula of :mod:`primus.core.planner.memory` as derived (scale 1.0); selective recompute is
+  assumed to free nothing (kept share 1.0: what it drops is the engine's to say).
+- a provider's fused linear + cross-entropy is used where nothing splits the logits or the labels: not under TP
+  (core's rule for every engine), PP or CP.
+
+No field imports torch or an engine: a profile module imports primus.core only, so the planner runs anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from primus.core.protocols import BackendSpec, load_ref
+
+if TYPE_CHECKING:
+    from primus.core.plugins import Registry
+
+DP_MODES = ("ddp", "ddp_distopt", "fsdp")  # what a Layout's dp_mode may be
+ADAM_BYTES = 8  # Adam's first and second moments, fp32, per parameter (every engine)
+
+
+def every_dp_mode(tp: int, pp: int, dp: int) -> tuple[str, ...]:
+    """The generic engine: DDP; with more than one replica also DDP + distributed optimizer and FSDP."""
+    return DP_MODES if dp > 1 else ("ddp",)
+
+
+def first_layers(layers_per_stage: int) -> range:
+    """The generic engine's partial recompute: full recompute of the first N layers of each stage, any N."""
+    return range(1, layers_per_stage)
+
+
+@dataclass(frozen=True, eq=False)
+class EngineProfile:
+    """An engine's facts, as the planner (memory model, step-time model, layout search) uses them.
+
+    Bytes are per parameter (or per gradient element) of the most loaded pipeline stage; "mixed" means a bf16 run
+    (``train.precision`` not ``fp32``).
+    """
+
+    name: str = "generic"
+    # ---------------------------------------------------------------------------------------------- layouts
+    # ``dp_modes(tp, pp, dp)``: the data-parallel modes ("ddp", "ddp_distopt", "fsdp") the engine runs with these
+    # sizes, in the order the search tries them (an empty result: the engine cannot run these sizes at all)
+    dp_modes: Callable[[int, int, int], Sequence[str]] = every_dp_mode
+    # whether ``parallel.distributed_optimizer`` shards the Adam state over the replicas (DDP + distributed optimizer)
+    distributed_optimizer: bool = True
+    # the recompute modes it runs, of "none", "selective", "full"
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    # ``partial_recompute(layers_per_stage)``: the numbers N of layers per stage it can recompute in full while
+    # keeping the others' activations (None: no partial recompute)
+    partial_recompute: Callable[[int], Sequence[int]] | None = first_layers
+    # the ``parallel.recompute_method`` that asks for it (with recompute: full, recompute_layers: N); None where the
+    # config cannot express it: ``primus plan`` shows such layouts, ``parallel.strategy: auto`` does not pick them
+    partial_recompute_method: str | None = "block"
+    # ------------------------------------------------------------------------------- state bytes per parameter
+    weight_bytes: int = 2  # the model's weights in a mixed run (fp32 runs: 4)
+    master_bytes: int = 4  # an fp32 master copy the optimizer keeps in a mixed run, besides Adam's m, v
+    grad_bytes: int = 4  # the gradients (or the main-grad buffer they accumulate in)
+    grad_comm_bytes: int = 4  # bytes per gradient element a data-parallel reduction sends
+    fsdp_reduce_buffer_bytes: int = 0  # per parameter of one layer: FSDP's reduce-scatter buffer (0: none apart)
+    # mixed precision as torch.autocast over fp32 weights where FSDP does not cast them (no FSDP, or one shard):
+    # the residual stream stays fp32 and autocast keeps a bf16 copy of each weight (calibration.AUTOCAST_*)
+    autocast: bool = False
+    # ----------------------------------------------------------------------------------------- calibration
+    activation_scale: float = 1.0  # multiplier on the activation formula (1.0 = the formula as derived)
+    selective_kept: float = 1.0  # the share of a layer's saved activations selective recompute keeps
+    # -------------------------------------------------------------------------------------------- kernels
+    # whether it uses a cross_entropy provider's fused linear + cross-entropy (KernelProvider feature
+    # "linear_cross_entropy") in place of its output layer + loss where the layout allows
+    fused_loss: bool = True
+    # parallel dimensions ("pp", "cp") under which it keeps its own output layer + loss all the same, each with why
+    fused_loss_refused: Mapping[str, str] = field(
+        default_factory=lambda: MappingProxyType(
+            {
+                "pp": "a pipeline schedule may compute the loss outside the last stage's forward",
+                "cp": "context parallelism shards the labels",
+            }
+        )
+    )
+
+    def fused_loss_refusal(self, *, tp: int, pp: int = 1, cp: int = 1, fp8_head: bool = False) -> str:
+        """Why this engine keeps its own output layer + loss instead of a provider's ``linear_cross_entropy`` in
+        this layout ("" where it fuses them). ``fp8_head``: the output head is an FP8 linear
+        (:func:`~primus.core.kernels.fp8_recipe.fp8_output_head`), which the bf16 fused kernel would bypass."""
+        if not self.fused_loss:
+            return "the engine computes its own output layer and loss"
+        if fp8_head:
+            return "the output head is an FP8 linear (kernels.fp8_recipe.bf16_output_head: false)"
+        if tp > 1:
+            return "the output projection is vocab-sharded under tensor parallelism"
+        for dim, size in (("pp", pp), ("cp", cp)):
+            if size > 1 and dim in self.fused_loss_refused:
+                return self.fused_loss_refused[dim]
+        return ""
+
+
+GENERIC = EngineProfile()
+
+
+def backend_spec(name: str, registry: Registry | None = None) -> BackendSpec | None:
+    """The backend called ``name``: ``registry``'s when it holds one, else the installed distributions'."""
+    if registry is not None and name in registry.backends:
+        return registry.backends[name]
+    return installed_backends().get(name)
+
+
+def load_profile(spec: BackendSpec | None) -> EngineProfile:
+    """The profile ``spec.planner`` names (:data:`GENERIC` where there is no spec or it names none)."""
+    if spec is None or spec.planner is None:
+        return GENERIC
+    found = load_ref(spec.planner)
+    if not isinstance(found, EngineProfile) and callable(found):
+        found = found()
+    if not isinstance(found, EngineProfile):
+        raise TypeError(
+            f"backend {spec.name!r} ({spec.dist or 'unknown distribution'}): planner={spec.planner!r} gives a "
+            f"{type(found).__name__}, not a primus.core.planner.profile.EngineProfile"
+        )
+    return found
+
+
+def profile_of(engine: str | EngineProfile, registry: Registry | None = None) -> EngineProfile:
+    """The profile of the backend called ``engine`` (a profile is returned as it is); :data:`GENERIC` for a
+    backend that gives none or a name no installed backend has."""
+    if isinstance(engine, EngineProfile):
+        return engine
+    return load_profile(backend_spec(engine, registry))
+
+
+@functools.cache
+def installed_backends() -> dict[str, BackendSpec]:
+    """Every backend of the installed distributions' ``primus`` entry points, read without the plugin host and
+    whether or not its autoload is switched off (a profile is data: the planner of a process whose registry left
+    the plugins out still knows them). A plugin that fails to load is skipped (``primus plugins`` reports it); of
+    two backends of one name the higher ``priority`` wins, then the distribution whose name sorts first. Read once
+    per process."""
+    from importlib.metadata import entry_points
+
+    from primus.core.plugins import GROUP
+
+    found: dict[str, tuple[tuple[int, str], BackendSpec]] = {}
+    for ep in entry_points(group=GROUP):
+        try:
+            hook = getattr(ep.load(), "primus_backends", None)
+            specs = list(hook() or []) if callable(hook) else []
+        except Exception:  # noqa: BLE001 - one broken plugin must not take the planner down
+            continue
+        dist = ep.dist.metadata["Name"] if getattr(ep, "dist", None) is not None else ep.name
+        for spec in specs:
+            if not isinstance(spec, BackendSpec):
+                continue
+            rank = (-spec.priority, dist)
+            if spec.name not in found or rank < found[spec.name][0]:
+                found[spec.name] = (rank, replace(spec, dist=dist))
+    return {name: spec for name, (_, spec) in found.items()}

@@ -1,0 +1,111 @@
+"""The process group a megatron run needs (megatron-core needs one even for a single process), and megatron's
+parallel state on it (TP / PP / VPP / CP / DP groups, the model-parallel RNG seeds).
+
+megatron-core is imported inside the functions: on a CPU, :func:`init_distributed` redirects megatron's CUDA calls
+(:mod:`primus.megatron.cpu`) before anything imports the megatron modules that read the device.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# megatron warns once per process about every optional fused kernel it cannot find (TE, apex): expected on a
+# local-spec build; kept out of the run log.
+OPTIONAL_KERNEL_WARNINGS = ("Transformer Engine", "TransformerEngine", "Apex", "apex")
+
+
+def quiet_optional_kernel_warnings() -> None:
+    """Ignore megatron's missing-TE / apex warnings (installed before megatron is first imported)."""
+    for pattern in OPTIONAL_KERNEL_WARNINGS:
+        warnings.filterwarnings("ignore", message=f".*{pattern}.*")
+
+
+def init_distributed(timeout: timedelta) -> tuple[int, int, str]:
+    """Start the process group; returns (rank, world size, device type). A collective that hangs longer than
+    ``timeout`` errors out. On a CPU, megatron's CUDA calls are redirected first (:mod:`primus.megatron.cpu`)."""
+    quiet_optional_kernel_warnings()
+    gpu = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if gpu:
+        torch.cuda.set_device(local_rank)
+    else:
+        from primus.megatron.cpu import redirect_to_cpu
+
+        redirect_to_cpu()
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+            dist.init_process_group("nccl" if gpu else "gloo", timeout=timeout)
+        else:
+            dist.init_process_group(
+                "nccl" if gpu else "gloo",
+                init_method=f"tcp://127.0.0.1:{free_port()}",
+                rank=0,
+                world_size=1,
+                timeout=timeout,
+            )
+    return dist.get_rank(), dist.get_world_size(), "cuda" if gpu else "cpu"
+
+
+def init_parallel(
+    tp: int, pp: int, vpp: int, cp: int, optimizer_instances: int = 1, timeout_s: float | None = None
+) -> None:
+    """megatron's parallel state. ``optimizer_instances`` > 1: the distributed optimizer shards within groups of
+    DP / instances ranks and is replicated across the instances (HSDP-like: dp_replicate × dp_shard).
+    ``timeout_s``: the collective timeout of the groups megatron creates (it takes minutes)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=cp,
+        num_distributed_optimizer_instances=optimizer_instances,
+        **({"distributed_timeout_minutes": timeout_s / 60} if timeout_s else {}),
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def seed(seed_: int) -> None:
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed_)
+
+
+def stage(vp_stage: int | None) -> tuple[bool, bool]:
+    """(is first pipeline stage, is last pipeline stage) for a model chunk."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+    )
+
+
+def ranks() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "dp_size": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_rank(),
+    }

@@ -1,0 +1,275 @@
+"""The Megatron-Core backend's adapter for core's training loop (:mod:`primus.core.loop`).
+
+``build(cfg, ctx)`` makes megatron's own objects on this rank: process groups -> model chunks (kernel layer
+spec) -> [HF / seed weights] -> Float16Module -> megatron DDP -> megatron optimizer (+ distributed optimizer).
+:meth:`MegatronEngine.train_step` runs ``get_forward_backward_func`` over the micro-batches of one global batch,
+then the optimizer step with core's health gate between megatron's grad norm and the update
+(:func:`primus.megatron.compat.optimizer_step`). Steps, the learning rate, metrics, checkpoints and resume are
+core's; :meth:`save` / :meth:`load` write and read megatron's dist checkpoint shards (:mod:`.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from primus.core.config.schema import PrimusConfig
+from primus.core.config.validate import grad_accumulation_steps
+from primus.core.health import collective_timeout
+from primus.core.loop import StepResult
+from primus.core.protocols import RunContext
+from primus.megatron.dist import destroy_parallel, init_distributed
+
+log = logging.getLogger("primus.megatron")
+
+
+def _sharded_optimizer(cfg: PrimusConfig) -> bool:
+    """dp_shard > 1 (the default split of a multi-rank world) shards the optimizer state."""
+    p = cfg.parallel
+    return p.distributed_optimizer or int(p.dp_shard) > 1
+
+
+def _optimizer_instances(cfg: PrimusConfig) -> int:
+    """dp_replicate × dp_shard with both > 1: one optimizer-state shard group per replica."""
+    p = cfg.parallel
+    return p.dp_replicate if int(p.dp_shard) > 1 and p.dp_replicate > 1 else 1
+
+
+def _ddp_config(cfg: PrimusConfig) -> Any:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    p = cfg.parallel
+    extra = dict(cfg.backend.extra.get("ddp", {}))
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=_sharded_optimizer(cfg),
+        check_for_nan_in_grad=False,
+        num_distributed_optimizer_instances=_optimizer_instances(cfg),
+        **extra,
+    )
+
+
+def _optimizer_config(cfg: PrimusConfig) -> Any:
+    from megatron.core.optimizer import OptimizerConfig
+
+    t, p = cfg.train, cfg.parallel
+    o = t.optimizer
+    return OptimizerConfig(
+        optimizer="sgd" if o.name == "sgd" else "adam",
+        decoupled_weight_decay=o.name != "adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.beta1,
+        adam_beta2=o.beta2,
+        adam_eps=o.eps,
+        clip_grad=t.grad_clip,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        params_dtype=torch.float32
+        if t.precision == "fp32"
+        else (torch.bfloat16 if t.precision == "bf16" else torch.float16),
+        use_distributed_optimizer=_sharded_optimizer(cfg),
+        overlap_param_gather=p.overlap_param_gather,
+    )
+
+
+def _one_or_list(items: list[Any]) -> Any:
+    return items[0] if len(items) == 1 else items
+
+
+def set_lr(optimizer: Any, lr: float, weight_decay: float) -> None:
+    """What megatron's OptimizerParamScheduler.step writes into each param group, at core's learning rate (norms
+    and biases have ``wd_mult`` 0)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
+class MegatronEngine:
+    distributions = ("primus-megatron", "primus-core", "megatron-core", "torch")
+
+    def __init__(self, cfg: PrimusConfig, ctx: RunContext) -> None:
+        timeout = collective_timeout(cfg.train.health)
+        self.rank, world, self.device = init_distributed(timeout)
+        self.cfg = cfg
+        try:
+            self._build(cfg, ctx, timeout.total_seconds(), world)
+        except BaseException:
+            _teardown()
+            raise
+
+    def _build(self, cfg: PrimusConfig, ctx: RunContext, timeout_s: float, world: int) -> None:
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.module import Float16Module
+
+        from primus.megatron import checkpoint as ckpt
+        from primus.megatron import compat as mc
+        from primus.megatron.data import build_batches
+        from primus.megatron.dist import init_parallel, ranks, seed, stage
+        from primus.megatron.faults import FaultInjection
+        from primus.megatron.gpt import fused_loss
+        from primus.megatron.model import build_chunks, transformer_config
+        from primus.megatron.rope import rope_impl
+
+        self.mc = mc
+        p, t = cfg.parallel, cfg.train
+        if cfg.logging.level != "debug":  # megatron logs every config object at INFO
+            logging.getLogger("megatron.core").setLevel(logging.WARNING)
+        init_parallel(p.tp, p.pp, p.vpp, p.cp, _optimizer_instances(cfg), timeout_s)
+        seed(t.seed)
+        # what RoPE and the output layer + loss run (megatron's own, or a provider's), with the reason
+        swapped = {"rope": rope_impl(ctx.kernels)[1], "output_loss": fused_loss(ctx.kernels, p.tp)[1]}
+        if self.rank == 0:
+            log.info(
+                "megatron layer spec: attention=%s, rms_norm=%s, swiglu=%s from the kernel providers; rope: %s; "
+                "output layer + loss: %s",
+                *(ctx.info.kernels.get(op) for op in ("attention", "rms_norm", "swiglu")),
+                swapped["rope"],
+                swapped["output_loss"],
+            )
+        self.summary = {"kernels_applied": swapped}
+        config = transformer_config(cfg)
+        self.chunks = chunks = build_chunks(cfg, config, ctx.kernels)
+        self.model_parts = chunks
+        self.layout = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "world": world}
+        self.faults = FaultInjection.from_extra(cfg.backend.extra)
+
+        if t.init == "canonical":  # core's initial weights, the same on every layout and engine
+            from primus.megatron.hf import init_canonical
+
+            init_canonical(chunks, cfg)
+        if t.init_from:  # HF or megatron weights into this rank's TP/PP shard (a seed checkpoint or resume overrides)
+            from primus.megatron.hf import load_init_from
+
+            load_init_from(chunks, cfg)
+
+        seed_dir = cfg.backend.extra.get("seed_checkpoint")
+        if seed_dir:
+            seed_path = Path(seed_dir)
+            if seed_path.is_dir():
+                ckpt.load_seed(seed_path, chunks, cfg)
+            else:
+                ckpt.save_seed(seed_path, chunks, self.rank, ckpt.manifest(cfg, 0, self.layout))
+
+        chunks_fp = [Float16Module(config, c) for c in chunks] if t.precision in ("bf16", "fp16") else chunks
+        self.model = model = [
+            DistributedDataParallel(config, _ddp_config(cfg), c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks_fp)
+        ]
+        for m in model:  # every DP rank built the same weights (same seed); make sure
+            m.broadcast_params()
+        self.optimizer = get_megatron_optimizer(_optimizer_config(cfg), model)
+        if self.device != "cpu" and t.optimizer.name in ("adam", "adamw"):
+            mc.fuse_torch_adam(self.optimizer)
+        mc.foreach_multi_tensor()
+
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = _one_or_list([m.no_sync for m in model])
+        if p.overlap_grad_reduce:
+            config.grad_sync_func = _one_or_list([m.start_grad_sync for m in model])
+        if p.overlap_param_gather:
+            config.param_sync_func = _one_or_list([m.start_param_sync for m in model])
+
+        r = ranks()
+        out = Path(ctx.info.output_dir)
+        self.batches = build_batches(
+            cfg, r["dp"], r["dp_size"], torch.cuda.current_device(), out / "megatron_data_cache"
+        )
+        self.num_micro = grad_accumulation_steps(cfg)
+        assert self.num_micro == self.batches.num_micro, (self.num_micro, self.batches.num_micro)
+        last = [stage(i if p.vpp > 1 else None)[1] for i in range(p.vpp)]
+        self.reports_loss = any(last) and r["tp"] == 0 and r["cp"] == 0
+        self.fb = get_forward_backward_func()
+
+    def _forward_step(self, step: int):
+        faults = self.faults
+
+        def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
+            tokens, labels = next(data_iterator)
+            losses = model_chunk(tokens, None, None, labels=labels)
+
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                # Every micro-batch holds the same number of tokens (packed, unmasked), so megatron's
+                # mean over micro-batches and DP ranks of per-micro-batch means is the per-token mean
+                # of the global batch, without the extra gradient-scaling pass of per-token mode.
+                total = faults.poison_loss(step, output.float().sum())
+                n = float(output.numel())
+                # full_like, not new_tensor: a host scalar copied to the GPU would sync mid-step
+                return total / n, {"lm loss": torch.stack([total.detach(), torch.full_like(total.detach(), n)])}
+
+            return losses, loss_func
+
+        return forward_step
+
+    def _global_loss(self, reduced: list[dict[str, torch.Tensor]]) -> float:
+        """The step's per-token loss over the global batch, the same on every rank (NaN if any is)."""
+        stats = torch.zeros(2, dtype=torch.float64, device=torch.cuda.current_device())
+        if self.reports_loss and reduced:
+            stats += torch.stack([x["lm loss"] for x in reduced]).sum(0).double()
+        dist.all_reduce(stats)
+        return (stats[0] / stats[1]).item()
+
+    def train_step(self, step: int, lr: float, gate: Any) -> StepResult:
+        t = self.cfg.train
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        set_lr(self.optimizer, lr, t.optimizer.weight_decay)
+        iters: Any = [iter(self.batches.micro_batches(step - 1)) for _ in self.model]
+        reduced = self.fb(
+            forward_step_func=self._forward_step(step),
+            data_iterator=_one_or_list(iters),
+            model=_one_or_list(self.model),
+            num_microbatches=self.num_micro,
+            seq_length=t.seq_len,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+        )
+        loss = self._global_loss(reduced)
+        # with the loss and (inside the optimizer step) the grad norm known, before the update
+        applied, grad_norm = self.mc.optimizer_step(self.optimizer, lambda norm: gate(loss, norm))
+        return StepResult(loss=loss, grad_norm=float(grad_norm) if grad_norm is not None else None, applied=applied)
+
+    def save(self, folder: Path) -> None:
+        from primus.megatron import checkpoint as ckpt
+
+        gathering = self.cfg.parallel.overlap_param_gather
+        if gathering:  # the model weights lag the optimizer until the gather runs
+            for m in self.model:
+                m.disable_forward_pre_hook(param_sync=True)
+        ckpt.write(folder, self.chunks, self.optimizer)
+        if gathering:
+            for m in self.model:
+                m.enable_forward_pre_hook()
+
+    def load(self, folder: Path) -> None:
+        from primus.megatron import checkpoint as ckpt
+
+        ckpt.read(folder, self.chunks, self.optimizer)
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def close(self) -> None:
+        _teardown()
+
+
+def _teardown() -> None:
+    destroy_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def build(cfg: PrimusConfig, ctx: RunContext) -> MegatronEngine:
+    return MegatronEngine(cfg, ctx)

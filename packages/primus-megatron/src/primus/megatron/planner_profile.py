@@ -1,0 +1,45 @@
+"""Megatron-Core's facts for Primus's planner (:mod:`primus.core.planner.profile`), named by the backend's spec
+(``BackendSpec(planner="primus.megatron.planner_profile:PROFILE")``). Imports primus.core only: no torch, no engine.
+"""
+
+from __future__ import annotations
+
+from primus.core.planner.profile import EngineProfile
+
+
+def dp_modes(tp: int, pp: int, dp: int) -> list[str]:
+    """DDP; with more than one replica also DDP + the distributed optimizer, and Megatron FSDP (not under PP)."""
+    modes = ["ddp", "ddp_distopt"] if dp > 1 else ["ddp"]
+    return modes + (["fsdp"] if pp == 1 and dp > 1 else [])
+
+
+def first_layers(layers_per_stage: int) -> range:
+    """``recompute_method: block``: full recompute of the first N layers of each stage, any N."""
+    return range(1, layers_per_stage)
+
+
+PROFILE = EngineProfile(
+    name="megatron",
+    dp_modes=dp_modes,
+    distributed_optimizer=True,
+    recompute=("none", "selective", "full"),
+    partial_recompute=first_layers,
+    partial_recompute_method="block",
+    # bf16 parameters; gradients accumulate in the fp32 main_grad buffer; the distributed optimizer (or Adam)
+    # keeps an fp32 master copy besides m and v: 2 + 4 + 12 bytes per parameter
+    weight_bytes=2,
+    master_bytes=4,
+    grad_bytes=4,
+    grad_comm_bytes=2,  # the step-time model sends megatron's gradients in bf16
+    fsdp_reduce_buffer_bytes=0,  # and counts no reduce-scatter buffer for Megatron FSDP besides the gathered layers
+    autocast=False,  # the model itself is bf16: no autocast copies
+    activation_scale=1.0,
+    # selective recomputes only core attention, and with flash/cuDNN attention (all our providers) that saves
+    # nothing measurable: H200, memory_validation.json (2026-11-29, llama3.2-1b s4096 mbs2): 31.5 GiB peak with and
+    # without
+    selective_kept=1.0,
+    # the fused loss replaces the output layer + loss of the last stage's forward (under PP too) and sees CP's
+    # labels there: only TP (and an FP8 head) keep megatron's own, which is core's rule for every engine
+    fused_loss=True,
+    fused_loss_refused={},
+)

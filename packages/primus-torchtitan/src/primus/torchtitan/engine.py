@@ -1,0 +1,210 @@
+"""The TorchTitan backend's adapter for core's training loop (:mod:`primus.core.loop`).
+
+``build(cfg, ctx)`` makes torchtitan's own objects on this rank: a JobConfig from the Primus config
+(:mod:`.job_config`), a TrainSpec holding the model args (flavor ``primus``), Primus's data loader and kernel
+choices, and torchtitan's ``Trainer`` (:class:`~primus.torchtitan.trainer.PrimusTrainer`: its model code,
+parallelize functions, pipeline schedules, optimizers and checkpointer), then the initial weights torchtitan's
+config names (a seed checkpoint or a Hugging Face folder). :meth:`TorchTitanEngine.train_step` runs the
+Trainer's own ``train_step`` at core's learning rate with core's health gate before the update; :meth:`save` /
+:meth:`load` go through torchtitan's checkpointer (:mod:`.checkpoint`). Steps, the schedule, metrics,
+checkpoint policy and resume are core's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from primus.core.config.schema import PrimusConfig
+from primus.core.kernels.fp8_recipe import fp8_output_head
+from primus.core.loop import StepResult
+from primus.core.protocols import RunContext
+from primus.core.rundir import checkpoint_root
+
+log = logging.getLogger("primus.torchtitan")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_env() -> None:
+    """torchtitan initialises torch.distributed from the torchrun environment; provide it for one process."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def checkpoint_dir(cfg: PrimusConfig) -> Path:
+    return checkpoint_root(cfg).absolute()
+
+
+def _exit_quietly_after_success() -> None:
+    """gloo runs with a DeviceMesh abort at interpreter teardown about one time in ten, after the work
+    is done and the process group destroyed ("terminate called without an active exception"). Once the
+    run has succeeded, flush and leave without that teardown."""
+
+    def leave() -> None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    failed = []
+    prev_hook = sys.excepthook
+
+    def hook(*args: Any) -> None:
+        failed.append(True)
+        prev_hook(*args)
+
+    sys.excepthook = hook
+    atexit.register(lambda: None if failed else leave())
+
+
+def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
+    """op -> :class:`primus.torchtitan.kernels.Choice`: what this run swaps into torchtitan's model."""
+    from primus.torchtitan import job_config
+    from primus.torchtitan.kernels import plan
+
+    loss_parallel = not job_config.extra_value(cfg.backend.extra, "parallelism.disable_loss_parallel", False)
+    p = cfg.parallel
+    choices = plan(
+        ctx.kernels,
+        family=cfg.model.family,
+        tp=p.tp,
+        cp=p.cp,
+        pp=p.pp,
+        loss_parallel=loss_parallel,
+        fp8_head=fp8_output_head(cfg.kernels),
+    )
+    if "fp8" in ctx.kernels:
+        from primus.torchtitan import fp8
+
+        choices["fp8"] = fp8.choice(cfg, ctx.kernels["fp8"])
+    return choices
+
+
+def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | None = None) -> Any:
+    from primus.torchtitan import compat
+    from primus.torchtitan import job_config as jc
+
+    device = ctx.info.device
+    compat.import_torchtitan(device)
+
+    from primus.torchtitan.data import dataloader_builder
+    from primus.torchtitan.metrics import metrics_builder
+    from primus.torchtitan.models import FLAVOR, engine_model, train_spec
+    from primus.torchtitan.trainer import PrimusTrainer
+
+    name = f"primus_{engine_model(cfg.model)}"
+    spec = train_spec(
+        cfg.model,
+        cfg.train.seq_len,
+        build_dataloader_fn=dataloader_builder(cfg),
+        build_metrics_processor_fn=metrics_builder(),
+        cpu=device == "cpu",
+        kernels=kernels,
+    )
+    compat.register_train_spec(name, spec)
+    job_config = jc.build_job_config(
+        cfg,
+        model_name=name,
+        flavor=FLAVOR,
+        output_dir=ctx.info.output_dir,
+        checkpoint_dir=str(checkpoint_dir(cfg)),
+        gpu=device != "cpu",
+    )
+    return PrimusTrainer(job_config)
+
+
+class TorchTitanEngine:
+    def __init__(self, cfg: PrimusConfig, ctx: RunContext) -> None:
+        from primus.torchtitan import compat, job_config, validate
+
+        if ctx.info.device == "cpu" and (why := validate.cpu_refusal(cfg)):
+            raise RuntimeError(f"the torchtitan backend cannot run this on a CPU: {why}")
+        seed_only = bool(job_config.extra_value(cfg.backend.extra, "checkpoint.create_seed_checkpoint", False))
+        if seed_only and ctx.info.world_size > 1:
+            raise RuntimeError(
+                "a seed checkpoint is written by one process (unsharded): run it without --nproc-per-node"
+            )
+        compat.import_torchtitan(ctx.info.device)
+        from primus.torchtitan import checkpoint as ckpt
+
+        self.world_size = ctx.info.world_size
+        if self.world_size == 1:
+            _single_process_env()
+        if ctx.info.rank != 0:
+            logging.getLogger().setLevel(logging.WARNING)  # torchtitan logs to the root logger on every rank
+        kernels = kernel_plan(cfg, ctx)
+        if ctx.info.rank == 0:
+            for choice in kernels.values():
+                log.info("torchtitan kernels: %s", choice.describe())
+        self.trainer = trainer = build_trainer(cfg, ctx, kernels)
+        self.model_parts = trainer.model_parts
+        self.layout = ckpt.layout(cfg, self.world_size)
+        self.distributions = ckpt.DISTRIBUTIONS
+        self.summary: dict[str, Any] = {
+            "backend": "torchtitan",
+            "kernels": {op: c.provider if c.fn else "torchtitan" for op, c in kernels.items()},
+        }
+        self.finished: dict[str, Any] | None = None
+        if seed_only:  # the engine's whole job: the initial weights, for every layout to start from
+            folder = ckpt.save_seed(trainer.checkpointer, checkpoint_dir(cfg), cfg, self.layout)
+            self.finished = {"backend": "torchtitan", "seed_checkpoint": str(folder)}
+            return
+        if cfg.train.init == "canonical":  # core's initial weights, the same on every layout and engine
+            from primus.torchtitan.hf import init_canonical
+
+            init_canonical(self.model_parts, cfg)
+        if cfg.train.init_from:  # a Hugging Face folder or a torchtitan checkpoint (core converts a foreign one)
+            from primus.torchtitan.hf import load_init_from
+
+            load_init_from(trainer, cfg)
+        ckpt.load_initial(trainer.checkpointer, cfg)
+        self.data = trainer.batch_generator(trainer.dataloader)
+
+    def train_step(self, step: int, lr: float, gate: Any) -> StepResult:
+        trainer = self.trainer
+        trainer.step = step
+        trainer.gc_handler.run(step)
+        trainer.set_lr(lr)
+        trainer.gate = gate
+        trainer.train_step(self.data)
+        return StepResult(loss=trainer.last_loss, grad_norm=trainer.last_grad_norm, applied=not trainer.skipped)
+
+    def save(self, folder: Path) -> None:
+        from primus.torchtitan import checkpoint as ckpt
+
+        ckpt.write(self.trainer.checkpointer, folder)
+
+    def load(self, folder: Path) -> None:
+        from primus.torchtitan import checkpoint as ckpt
+
+        ckpt.read(self.trainer.checkpointer, folder)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        self.trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            if self.world_size > 1:
+                _exit_quietly_after_success()
+
+
+def build(cfg: PrimusConfig, ctx: RunContext) -> TorchTitanEngine:
+    return TorchTitanEngine(cfg, ctx)
