@@ -120,9 +120,16 @@ def fill_from_hf(model_parts: list[torch.nn.Module], cfg: PrimusConfig, get: Any
     ad = adapter(cfg)
     wanted = [set(part.state_dict()) for part in model_parts]
     options = StateDictOptions(full_state_dict=True, strict=False)
+    # adapters of tied models look for the embedding in every call: hand it along, keep only the layer's keys
+    embed = get(EMBED) if m.tie_word_embeddings else None
     filled = 0
-    for names in groups:
-        converted = ad.from_hf({name: get(name) for name in names})
+    for i, names in enumerate(groups):
+        tensors = {name: embed if name == EMBED and embed is not None else get(name) for name in names}
+        if embed is not None:
+            tensors.setdefault(EMBED, embed)
+        converted = ad.from_hf(tensors)
+        if i > 0:
+            converted = {k: v for k, v in converted.items() if k.startswith("layers.")}
         for part, keys in zip(model_parts, wanted, strict=True):
             mine = {k: v for k, v in converted.items() if k in keys}
             if mine:
