@@ -1,11 +1,9 @@
 """The same recipe is the same run on both engines and every layout: with the default schedule (warmup, cosine
-decay, clipping on) and no seed checkpoint, Megatron and TorchTitan on 1, 2 and 4 gloo ranks (DP with the
-distributed optimizer, FSDP, TP, PP) use the same learning rate at every step (core's schedule,
-primus.core.schedule) and train the same loss curve from the same initial weights (core's canonical init,
-primus.core.init), within fp32 reduction-order tolerance; and both engines report the same metrics (one
-definition each, primus.core.loop.METRICS: memory included).
-
-Weight decay is 0 here: Megatron exempts norms and biases from it, TorchTitan's optimizer decays every parameter.
+decay, clipping on, weight decay with norms and biases exempt) and no seed checkpoint, Megatron and TorchTitan on
+1, 2 and 4 gloo ranks (DP with the distributed optimizer, FSDP, TP, PP) use the same learning rate at every step
+(core's schedule, primus.core.schedule) and train the same loss curve from the same initial weights (core's
+canonical init, primus.core.init), within fp32 reduction-order tolerance; and both engines report the same
+metrics (one definition each, primus.core.loop.METRICS: memory included).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ RUNS = {
     "megatron-pp2": ("megatron", 2, ["parallel.pp=2"]),
     "torchtitan-fsdp2": ("torchtitan", 2, []),
     "torchtitan-tp2": ("torchtitan", 2, ["parallel.tp=2"]),
+    "torchtitan-pp2": ("torchtitan", 2, ["parallel.pp=2"]),
     "megatron-tp2-dp2": ("megatron", 4, ["parallel.tp=2"]),
     "torchtitan-fsdp2-tp2": ("torchtitan", 4, ["parallel.tp=2"]),
 }
@@ -35,7 +34,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     train_section = {
         "steps": STEPS,
         "grad_clip": 1.0,
-        "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "weight_decay": 0.0},
+        "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "weight_decay": 0.1},
         "schedule": {"warmup_steps": 2, "decay": "cosine"},
     }
     out = {}

@@ -4,7 +4,6 @@ fails when the engine changes under it (then the patch must be revisited)."""
 from __future__ import annotations
 
 import inspect
-import re
 import subprocess
 import sys
 import warnings
@@ -25,23 +24,11 @@ def _params(fn):
 
 
 def test_patch_table_names_a_test_for_every_patch():
-    tests = Path(__file__).parent
-    for patch in compat.PATCHES:
-        refs = [ref.strip() for ref in patch.test.split(",") if ref.strip()]
-        assert refs, patch.name
-        for ref in refs:
-            file, _, fn = ref.partition("::")
-            assert f"def {fn}(" in (tests / file).read_text(), f"{patch.name}: {ref} does not exist"
-    # every function / class compat defines is a listed patch (or part of one), the version check or the CPU import
-    named = " ".join(p.name for p in compat.PATCHES)
-    own = [
-        name
-        for name, obj in vars(compat).items()
-        if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__ == compat.__name__
-    ]
-    for name in own:
-        listed = re.search(rf"\b{name}\b", named)
-        assert listed or name in ("check_version", "import_torchtitan", "Patch"), f"compat.{name} is not in PATCHES"
+    """Every patch names its tests; every function / class compat defines is a patch, the version check or the
+    CPU import."""
+    from primus.core.patches import table_problems
+
+    assert table_problems(compat, Path(__file__).parent, exempt=("check_version", "import_torchtitan")) == []
 
 
 def test_pinned_version():
@@ -132,6 +119,14 @@ def test_train_step_still_clips_then_steps_the_optimizer_and_schedule():
     from torchtitan.components.optimizer import OptimizersContainer
 
     assert callable(OptimizersContainer.step) and callable(LRSchedulersContainer.step)
+    # set_lr and exempt_from_weight_decay reach the torch optimizers by iterating the container
+    assert "return iter(self.optimizers)" in inspect.getsource(OptimizersContainer.__iter__)
+    from primus.torchtitan.trainer import exempt_from_weight_decay
+
+    w, b = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))
+    adam = torch.optim.AdamW([w, b], lr=1.0, weight_decay=0.1)
+    exempt_from_weight_decay([adam])
+    assert [(g["params"], g["weight_decay"]) for g in adam.param_groups] == [([w], 0.1), ([b], 0.0)]
     seen = []
     with compat.grad_norm_recorder(seen.append):
         import torchtitan.distributed.utils as dist_utils

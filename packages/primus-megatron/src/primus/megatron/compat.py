@@ -12,17 +12,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from importlib.metadata import version
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-
-class Patch(NamedTuple):
-    name: str  # where it lives (module.function, or Class.method for an override)
-    patches: str  # the engine attribute / method it replaces or overrides
-    why: str
-    test: str  # tests (tests/<file>::<function>, comma-separated) that fail when the engine changes under it
-
+from primus.core.patches import Patch
 
 PATCHES: tuple[Patch, ...] = (
     Patch(

@@ -21,20 +21,15 @@ import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
+
+from primus.core.patches import Patch
 
 log = logging.getLogger("primus.torchtitan")
 
 TORCHTITAN_VERSION = "0.2.2"
-
-
-class Patch(NamedTuple):
-    name: str  # where it lives (module.function, or Class.method for an override)
-    patches: str  # the engine attribute / method it replaces or overrides
-    why: str
-    test: str  # tests (tests/<file>::<function>, comma-separated) that fail when the engine changes under it
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -108,11 +103,13 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_maybe_enable_amp_is_an_attribute_built_once",
     ),
     Patch(
-        "trainer.PrimusTrainer.__init__ (optimizers.step, lr_schedulers.step), trainer.PrimusTrainer.set_lr",
+        "trainer.PrimusTrainer.__init__ (optimizers.step, lr_schedulers.step), trainer.PrimusTrainer.set_lr, "
+        "trainer.exempt_from_weight_decay",
         "the step methods of torchtitan's optimizer and LR-scheduler containers, replaced per instance; the lr "
-        "of each optimizer's param groups",
+        "of each optimizer's param groups; each optimizer's one param group split in two (1-D params: no decay)",
         "a step the health gate refuses applies no update; the learning rate is core's (primus.core.schedule), "
-        "set before each step, so torchtitan's schedulers never step",
+        "set before each step, so torchtitan's schedulers never step; norms and biases take no weight decay, "
+        "as in Megatron-Core",
         "test_compat.py::test_train_step_still_clips_then_steps_the_optimizer_and_schedule",
     ),
     Patch(

@@ -11,7 +11,8 @@ Health: once the step's grad norm is known (torchtitan's clip,
 :func:`primus.torchtitan.compat.grad_norm_recorder`) and before the optimizer update, the step's global loss
 and grad norm go to core's gate (``self.gate``); a refused update is dropped: gradients zeroed, the
 optimizer does not step. The learning rate is core's (:mod:`primus.core.schedule`), set on every
-optimizer before the step (:meth:`PrimusTrainer.set_lr`); torchtitan's LR schedulers do not step.
+optimizer before the step (:meth:`PrimusTrainer.set_lr`); torchtitan's LR schedulers do not step. Norms and
+biases take no weight decay (:func:`exempt_from_weight_decay`), as in Megatron-Core.
 
 Everything else is torchtitan's own training step.
 """
@@ -32,6 +33,20 @@ compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's firs
 from torchtitan.train import Trainer  # noqa: E402
 
 
+def exempt_from_weight_decay(optimizers: Any) -> None:
+    """Norm weights and biases (1-D parameters) take no weight decay, as in Megatron-Core (``wd_mult`` 0), so the
+    same recipe is the same run on both engines: each of torchtitan's optimizers gets its one param group split in
+    two, before any state exists."""
+    for optimizer in optimizers:
+        groups = []
+        for group in optimizer.param_groups:
+            flat = [p for p in group["params"] if p.ndim < 2]
+            rest = [p for p in group["params"] if p.ndim >= 2]
+            groups += [dict(group, params=rest)] if rest else []
+            groups += [dict(group, params=flat, weight_decay=0.0)] if flat else []
+        optimizer.param_groups = groups
+
+
 class PrimusTrainer(Trainer):
     def __init__(self, job_config: Any) -> None:
         super().__init__(job_config)
@@ -41,6 +56,7 @@ class PrimusTrainer(Trainer):
         self._step_losses: list[torch.Tensor] = []
         self.gate: Any = None  # core's health gate of the running step: gate(loss, grad_norm) -> apply?
         self.last_loss, self.last_grad_norm, self.skipped = math.nan, None, False
+        exempt_from_weight_decay(self.optimizers)
         # a step the health gate refuses: the optimizer does not step; core's loop owns the learning rate
         optimizer_step = self.optimizers.step
         self.optimizers.step = lambda *a, **k: self._unless_skipped(optimizer_step, *a, **k)
