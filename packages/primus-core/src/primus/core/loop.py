@@ -88,11 +88,13 @@ Gate = Callable[[float, "float | None"], bool]
 
 @runtime_checkable
 class Engine(Protocol):
-    """A backend's adapter: its engine's native objects behind the calls core's loop makes."""
+    """A backend's adapter: its engine's native objects behind the calls core's loop makes.
+
+    Two optional attributes: ``summary`` (a dict the run's summary takes over, e.g. which kernels the engine
+    applied) and ``finished`` (set at build by an engine whose whole job was done then, e.g. a seed checkpoint
+    written: its summary; the loop then runs no step)."""
 
     model_parts: list[Any]  # the model modules on this rank (one per pipeline chunk)
-    # Optional: an engine whose whole job was done at build (a seed checkpoint written) sets ``finished`` to its
-    # summary, and the loop runs no step.
     layout: dict[str, int]  # the parallel layout, recorded in each checkpoint's manifest
     distributions: tuple[str, ...]  # whose versions each checkpoint's manifest records
 
