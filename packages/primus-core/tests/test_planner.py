@@ -11,11 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from primus.core import cli
-from primus.core.config.loader import load_layers
-from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
 from primus.core.planner import GENERIC, Cluster, EngineProfile, KernelTerms, Layout, device, estimate
-from primus.core.presets import resolver
+from primus.core.presets import model_config
 from primus.core.strategies import fused_loss
 
 # An engine of these tests' own: fp32 weights that are their own master copy (the optimizer keeps Adam's m, v only),
@@ -33,7 +31,7 @@ def _on(profile: EngineProfile, dp_mode: str, dp: int, **dims) -> Layout:
 
 
 def _model(registry, name):
-    return ModelConfig.model_validate(load_layers(name, resolve_preset=resolver(registry)).data["model"])
+    return model_config(name, registry)
 
 
 def test_state_bytes_per_parameter(registry):

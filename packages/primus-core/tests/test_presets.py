@@ -8,7 +8,7 @@ from primus.core.config.loader import load_layers
 from primus.core.config.schema import ModelConfig, PrimusConfig
 from primus.core.config.validate import validate_config
 from primus.core.modelmath import count_params, flops_per_token
-from primus.core.presets import catalog, resolver
+from primus.core.presets import catalog, model_config, resolver
 
 # Published totals (model cards / config.json), in billions, with the rounding they are quoted at.
 PUBLISHED = {
@@ -37,8 +37,7 @@ PUBLISHED_NON_EMBEDDING = {"qwen2.5-7b": 6.53, "qwen2.5-0.5b": 0.36, "qwen3-0.6b
 
 
 def _model(registry, name: str) -> ModelConfig:
-    data = load_layers(name, resolve_preset=resolver(registry)).data
-    return ModelConfig.model_validate(data["model"])
+    return model_config(name, registry)
 
 
 @pytest.mark.parametrize("name,billions", sorted(PUBLISHED.items()))

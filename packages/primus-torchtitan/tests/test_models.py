@@ -5,16 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus.core.config.loader import load_layers
 from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
 from primus.core.plugins import get_registry
-from primus.core.presets import resolver
+from primus.core.presets import model_config
 from primus.torchtitan.models import base_train_spec, llama3_ffn_args, model_args
 
 
 def preset(name: str) -> ModelConfig:
-    return ModelConfig.model_validate(load_layers(name, resolve_preset=resolver(get_registry())).data["model"])
+    return model_config(name, get_registry())
 
 
 @pytest.mark.parametrize(

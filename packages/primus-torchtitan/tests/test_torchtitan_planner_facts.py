@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from primus.core.config.loader import load_layers
 from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
 from primus.core.planner import Cluster, KernelTerms, Layout, best, candidates, device, estimate, profile_of
 from primus.core.plugins import get_registry
-from primus.core.presets import resolver
+from primus.core.presets import model_config
 from primus.torchtitan.planner_profile import PROFILE
 
 
 def _model(name: str) -> ModelConfig:
-    return ModelConfig.model_validate(load_layers(name, resolve_preset=resolver(get_registry())).data["model"])
+    return model_config(name, get_registry())
 
 
 def _plan(name, dev, nodes, seq):

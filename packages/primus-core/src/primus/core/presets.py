@@ -10,8 +10,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from primus.core.plugins import Registry
+
+if TYPE_CHECKING:
+    from primus.core.config.schema import ModelConfig
 
 log = logging.getLogger("primus.presets")
 
@@ -43,3 +47,11 @@ def resolver(registry: Registry):
         return preset.path if preset else None
 
     return resolve
+
+
+def model_config(name: str, registry: Registry) -> ModelConfig:
+    """The model section of preset ``name`` (its ``extends`` chain layered), validated."""
+    from primus.core.config.loader import load_layers
+    from primus.core.config.schema import ModelConfig
+
+    return ModelConfig.model_validate(load_layers(name, resolve_preset=resolver(registry)).data["model"])
