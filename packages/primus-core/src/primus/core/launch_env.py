@@ -37,3 +37,12 @@ def defaults(family: str) -> dict[str, tuple[str, str]]:
     if family not in FAMILIES:
         raise ValueError(f"unknown GPU family {family!r}; allowed: {', '.join(FAMILIES)}")
     return {} if family == "cpu" else {**COMMON, **FAMILIES[family]}
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for the rendezvous of a single-process run (no launcher chose one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

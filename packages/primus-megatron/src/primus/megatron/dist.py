@@ -8,19 +8,13 @@ megatron-core is imported inside the functions: on a CPU, :func:`init_distribute
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from primus.core.launch_env import free_port
 
 # megatron warns once per process about every optional fused kernel it cannot find (TE, apex): expected on a
 # local-spec build; kept out of the run log.
@@ -81,6 +75,14 @@ def destroy_parallel() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+
+
+def teardown() -> None:
+    """The end of a megatron process's run: parallel state, then the process group (after every rank is here)."""
+    destroy_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def seed(seed_: int) -> None:

@@ -22,7 +22,7 @@ from primus.core.config.validate import grad_accumulation_steps
 from primus.core.health import collective_timeout
 from primus.core.loop import StepResult
 from primus.core.protocols import RunContext
-from primus.megatron.dist import destroy_parallel, init_distributed
+from primus.megatron.dist import init_distributed, teardown
 
 log = logging.getLogger("primus.megatron")
 
@@ -102,7 +102,7 @@ class MegatronEngine:
         try:
             self._build(cfg, ctx, timeout.total_seconds(), world)
         except BaseException:
-            _teardown()
+            teardown()
             raise
 
     def _build(self, cfg: PrimusConfig, ctx: RunContext, timeout_s: float, world: int) -> None:
@@ -261,14 +261,7 @@ class MegatronEngine:
             dist.barrier()
 
     def close(self) -> None:
-        _teardown()
-
-
-def _teardown() -> None:
-    destroy_parallel()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        teardown()
 
 
 def build(cfg: PrimusConfig, ctx: RunContext) -> MegatronEngine:

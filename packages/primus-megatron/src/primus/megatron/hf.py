@@ -193,14 +193,9 @@ class _Engine:
         self.layout = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "world": world}
 
     def close(self) -> None:
-        import torch.distributed as dist
+        from primus.megatron.dist import teardown
 
-        from primus.megatron.dist import destroy_parallel
-
-        destroy_parallel()
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        teardown()
 
 
 def init_canonical(chunks: list[Any], cfg: PrimusConfig) -> None:

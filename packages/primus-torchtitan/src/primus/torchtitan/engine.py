@@ -15,13 +15,13 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.kernels.fp8_recipe import fp8_output_head
+from primus.core.launch_env import free_port
 from primus.core.loop import StepResult
 from primus.core.protocols import RunContext
 from primus.core.rundir import checkpoint_root
@@ -29,17 +29,11 @@ from primus.core.rundir import checkpoint_root
 log = logging.getLogger("primus.torchtitan")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_process_env() -> None:
     """torchtitan initialises torch.distributed from the torchrun environment; provide it for one process."""
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 def checkpoint_dir(cfg: PrimusConfig) -> Path:
