@@ -55,7 +55,45 @@ def test_script_runs_torchrun_per_node_with_env(tmp_path, cli_registry):
     assert not any(f"export {k}=" in text for k in NVIDIA)
     srun = next(ln for ln in text.splitlines() if ln.startswith("srun"))
     assert "--nnodes=$SLURM_NNODES --nproc-per-node=8" in srun and "--rdzv-endpoint=$head:29500" in srun
-    assert srun.endswith(f"train {exp.resolve()} train.steps=7")  # absolute path: compute nodes share the FS
+    # absolute path (compute nodes share the FS); a requeued job resumes, the user's overrides win
+    assert srun.endswith(f"train {exp.resolve()} checkpoint.resume=auto train.steps=7 &")
+    for line in ("#SBATCH --signal=B:USR1@300", "#SBATCH --requeue", 'scontrol requeue "$SLURM_JOB_ID"'):
+        assert line in text
+
+
+def test_script_passes_the_time_limit_signal_to_the_run_and_requeues(tmp_path, cli_registry):
+    """The script run by bash with stand-ins for srun / scontrol: SIGUSR1 to the batch shell reaches the job step,
+    which exits; the job is requeued once."""
+    import signal
+    import subprocess
+    import time
+
+    exp = tmp_path / "exp.yaml"
+    exp.write_text("extends: [tiny-llama]\nbackend: {name: fake}\n")
+    path = tmp_path / "job.sh"
+    assert runner.invoke(cli.app, ["slurm", "script", str(exp), "--out", str(path)]).exit_code == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    stand_ins = {  # srun: a job step that exits 75 on SIGUSR1; scontrol: hostnames, and a logged requeue
+        "srun": f"#!/bin/bash\ntrap 'echo srun got USR1 >> {log}; exit 75' USR1\nwhile true; do sleep 0.1; done\n",
+        "scontrol": f'#!/bin/bash\nif [ "$1" = show ]; then echo node0; else echo "scontrol $*" >> {log}; fi\n',
+    }
+    for name, text in stand_ins.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "n0",
+        "SLURM_NNODES": "1",
+    }
+    proc = subprocess.Popen(["bash", str(path)], env=env)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=30) == 75
+    assert log.read_text().splitlines() == ["srun got USR1", "scontrol requeue 77"]
 
 
 def test_submit_uses_sbatch(tmp_path, monkeypatch, cli_registry):

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from primus.core.config.schema import PrimusConfig
+from primus.core.errors import UserError
 
 log = logging.getLogger("primus.core.checkpoints")
 
@@ -48,8 +49,8 @@ SHAPE_KEYS = (
 )
 
 
-class CheckpointMismatch(ValueError):
-    """A checkpoint that this run's model cannot load."""
+class CheckpointMismatch(UserError, ValueError):
+    """A checkpoint that this run's model cannot load (the user's to fix: exit 2, no traceback)."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from rich.table import Table
 from primus.core.cli_analyze import analyze
 from primus.core.cli_checkpoint import checkpoint_app
 from primus.core.cli_data import data_app
+from primus.core.cli_eval import evaluate
 from primus.core.cli_helpers import Overrides, WorldSize, _fail, _resolve, err, out
 from primus.core.cli_plan import plan
 from primus.core.cli_preflight import preflight
@@ -42,6 +43,7 @@ app.command("analyze")(analyze)
 app.command("preflight")(preflight)
 app.command("profile")(profile)
 app.command()(train)
+app.command("eval")(evaluate)
 
 # ------------------------------------------------------------------------------------------------ config
 

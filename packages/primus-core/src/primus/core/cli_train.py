@@ -46,13 +46,16 @@ def train(
                 check_data(res.config)  # once, before the ranks start (each rank's run_rank checks it too)
         except UserError as exc:
             raise _fail(exc) from None
-        if resume and (warning := resume_warning(res.config)):
+        if (resume or res.config.checkpoint.resume is True) and (warning := resume_warning(res.config)):
             err.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
     if world > 1 and not inside:
         argv = ["train", config, *(overrides or [])] + (["--resume"] if resume else [])
+        from primus.core.rundir import output_dir
+
         raise typer.Exit(
             launch_torchrun(
                 argv,
+                output=output_dir(res.config),
                 nproc_per_node=nproc_per_node,
                 nnodes=nnodes,
                 node_rank=node_rank,
@@ -72,3 +75,7 @@ def train(
         raise _fail(exc) from None
     if int(os.environ.get("RANK", "0")) == 0:
         err.print(f"done: {json.dumps(summary, default=str)}", highlight=False)
+    if summary.get("status") == "preempted":  # checkpoint committed; the same command continues the run
+        from primus.core.stop import PREEMPTED_EXIT
+
+        raise typer.Exit(PREEMPTED_EXIT)

@@ -10,8 +10,9 @@ The path of one run, file by file::
 
 A backend is an adapter (:class:`Engine`): it builds its engine's native objects from the resolved config and
 answers a handful of calls: ``train_step`` (one optimizer step over the global batch of a step, at the learning
-rate core hands it, with core's health gate between the gradient norm and the update), ``save`` / ``load`` (its
-state into / from a folder core names), ``barrier`` and ``close``. Everything else is here, once:
+rate core hands it, with core's health gate between the gradient norm and the update), ``evaluate`` (forward only
+over evaluation samples), ``save`` / ``load`` (its state into / from a folder core names), ``barrier`` and
+``close``. Everything else is here, once:
 
 - **steps**: 1-based; step ``n`` consumes global batch ``n`` (the data position is the step), so a resumed run
   continues with the next unseen batch;
@@ -25,7 +26,13 @@ state into / from a folder core names), ``barrier`` and ``close``. Everything el
   ``<output_dir>/checkpoints``), every ``interval`` steps and at the end, committed atomically
   (:func:`primus.core.checkpoints.atomic_save`), the newest ``keep_last`` kept; the loop's own state (step,
   applied updates) rides in the manifest. ``--resume`` / ``checkpoint.resume`` loads the newest complete one
-  (or warns and starts at step 0 when there is none); a fresh run refuses a folder that holds checkpoints;
+  (or warns and starts at step 0 when there is none; ``auto`` says so quietly); a fresh run refuses a folder that
+  holds checkpoints;
+- **evaluation** (``eval``): every ``eval.interval`` steps and at the last step, the engine's forward-only loss over
+  the evaluation samples (:mod:`primus.core.evaluation`), in that step's metrics row and the run's summary;
+- **stopping early** (:mod:`primus.core.stop`): SIGTERM / SIGUSR1 or ``train.max_minutes``: the step finishes on
+  every rank, a checkpoint is committed, the summary's status is ``preempted`` (exit code 75);
+  ``checkpoint.resume: auto`` resumes when a complete checkpoint exists and starts fresh when none does;
 - **profiling** (``profile``): :class:`~primus.core.profile.capture.StepProfiler` around the steps;
 - **hooks**: ``primus_on_model_ready`` once the engine is built, ``primus_on_train_start`` once its state is
   loaded, per step and per logging interval during the run (``RunContext``); ``primus_on_train_end`` is the
@@ -90,7 +97,7 @@ Gate = Callable[[float, "float | None"], bool]
 class Engine(Protocol):
     """A backend's adapter: its engine's native objects behind the calls core's loop makes.
 
-    Two optional attributes: ``summary`` (a dict the run's summary takes over, e.g. which kernels the engine
+    ``evaluate`` is optional (an engine without it cannot run with evaluation); two optional attributes: ``summary`` (a dict the run's summary takes over, e.g. which kernels the engine
     applied) and ``finished`` (set at build by an engine whose whole job was done then, e.g. a seed checkpoint
     written: its summary; the loop then runs no step)."""
 
@@ -110,6 +117,13 @@ class Engine(Protocol):
 
     def load(self, folder: Path) -> None:
         """Load the state that :meth:`save` wrote (possibly from another layout) on this rank."""
+        ...
+
+    def evaluate(self, samples: Any, batches: int) -> float:
+        """Forward only: the mean token loss over the first ``batches`` global batches of ``samples`` (read in
+        order: batch ``b`` is samples ``[b·G, (b+1)·G)``, each data-parallel rank its contiguous slice, as in
+        training), the same value on every rank. No gradient, optimizer state or training data position is
+        touched. Optional: an engine without it refuses ``eval.interval``."""
         ...
 
     def barrier(self) -> None: ...
@@ -148,12 +162,17 @@ class _Checkpoints:
         """Load the newest complete checkpoint: (step, applied updates); (0, 0) when there is none."""
         found = ckpt.latest(self.root, NAMING)
         if found is None:
-            if self.rank == 0:
+            if self.rank == 0 and self.cfg.checkpoint.resume == "auto":
+                log.info("checkpoint.resume auto: %s holds no complete checkpoint, starting at step 0", self.root)
+            elif self.rank == 0:
                 log.warning("resume asked for, but %s holds no complete checkpoint: starting at step 0", self.root)
             return 0, 0
         step, folder = found
         man = ckpt.check_compatible(folder, self.cfg, self.backend)
         self.engine.load(folder)
+        self.engine.barrier()
+        if self.rank == 0:  # a run killed between a commit and its purge left one too many
+            ckpt.purge(self.root, NAMING, self.cfg.checkpoint.keep_last)
         log.info("resumed from %s (step %d)", folder, step)
         return step, int(man.get("applied_steps", step))
 
@@ -174,20 +193,26 @@ class _Checkpoints:
 
 
 def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, Any]:
-    """Build ``spec``'s engine on this rank and train it for ``train.steps`` steps; returns the run's summary."""
+    """Build ``spec``'s engine on this rank and train it for ``train.steps`` steps; returns the run's summary
+    (``status`` ``preempted`` when a stop signal or ``train.max_minutes`` ended it early, after a checkpoint)."""
+    from primus.core import evaluation
     from primus.core.profile.capture import StepProfiler
     from primus.core.protocols import load_ref
+    from primus.core.stop import StopRequest
 
     t = cfg.train
     checkpoints = _Checkpoints(cfg, ctx, spec.dist or spec.name)
     if cfg.checkpoint.enabled and not ctx.resume:
         checkpoints.refuse_earlier_run()
+    eval_data = evaluation.samples_of(cfg) if cfg.eval.interval else None
     engine: Engine = load_ref(spec.engine)(cfg, ctx)
     checkpoints.engine = engine
     try:
         ctx.model_ready(engine.model_parts)
         if getattr(engine, "finished", None) is not None:
             return dict(engine.finished)
+        if eval_data is not None:
+            evaluation.require_evaluate(engine, spec.name)
         start = applied = 0
         if ctx.resume:
             start, applied = checkpoints.resume()
@@ -197,7 +222,10 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
         meter = Throughput(ctx.info.flops_per_token, ctx.info.world_size, ctx.info.peak_flops)
         default_tokens = int(t.global_batch_size) * t.seq_len
         last: dict[str, float] = {}
-        with StepProfiler(cfg, ctx.info) as profiler:
+        evaluated: dict[str, float] = {}
+        stopped: str | None = None
+        step = start
+        with StepProfiler(cfg, ctx.info) as profiler, StopRequest(t.max_minutes, ctx.info.world_size) as stop:
             meter.reset()
             memory_gib(ctx.info.device, reset=True)
             for step in range(start + 1, t.steps + 1):
@@ -211,8 +239,11 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
                 profiler.step()
                 ctx.train_step(step)
                 meter.add(result.tokens or default_tokens)
-                if step % cfg.logging.interval == 0 or step == t.steps:
-                    last = {
+                stopped = stop.agreed() if step < t.steps else None  # at the last step the run is done anyway
+                evaluate_now = eval_data is not None and evaluation.due(cfg, step)
+                row: dict[str, float] = {}
+                if step % cfg.logging.interval == 0 or step == t.steps or stopped or evaluate_now:
+                    row = {
                         "loss": result.loss,
                         "grad_norm": float(result.grad_norm if result.grad_norm is not None else 0.0),
                         "lr": lr,
@@ -220,18 +251,56 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
                         "memory_gib": memory_gib(ctx.info.device, reset=True),
                         **health.metrics(),
                     }
-                    ctx.step_end(step, last)
-                if _due(cfg, step):
+                if evaluate_now:
+                    evaluated = evaluation.evaluate(engine, eval_data, cfg.eval.batches)
+                    row.update(evaluated)
+                    evaluated = {"step": step, **evaluated}
+                    meter.reset()  # the evaluation's time is not training throughput
+                if row:
+                    last = row
+                    ctx.step_end(step, row)
+                if _due(cfg, step) or (stopped and cfg.checkpoint.enabled):
                     checkpoints.save(step, applied)
                     meter.reset()  # the save's time is not training throughput
+                if stopped:
+                    log.warning("stopped at step %d (%s)%s", step, stopped, _saved(checkpoints))
+                    break
         return {
-            "final_step": t.steps,
+            "status": "preempted" if stopped else "ok",
+            **({"stop_reason": stopped} if stopped else {}),
+            "final_step": step,
             "start_step": start,
             "metrics": last,
+            **({"eval": evaluated} if evaluated else {}),
             "kernels": dict(ctx.info.kernels),
             "checkpoint": str(checkpoints.saved) if checkpoints.saved else None,
             **health.metrics(),
             **getattr(engine, "summary", {}),
         }
+    finally:
+        engine.close()
+
+
+def _saved(checkpoints: _Checkpoints) -> str:
+    return f": checkpoint {checkpoints.saved}" if checkpoints.saved else ": checkpoint.enabled is false, nothing saved"
+
+
+def evaluate_checkpoint(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, folder: Path) -> dict[str, Any]:
+    """``primus eval``: build ``spec``'s engine, load the checkpoint ``folder`` (any layout) and evaluate it."""
+    from primus.core import evaluation
+    from primus.core.protocols import load_ref
+
+    samples = evaluation.samples_of(cfg)
+    if samples is None:
+        raise UserError("primus eval needs evaluation data: set eval.holdout (as in training) or eval.source")
+    if ckpt.read_manifest(folder) is None and (newest := ckpt.latest(folder, NAMING)) is not None:
+        folder = newest[1]  # a checkpoint folder's root: its newest complete checkpoint
+    man = ckpt.check_compatible(folder, cfg, spec.dist or spec.name)
+    engine: Engine = load_ref(spec.engine)(cfg, ctx)
+    try:
+        evaluation.require_evaluate(engine, spec.name)
+        engine.load(folder)
+        result = evaluation.evaluate(engine, samples, cfg.eval.batches)
+        return {"checkpoint": str(folder), "step": man.get("step"), **result}
     finally:
         engine.close()

@@ -80,6 +80,8 @@ def format_metrics(step: int, steps: int, m: dict[str, float]) -> str:
         ("tflops_per_device", "{:.1f} TFLOP/s/dev"),
         ("mfu", "MFU {:.1%}"),
         ("memory_gib", "mem {:.1f} GiB"),
+        ("eval_loss", "eval loss {:.4f}"),
+        ("eval_perplexity", "ppl {:.2f}"),
     ):
         if key in m:
             parts.append(fmt.format(m[key]))

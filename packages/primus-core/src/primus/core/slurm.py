@@ -1,5 +1,13 @@
 """Slurm: an sbatch script that runs ``primus train`` through torchrun on every node (one srun task per
-node, c10d rendezvous on the first node), with the launch environment of :mod:`primus.core.launch_env`."""
+node, c10d rendezvous on the first node), with the launch environment of :mod:`primus.core.launch_env`.
+
+Preemption and time limits: Slurm sends the batch shell SIGUSR1 ``signal_grace_s`` seconds before the time limit
+(``--signal=B:USR1@N``); the script passes it to the job step, where torchrun forwards it to every worker
+(``PET_SIGNALS_TO_HANDLE``) and waits for them (``PET_SHUTDOWN_TIMEOUT``): they finish the step, commit one
+checkpoint and exit (:mod:`primus.core.stop`). The script then requeues the job (``--requeue``), and the requeued
+job resumes from that checkpoint (``checkpoint.resume=auto``; on the first start there is none and it starts
+fresh). A preemption Slurm itself requeues sends SIGTERM to every process, handled the same way within
+Slurm's KillWait."""
 
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ class SlurmJob:
     rdzv_port: int = 29500
     env: dict[str, str] = field(default_factory=dict)
     python: str = "python3"
+    signal_grace_s: int = 300  # SIGUSR1 this long before the time limit: the time to finish a step and save
 
 
 def script(job: SlurmJob) -> str:
@@ -37,6 +46,8 @@ def script(job: SlurmJob) -> str:
         f"#SBATCH --time={job.time}",
         f"#SBATCH --output={job.output_dir}/slurm-%j.out",
         "#SBATCH --exclusive",
+        f"#SBATCH --signal=B:USR1@{job.signal_grace_s}",
+        "#SBATCH --requeue",
     ]
     if job.cpus_per_task:
         sb.append(f"#SBATCH --cpus-per-task={job.cpus_per_task}")
@@ -64,6 +75,7 @@ def script(job: SlurmJob) -> str:
         "primus.core.cli",
         "train",
         shlex.quote(job.config),
+        "checkpoint.resume=auto",  # a requeued job continues from its newest checkpoint (yours, after it, win)
         *map(shlex.quote, job.overrides),
     ]
     return "\n".join(
@@ -75,7 +87,17 @@ def script(job: SlurmJob) -> str:
             *env_lines,
             'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             "export PRIMUS_LAUNCHED=1",
-            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 " + " ".join(train),
+            "# torchrun forwards SIGUSR1 to the workers and gives them this long to save before it kills them",
+            "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            f"export PET_SHUTDOWN_TIMEOUT=${{PET_SHUTDOWN_TIMEOUT:-{job.signal_grace_s}}}",
+            "requeue=0",
+            "trap 'requeue=1; kill -USR1 \"$srun_pid\" 2>/dev/null' USR1  # the time limit is near",
+            "set +e",
+            "srun --kill-on-bad-exit=1 --ntasks-per-node=1 " + " ".join(train) + " &",
+            "srun_pid=$!",
+            'while true; do wait "$srun_pid"; rc=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
+            'if [ "$requeue" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi  # continues from the checkpoint',
+            'exit "$rc"',
             "",
         ]
     )

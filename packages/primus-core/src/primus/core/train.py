@@ -11,6 +11,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,11 +114,16 @@ def _empty_dir(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 
 
-def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
-    """Train on this rank (called once per process)."""
+def rank_context(res: Resolved, resume: bool = False, write_config: bool = True) -> tuple[PrimusConfig, RunContext]:
+    """This rank's side of a run before the engine: data refusals (before anything is written), kernels, the
+    run's facts (:class:`RunInfo`), the run folder with its ``config.yaml`` (``write_config``)."""
     from primus.core.data.checks import check_data
 
     check_data(res.config)  # every data refusal comes before anything is written (the run folder included)
+    if res.config.eval.interval:
+        from primus.core.evaluation import samples_of
+
+        samples_of(res.config)  # too few evaluation samples: refused now (the token stream stays cached)
 
     from primus.core.kernels import detect_device, select_kernels
     from primus.core.metrics import peak_flops
@@ -154,13 +160,20 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
         peak_flops=peak_flops(device_name),
         extra={"device_name": device_name or "cpu"},
     )
-    if rank == 0:
+    if rank == 0 and write_config:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         log.info("kernels: %s", ", ".join(f"{op}={name}" for op, name in info.kernels.items()))
     hooks = registry.pm.hook
-    ctx = RunContext(info=info, hooks=hooks, kernels=kernels, resume=resume or cfg.checkpoint.resume, config=cfg)
-    backend = registry.backends[cfg.backend.name]
+    ctx = RunContext(info=info, hooks=hooks, kernels=kernels, resume=bool(resume or cfg.checkpoint.resume), config=cfg)
+    return cfg, ctx
+
+
+def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
+    """Train on this rank (called once per process)."""
+    cfg, ctx = rank_context(res, resume)
+    hooks, info = ctx.hooks, ctx.info
+    backend = res.registry.backends[cfg.backend.name]
     summary: dict[str, Any] = {"status": "failed"}
     try:
         if backend.engine is not None:  # core's loop drives the backend's adapter (it calls on_train_start)
@@ -177,6 +190,19 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
         raise
     finally:
         hooks.primus_on_train_end(summary=summary, info=info)
+
+
+def eval_rank(res: Resolved, checkpoint: Path) -> dict[str, Any]:
+    """Evaluate a checkpoint on this rank (``primus eval``): no training hooks, nothing written but the engine's
+    scratch files under the run folder."""
+    from primus.core.errors import UserError
+    from primus.core.loop import evaluate_checkpoint
+
+    cfg, ctx = rank_context(res, write_config=False)
+    backend = res.registry.backends[cfg.backend.name]
+    if backend.engine is None:
+        raise UserError(f"backend {cfg.backend.name!r} has no engine adapter: primus eval needs one")
+    return evaluate_checkpoint(cfg, ctx, backend, checkpoint)
 
 
 def torchrun_command(
@@ -196,8 +222,39 @@ def torchrun_command(
     return [*cmd, "-m", "primus.core.cli", *argv]
 
 
-def launch_torchrun(argv: list[str], **kw: Any) -> int:
+#: torchrun forwards these to its workers (SIGUSR1: what Slurm sends before a time limit or preemption) and waits
+#: this long for them to commit their checkpoint before it kills them (torchrun reads its options from PET_*).
+TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "PET_SHUTDOWN_TIMEOUT": "600"}
+
+
+def launch_torchrun(argv: list[str], output: Path | None = None, **kw: Any) -> int:
+    """Run torchrun in its own session and pass it the stop signals once (a signal to the whole process group
+    would reach it twice); its exit code, or :data:`primus.core.stop.PREEMPTED_EXIT` when the workers stopped
+    early with a checkpoint (``output``'s summary says so)."""
+    import json
+    import signal
+
+    from primus.core.stop import PREEMPTED_EXIT
+
     cmd = torchrun_command(argv, **kw)
     log.info("launching: %s", shlex.join(cmd))
-    env = dict(os.environ, **{LAUNCHED_ENV: "1"})
-    return subprocess.call(cmd, env=env)
+    env = {**TORCHRUN_ENV, **os.environ, LAUNCHED_ENV: "1"}
+    started = time.time()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    forwarded = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    previous = {num: signal.signal(num, lambda num, _frame: proc.send_signal(num)) for num in forwarded}
+    try:
+        rc = proc.wait()
+    finally:
+        for num, handler in previous.items():
+            signal.signal(num, handler)
+    if output is not None:  # a worker may leave with 0 after its early stop (torchrun then returns 0)
+        summary = output / "summary.json"
+        try:  # this launch's summary, not an earlier run's in the same folder
+            fresh = summary.stat().st_mtime >= started
+            status = json.loads(summary.read_text()).get("status") if fresh else None
+        except (OSError, ValueError):
+            status = None
+        if status == "preempted":
+            return PREEMPTED_EXIT
+    return rc

@@ -110,11 +110,10 @@ def megatron_dataset(cfg: PrimusConfig, cache_dir: Path) -> _MegatronSamples:
 
 
 def primus_dataset(cfg: PrimusConfig) -> Any:
-    from primus.core.data import PackedDataset, load_token_stream, load_tokenizer
+    """Core's training samples (packed, less any ``eval.holdout``): the same on both engines."""
+    from primus.core.data.splits import training_samples
 
-    tok = load_tokenizer(cfg.data.tokenizer)
-    tokens = load_token_stream(cfg.data, tok, cfg.model.vocab_size, cfg.train.seed)
-    return PackedDataset(tokens, cfg.train.seq_len)
+    return training_samples(cfg)
 
 
 def build_batches(cfg: PrimusConfig, dp_rank: int, dp_size: int, device: Any, cache_dir: Path) -> Batches:

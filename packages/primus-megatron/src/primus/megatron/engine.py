@@ -210,11 +210,16 @@ class MegatronEngine:
 
         return forward_step
 
-    def _global_loss(self, reduced: list[dict[str, torch.Tensor]]) -> float:
-        """The step's per-token loss over the global batch, the same on every rank (NaN if any is)."""
+    def _loss_sums(self, reduced: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """(token-loss sum, tokens) of this rank's micro-batches; zeros where this rank does not report the loss
+        (pipeline stages before the last, tp / cp ranks but the first), so one all-reduce gives the global pair."""
         stats = torch.zeros(2, dtype=torch.float64, device=torch.cuda.current_device())
         if self.reports_loss and reduced:
             stats += torch.stack([x["lm loss"] for x in reduced]).sum(0).double()
+        return stats
+
+    def _global_loss(self, stats: torch.Tensor) -> float:
+        """The per-token loss over the world's tokens, the same on every rank (NaN if any is)."""
         dist.all_reduce(stats)
         return (stats[0] / stats[1]).item()
 
@@ -234,10 +239,41 @@ class MegatronEngine:
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
         )
-        loss = self._global_loss(reduced)
+        loss = self._global_loss(self._loss_sums(reduced))
         # with the loss and (inside the optimizer step) the grad norm known, before the update
         applied, grad_norm = self.mc.optimizer_step(self.optimizer, lambda norm: gate(loss, norm))
         return StepResult(loss=loss, grad_norm=float(grad_norm) if grad_norm is not None else None, applied=applied)
+
+    def evaluate(self, samples: Any, batches: int) -> float:
+        """Forward only through megatron's schedule (``forward_only=True``: its no-pipelining or pipelined
+        forward), over ``batches`` global batches of ``samples`` in order; model weights, gradients, optimizer
+        state and the training batches untouched."""
+        from primus.megatron.data import Batches
+        from primus.megatron.dist import ranks
+
+        t, r = self.cfg.train, ranks()
+        loader = Batches(samples, self.cfg, r["dp"], r["dp_size"], torch.cuda.current_device(), shuffle=False)
+        stats = torch.zeros(2, dtype=torch.float64, device=torch.cuda.current_device())
+        for m in self.model:
+            m.eval()
+        try:
+            with torch.no_grad():
+                for b in range(batches):
+                    iters: Any = [iter(loader.micro_batches(b)) for _ in self.model]
+                    reduced = self.fb(
+                        forward_step_func=self._forward_step(0),
+                        data_iterator=_one_or_list(iters),
+                        model=_one_or_list(self.model),
+                        num_microbatches=self.num_micro,
+                        seq_length=t.seq_len,
+                        micro_batch_size=t.micro_batch_size,
+                        forward_only=True,
+                    )
+                    stats += self._loss_sums(reduced)
+        finally:
+            for m in self.model:
+                m.train()
+        return self._global_loss(stats)
 
     def save(self, folder: Path) -> None:
         from primus.megatron import checkpoint as ckpt

@@ -34,7 +34,15 @@ class PrimusDataLoader(BaseDataLoader):
     """
 
     def __init__(
-        self, dataset: Any, *, dp_rank: int, dp_world_size: int, batch_size: int, global_batch_size: int, seed: int
+        self,
+        dataset: Any,
+        *,
+        dp_rank: int,
+        dp_world_size: int,
+        batch_size: int,
+        global_batch_size: int,
+        seed: int,
+        shuffle: bool = True,
     ) -> None:
         if global_batch_size % dp_world_size or (global_batch_size // dp_world_size) % batch_size:
             raise ValueError(
@@ -43,7 +51,7 @@ class PrimusDataLoader(BaseDataLoader):
         self.dataset, self.dp_rank, self.dp_world_size = dataset, dp_rank, dp_world_size
         self.batch_size, self.global_batch_size = batch_size, global_batch_size
         self.local_batch = global_batch_size // dp_world_size
-        self.order = GlobalOrder(len(dataset), seed)
+        self.order = GlobalOrder(len(dataset), seed, shuffle)
         self.consumed = 0  # samples of this rank already yielded
 
     def position(self, local_index: int) -> int:
@@ -79,12 +87,11 @@ class PrimusDataLoader(BaseDataLoader):
 
 
 def load_dataset(cfg: PrimusConfig) -> Any:
-    """The packed dataset of the run's token stream (tokenized once, cached on disk by primus.core.data)."""
-    from primus.core.data import PackedDataset, load_token_stream
+    """Core's training samples (packed, less any ``eval.holdout``; tokenized once, cached on disk by
+    primus.core.data): the same on both engines."""
+    from primus.core.data.splits import training_samples
 
-    # the tokenizer (data.tokenizer) is loaded by the data layer only if the source is text
-    tokens = load_token_stream(cfg.data, None, cfg.model.vocab_size, cfg.train.seed)
-    return PackedDataset(tokens, cfg.train.seq_len)
+    return training_samples(cfg)
 
 
 def dataloader_builder(cfg: PrimusConfig):

@@ -13,6 +13,7 @@ checkpoint policy and resume are core's.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import sys
@@ -46,10 +47,12 @@ def _exit_quietly_after_success() -> None:
     run has succeeded, flush and leave without that teardown."""
 
     def leave() -> None:
+        from primus.core.stop import exit_code
+
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(exit_code())  # 0, or the documented code of a run stopped early with its checkpoint
 
     failed = []
     prev_hook = sys.excepthook
@@ -173,6 +176,22 @@ class TorchTitanEngine:
         trainer.gate = gate
         trainer.train_step(self.data)
         return StepResult(loss=trainer.last_loss, grad_norm=trainer.last_grad_norm, applied=not trainer.skipped)
+
+    def evaluate(self, samples: Any, batches: int) -> float:
+        from primus.torchtitan.data import PrimusDataLoader
+
+        train = self.trainer.dataloader  # this rank's data-parallel slice, read the same way as training's
+        loader = PrimusDataLoader(
+            samples,
+            dp_rank=train.dp_rank,
+            dp_world_size=train.dp_world_size,
+            batch_size=train.batch_size,
+            global_batch_size=train.global_batch_size,
+            seed=0,  # read in order: no shuffle
+            shuffle=False,
+        )
+        per_batch = train.local_batch // train.batch_size
+        return self.trainer.evaluate(itertools.islice(iter(loader), batches * per_batch))
 
     def save(self, folder: Path) -> None:
         from primus.torchtitan import checkpoint as ckpt

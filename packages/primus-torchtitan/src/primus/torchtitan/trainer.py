@@ -30,6 +30,7 @@ from primus.torchtitan import compat
 from primus.torchtitan.loss import head_targets
 
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
+from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.train import Trainer  # noqa: E402
 
 
@@ -120,6 +121,45 @@ class PrimusTrainer(Trainer):
             self._microbatch = 0
             compat.rescale_grads(self.model_parts, self._grad_scale(global_valid_tokens))
         return loss
+
+    @torch.no_grad()
+    def evaluate(self, batches: Any) -> float:
+        """Forward only over ``batches`` (``(input_dict, labels)`` pairs of this rank), as torchtitan's Validator
+        runs it (the pipeline schedule's ``eval``, else the model and loss function): the mean token loss over the
+        world's tokens, the same on every rank. No gradient is made; the optimizer and training data are untouched.
+        """
+        dims = self.parallel_dims
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for part in self.model_parts:
+            part.eval()
+        try:
+            for input_dict, labels in batches:
+                input_dict = {k: v.to(self.device) for k, v in input_dict.items()}
+                inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+                    input_dict, labels.to(self.device)
+                )
+                if dims.pp_enabled:
+                    targets, losses = (labels, []) if self.pp_has_last_stage else (None, None)
+                    with self.train_context():
+                        if self.pp_has_first_stage:
+                            self.pp_schedule.eval(inputs, **extra_inputs, **extra_kwargs, target=targets, losses=losses)
+                        else:
+                            self.pp_schedule.eval(**extra_kwargs, target=targets, losses=losses)
+                    loss_sum = torch.stack(losses).sum() if self.pp_has_last_stage else None
+                else:
+                    with head_targets(self.model_parts, labels), self.train_context(), self.maybe_enable_amp:
+                        loss_sum = self.loss_fn(self.model_parts[0](inputs, **extra_inputs, **extra_kwargs), labels)
+                if loss_sum is not None:  # ranks of one TP group add the same pair: the ratio is unchanged
+                    if isinstance(loss_sum, DTensor):
+                        loss_sum = loss_sum.full_tensor()
+                    sums[0] += loss_sum.detach().double().to(self.device).reshape(-1)[0]
+                    sums[1] += (labels != IGNORE_INDEX).sum()
+        finally:
+            for part in self.model_parts:
+                part.train()
+        if dims.world_size > 1:
+            torch.distributed.all_reduce(sums)
+        return (sums[0] / sums[1]).item()
 
     def train_step(self, data_iterator: Any) -> None:
         self._step_losses.clear()

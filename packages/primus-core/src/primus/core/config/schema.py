@@ -107,6 +107,11 @@ class TrainConfig(Section):
         "same on every engine and layout (primus.core.init); engine = the engine's own init",
     )
     health: HealthConfig = Field(default_factory=HealthConfig)
+    max_minutes: float | None = Field(
+        None,
+        gt=0,
+        description="wall-clock limit: once reached, finish the step, save a checkpoint and stop as if preempted",
+    )
 
 
 class ParallelConfig(Section):
@@ -219,7 +224,21 @@ class CheckpointConfig(Section):
     dir: str | None = Field(None, description="checkpoint folder (default <output_dir>/checkpoints)")
     interval: int = Field(0, ge=0, description="save every N steps (0: only at the end)")
     keep_last: int = Field(2, gt=0, description="checkpoints kept")
-    resume: bool = Field(False, description="continue from the newest complete checkpoint")
+    resume: bool | Literal["auto"] = Field(
+        False,
+        description="continue from the newest complete checkpoint; auto: when there is one, else start fresh "
+        "(a requeued job simply runs again)",
+    )
+
+
+class EvalConfig(Section):
+    interval: int = Field(0, ge=0, description="evaluate every N steps and at the last step (0: no evaluation)")
+    batches: int = Field(4, gt=0, description="global batches (of train.global_batch_size samples) per evaluation")
+    holdout: float = Field(
+        0.0, ge=0, lt=1, description="fraction of the training samples held out for evaluation (never trained on)"
+    )
+    source: str | None = Field(None, description="separate evaluation data: a path / glob, read like data.source")
+    paths: list[str] = Field(default_factory=list, description="more evaluation files or folders")
 
 
 class LoggingConfig(Section):
@@ -252,6 +271,7 @@ class PrimusConfig(Section):
     kernels: KernelsConfig = Field(default_factory=KernelsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)

@@ -169,6 +169,7 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 allowed=f"pp × vpp ≤ {m.num_layers}",
             )
         )
+    out += eval_issues(cfg)
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         out.append(
             ConfigIssue(
@@ -176,6 +177,45 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
             )
         )
     return out
+
+
+def eval_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    """An evaluation needs data of its own: a held-out fraction of the training samples or separate inputs."""
+    e = cfg.eval
+    if e.source is not None and e.holdout:
+        return [
+            ConfigIssue(
+                "eval.holdout",
+                f"{e.holdout} and eval.source {e.source!r} both name the evaluation data",
+                value=e.holdout,
+                allowed="one of them: eval.holdout > 0 or eval.source",
+            )
+        ]
+    if e.paths and e.source is None:
+        return [ConfigIssue("eval.paths", "needs eval.source (the first input)", value=e.paths)]
+    if e.interval and e.source is None and not e.holdout:
+        return [
+            ConfigIssue(
+                "eval.interval",
+                f"{e.interval} evaluates, but no evaluation data is named",
+                value=e.interval,
+                allowed="0, or set eval.holdout (e.g. 0.05) or eval.source",
+            )
+        ]
+    if cfg.data.format == "megatron" and (e.holdout or e.source is not None):
+        key = "eval.holdout" if e.holdout else "eval.source"
+        return [
+            ConfigIssue(
+                key,
+                "evaluation of Megatron indexed data (data.format: megatron) is not built yet: Primus holds out "
+                "or reads evaluation samples from its own text / token sources only",
+                value=e.holdout or e.source,
+                allowed="data in .jsonl / .txt / .parquet (or the bundled corpus)",
+            )
+        ]
+    if e.holdout and cfg.data.source == "mock":
+        return [ConfigIssue("eval.holdout", "mock data is random tokens: nothing to evaluate on", value=e.holdout)]
+    return []
 
 
 def data_parallel_size(cfg: PrimusConfig, world_size: int) -> int:

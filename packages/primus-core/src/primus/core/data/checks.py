@@ -20,7 +20,7 @@ from primus.core.data.sources import check_token_ids, needs_tokenizer, source_in
 from primus.core.data.tokenizer import BUNDLED, eos_id, load_tokenizer
 
 if TYPE_CHECKING:
-    from primus.core.config.schema import PrimusConfig
+    from primus.core.config.schema import DataConfig, PrimusConfig
 
 #: Tokens of each Megatron ``.bin`` whose ids are compared with ``model.vocab_size``.
 SAMPLE_TOKENS = 1 << 20
@@ -29,14 +29,21 @@ SAMPLE_TOKENS = 1 << 20
 def check_data(cfg: PrimusConfig) -> None:
     """Raise the :class:`DataError` (exit 2, naming the key or file) that ``cfg``'s data would give at run time.
 
-    Checked: every input of ``data.source`` / ``data.paths`` exists and has a known format; each text file's first
-    document reads (UTF-8, valid JSON, a string under ``data.text_key``); the inputs hold at least one document;
-    each Megatron pair has a sound index and its first tokens fit ``model.vocab_size``; the tokenizer loads, has
-    an end-of-document token and fits ``model.vocab_size`` where the text is tokenized; a tokenizer named in
-    ``data.tokenizer`` loads even where the source is already tokens (engines read its end-of-document id).
+    Checked, for ``data`` and for the evaluation inputs of ``eval.source`` / ``eval.paths``: every input exists and
+    has a known format; each text file's first document reads (UTF-8, valid JSON, a string under
+    ``data.text_key``); the inputs hold at least one document; each Megatron pair has a sound index and its first
+    tokens fit ``model.vocab_size``; the tokenizer loads, has an end-of-document token and fits
+    ``model.vocab_size`` where the text is tokenized; a tokenizer named in ``data.tokenizer`` loads even where the
+    source is already tokens (engines read its end-of-document id).
     """
-    data, vocab = cfg.data, cfg.model.vocab_size
-    inputs = source_inputs(data)
+    _check_inputs(cfg.data, cfg.model.vocab_size, "data")
+    if cfg.eval.source is not None:
+        data = cfg.data.model_copy(update={"source": cfg.eval.source, "paths": list(cfg.eval.paths)})
+        _check_inputs(data, cfg.model.vocab_size, "eval")
+
+
+def _check_inputs(data: DataConfig, vocab: int, key: str) -> None:
+    inputs = source_inputs(data, key)
     if needs_tokenizer(data, inputs):
         eos_id(text_tokenizer(data, None, vocab))
     elif data.tokenizer != BUNDLED:
@@ -52,4 +59,4 @@ def check_data(cfg: PrimusConfig) -> None:
         elif first_document(item, data.text_key) is not None:
             found = True
     if not found:
-        raise DataError(f"{data.source}: the inputs hold no documents")
+        raise DataError(f"{key}.source {data.source}: the inputs hold no documents")

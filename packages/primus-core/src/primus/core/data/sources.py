@@ -78,18 +78,18 @@ def load_token_stream(data_cfg: DataConfig, tokenizer: Tokenizer | None, vocab_s
     return stream
 
 
-def source_inputs(data_cfg: DataConfig) -> list[Input]:
+def source_inputs(data_cfg: DataConfig, key: str = "data") -> list[Input]:
     """The files of ``data.source`` (unless "bundled") and ``data.paths``, in order; none for "mock" (random
-    tokens, the paths unused).
+    tokens, the paths unused). ``key`` names the section in errors (``eval`` for evaluation inputs).
 
     :raises DataError: naming the key and path: no such file / folder / prefix, an unknown extension, an empty
         folder, a glob matching nothing, half a Megatron pair.
     """
     if data_cfg.source == "mock":
         return []
-    specs = [(p, f"data.paths[{i}]") for i, p in enumerate(data_cfg.paths)]
+    specs = [(p, f"{key}.paths[{i}]") for i, p in enumerate(data_cfg.paths)]
     if data_cfg.source != "bundled":
-        specs.insert(0, (data_cfg.source, "data.source"))
+        specs.insert(0, (data_cfg.source, f"{key}.source"))
     return resolve_inputs(specs, data_cfg.format) if specs else []
 
 
