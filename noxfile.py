@@ -7,8 +7,9 @@
     nox -R -s ...            reuse a session's virtualenv without reinstalling (fast local reruns)
 
 Packages are found by listing packages/*/pyproject.toml (as hydra's noxfile lists its plugins), so a new
-package gets its `tests(<name>)` session by existing. Each package session installs only that package,
-primus-core and what its tests need: its `[dependency-groups] test`, else pytest.
+package gets its `tests(<name>)` session by existing. Each package session first installs only that package and
+primus-core, as a user would, and runs the commands its pyproject lists under `[tool.primus] smoke` (its main job);
+then it adds what its tests need (its extras, its `[dependency-groups] test`, else pytest) and runs them.
 
 torch is always `torch==2.13.0`, the CPU build on this machine's disk: every install runs under a constraints
 file that pins it, so no dependency can pull another build.
@@ -122,10 +123,26 @@ def core_alone(session: nox.Session) -> None:
         session.error("config validate did not name the bad key")
 
 
+def smoke(session: nox.Session, name: str) -> None:
+    """The distribution as a user installs it — primus-core and it, no extras, no sibling — running what it offers:
+    the commands its pyproject lists under ``[tool.primus] smoke`` (``{tmp}``: a fresh folder)."""
+    commands = pyproject(name).get("tool", {}).get("primus", {}).get("smoke", [])
+    if not commands:
+        return
+    siblings = [f"primus-{n}" for n in PACKAGES if n not in ("core", name)]
+    session.run("pip", "uninstall", "--yes", "--quiet", *siblings, silent=True)  # what a reused virtualenv holds
+    install(session, *([TORCH] if needs_torch(name) else []), str(PACKAGES["core"]), str(PACKAGES[name]))
+    tmp = Path(session.create_tmp()) / f"smoke-{datetime.now():%H%M%S%f}"
+    for command in commands:
+        session.run(*(arg.replace("{tmp}", str(tmp)) for arg in command), silent=True)
+
+
 @nox.session(python=PYTHON, reuse_venv=True)
 @nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
-    """One package's tests, with only that package and primus-core installed."""
+    """One package alone: first installed as a user would (with primus-core only) running its smoke commands,
+    then with what its tests need (its extras, its test group, TEST_PACKAGES) running its tests."""
+    smoke(session, package)
     install_packages(session, [package, *TEST_PACKAGES.get(package, [])], *test_deps(package))
     pytest(session, str(PACKAGES[package] / "tests"))
 

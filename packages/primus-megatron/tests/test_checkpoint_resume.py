@@ -5,6 +5,11 @@ The world-size-1 reference run saved at step 3 and 6; a run given only the step-
 distributed optimizer (DP 2) the optimizer state is saved sharded; its resume (after a rank was
 killed mid-save) is in ``test_crash_safety.py``. Every checkpoint carries a manifest; only folders
 named ``step_<N>`` with the manifest of step N count, and resume refuses another model shape.
+
+Across data-parallel sizes: the regular optimizer's state (1 rank) and the distributed optimizer's (dp_shard 2,
+the default on 2 ranks) are different formats that megatron-core does not convert; resume between them is refused
+before anything is loaded, naming the setting that resumes it, and with that setting it equals straight-through
+training.
 """
 
 from __future__ import annotations
@@ -90,3 +95,36 @@ def test_resume_refuses_another_model_shape(reference, tmp_path):
     text = " ".join(proc.stderr.split())  # the console wraps long lines
     assert "holds a model of another shape (num_layers 4 vs 2)" in text, proc.stderr[-3000:]
     assert "'num_layers': 4" in text and "'num_layers': 2" in text  # both shapes, in full
+
+
+def _refused(proc, *needles: str) -> None:
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert all(n in text for n in needles), text[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_resume_at_dp2_of_a_dp1_checkpoint(reference, tmp_path):
+    """dp 1 (regular optimizer) -> 2 ranks: refused with dp_shard 2, equal to the reference as 2 replicas."""
+    ckpt = _only_step3(reference["out"] / "checkpoints", tmp_path / "ckpt")
+    common = [f"checkpoint.dir={ckpt}", "checkpoint.enabled=true"]
+    proc = primus("train", TINY, tmp_path / "sharded", 2, *common, resume=True)
+    _refused(proc, "holds megatron's regular optimizer state", "parallel.dp_replicate=2 parallel.dp_shard=1")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000003"]  # nothing written
+    rows = train(TINY, tmp_path / "replicas", 2, *common, "parallel.dp_replicate=2", "parallel.dp_shard=1", resume=True)
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    assert losses(rows) == pytest.approx(reference["losses"][3:], abs=LOSS_TOL)
+
+
+def test_resume_at_dp1_of_a_dp2_checkpoint(dp2_straight, tmp_path):
+    """2 ranks (distributed optimizer) -> 1 rank: refused with the regular optimizer, equal to the 2-rank run with
+    parallel.distributed_optimizer=true (megatron-core reshards its state to dp 1)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(dp2_straight["out"] / "checkpoints" / "step_00000004", ckpt / "step_00000004")
+    common = [f"checkpoint.dir={ckpt}", "checkpoint.enabled=true"]
+    proc = primus("train", TINY, tmp_path / "regular", 1, *common, resume=True)
+    _refused(proc, "holds the distributed optimizer's state", "parallel.distributed_optimizer=true")
+    rows = train(TINY, tmp_path / "dist", 1, *common, "parallel.distributed_optimizer=true", resume=True)
+    assert [r["step"] for r in rows] == [5, 6]
+    assert losses(rows) == pytest.approx(dp2_straight["losses"][4:], abs=LOSS_TOL)

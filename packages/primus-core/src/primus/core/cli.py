@@ -189,7 +189,7 @@ def presets_show(name: Annotated[str, typer.Argument(help="preset name")]) -> No
 
 @app.command()
 def plugins() -> None:
-    """Installed plugins: distribution, version, what each provides, and any that failed."""
+    """Installed plugins: distribution, version, what each provides, and any that failed (then exit 1)."""
     from primus.core.plugins import get_registry
 
     reg = get_registry()
@@ -202,6 +202,8 @@ def plugins() -> None:
     out.print(table)
     for msg in reg.shadowed:
         out.print(f"shadowed: {msg}", highlight=False)
+    if any(rec.status != "ok" for rec in reg.pm.records.values()):
+        raise typer.Exit(1)  # an installed plugin that does not load is broken, not optional
 
 
 def _version(dist: str) -> str:

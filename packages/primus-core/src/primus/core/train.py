@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -227,27 +228,62 @@ def torchrun_command(
 TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "PET_SHUTDOWN_TIMEOUT": "600"}
 
 
+#: torchrun's own report that a worker exited with code 2: a refusal the worker has already printed as one line.
+_REFUSED = re.compile(rb"^[EW]\d{4} [^\n]*torch/distributed/elastic/[^\n]*failed \(exitcode: 2\)", re.M)
+
+
+_ANSI = re.compile(rb"\x1b\[[0-9;]*m")
+
+
+def _pass_stderr(src: Any, dst: Any) -> bool:
+    """Copy torchrun's stderr (its workers' too) to ``dst`` as it comes; from torchrun's report of a worker that
+    exited 2 (a user's mistake, refused with one ``error:`` line) on, drop its failure report (a traceback and a
+    table) but keep ``error:`` lines. True when that happened."""
+    refused, rest = False, b""
+    while chunk := os.read(src.fileno(), 1 << 16):
+        if not refused and (m := _REFUSED.search(chunk)):
+            dst.write(chunk[: m.start()])
+            refused, chunk = True, chunk[m.start() :]
+        if not refused:
+            dst.write(chunk)
+        else:
+            *lines, rest = (rest + chunk).split(b"\n")
+            dst.write(b"".join(line + b"\n" for line in lines if _ANSI.sub(b"", line).startswith(b"error:")))
+        dst.flush()
+    return refused
+
+
 def launch_torchrun(argv: list[str], output: Path | None = None, **kw: Any) -> int:
     """Run torchrun in its own session and pass it the stop signals once (a signal to the whole process group
-    would reach it twice); its exit code, or :data:`primus.core.stop.PREEMPTED_EXIT` when the workers stopped
-    early with a checkpoint (``output``'s summary says so)."""
+    would reach it twice). Returns its exit code; 2 when a worker refused the run (a user's mistake: its one-line
+    error shown, torchrun's traceback not); :data:`primus.core.stop.PREEMPTED_EXIT` when the workers stopped early
+    with a checkpoint (``output``'s summary says so)."""
     import json
     import signal
+    import threading
 
     from primus.core.stop import PREEMPTED_EXIT
 
     cmd = torchrun_command(argv, **kw)
     log.info("launching: %s", shlex.join(cmd))
     env = {**TORCHRUN_ENV, **os.environ, LAUNCHED_ENV: "1"}
+    if sys.stderr.isatty():  # the workers write through a pipe: keep rich's terminal output (progress bar)
+        env.update({"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"})
     started = time.time()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE)
+    refused: list[bool] = []
+    pump = threading.Thread(target=lambda: refused.append(_pass_stderr(proc.stderr, sys.stderr.buffer)), daemon=True)
+    pump.start()
     forwarded = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     previous = {num: signal.signal(num, lambda num, _frame: proc.send_signal(num)) for num in forwarded}
     try:
         rc = proc.wait()
+        pump.join()
     finally:
         for num, handler in previous.items():
             signal.signal(num, handler)
+    if rc and refused and refused[0]:
+        return 2
     if output is not None:  # a worker may leave with 0 after its early stop (torchrun then returns 0)
         summary = output / "summary.json"
         try:  # this launch's summary, not an earlier run's in the same folder

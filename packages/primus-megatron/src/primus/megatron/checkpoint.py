@@ -77,6 +77,36 @@ def write(folder: Path, chunks: list[Any], optimizer: Any) -> None:
     dist_checkpointing.save(sd, str(folder))
 
 
+def optimizer_sharded(folder: Path) -> bool | None:
+    """Whether ``folder`` holds the distributed optimizer's state (sharded over data-parallel ranks) rather than the
+    regular optimizer's (from the checkpoint's own index); None where it holds no optimizer state."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = [k for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata if k.startswith("optimizer.")]
+    return any(k.startswith("optimizer.distributed.") for k in keys) if keys else None
+
+
+def optimizer_mismatch(folder: Path, sharded: bool, dp: int) -> str | None:
+    """Why this run's optimizer (``sharded`` over ``dp`` data-parallel ranks or not) cannot load ``folder``'s
+    optimizer state, with the settings that can; None when it can. megatron-core 0.16 loads the distributed
+    optimizer's state at any data-parallel size, and the regular optimizer's at any, but not one as the other."""
+    saved = optimizer_sharded(folder)
+    if saved is None or saved == sharded:
+        return None
+    if saved:
+        return (
+            f"checkpoint {folder} holds the distributed optimizer's state (sharded over data-parallel ranks) and this "
+            f"run uses megatron's regular optimizer (data-parallel size {dp}), which cannot load it: add "
+            "parallel.distributed_optimizer=true (megatron-core reshards that state to any data-parallel size)"
+        )
+    return (
+        f"checkpoint {folder} holds megatron's regular optimizer state and this run shards the optimizer over "
+        f"{dp} data-parallel ranks (the distributed optimizer, the default for parallel.dp_shard > 1), which cannot "
+        f"load it: resume with parallel.dp_replicate={dp} parallel.dp_shard=1 (the regular optimizer, replicated), "
+        "or from a checkpoint written with parallel.distributed_optimizer=true"
+    )
+
+
 def read(folder: Path, chunks: list[Any], optimizer: Any) -> None:
     """Load what :func:`write` wrote, resharded to this run's layout."""
     from megatron.core import dist_checkpointing

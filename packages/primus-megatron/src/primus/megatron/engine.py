@@ -288,8 +288,12 @@ class MegatronEngine:
                 m.enable_forward_pre_hook()
 
     def load(self, folder: Path) -> None:
+        from primus.core.errors import UserError
         from primus.megatron import checkpoint as ckpt
+        from primus.megatron.dist import ranks
 
+        if why := ckpt.optimizer_mismatch(folder, _sharded_optimizer(self.cfg), ranks()["dp_size"]):
+            raise UserError(why)  # before anything is read: the same decision on every rank
         ckpt.read(folder, self.chunks, self.optimizer)
 
     def barrier(self) -> None:
