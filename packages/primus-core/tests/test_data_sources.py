@@ -110,7 +110,7 @@ def test_glob_paths_and_explicit_format(tmp_path: Path, tok):
 
 
 def test_parquet(tmp_path: Path, tok):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa  # primus-core[data]
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": DOCS + [None], "n": list(range(len(DOCS) + 1))}), tmp_path / "d.parquet")
@@ -119,6 +119,24 @@ def test_parquet(tmp_path: Path, tok):
     )
     with pytest.raises(DataError, match=f"{tmp_path / 'd.parquet'}: no column 'body'"):
         load_token_stream(DataConfig(source=str(tmp_path / "d.parquet"), text_key="body"), tok, 2048, 0)
+
+
+def test_hugging_face_datasets_folder(tmp_path: Path, tok):
+    """A ``datasets`` folder written by ``save_to_disk`` (two Arrow shards) reads as the same documents, in order,
+    memory-mapped; a DatasetDict folder is refused naming a split to use; a missing column is named."""
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": DOCS, "n": list(range(len(DOCS)))})
+    ds.save_to_disk(str(tmp_path / "hf"), num_shards=2)
+    assert len(list((tmp_path / "hf").glob("*.arrow"))) == 2
+    got = load_token_stream(DataConfig(source=str(tmp_path / "hf")), tok, 2048, 0)
+    assert got.tolist() == _expected(tok, DOCS)
+    with pytest.raises(DataError, match="no column 'body'"):
+        load_token_stream(DataConfig(source=str(tmp_path / "hf"), text_key="body"), tok, 2048, 0)
+    datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match=r"DatasetDict \(splits train, test\): name one split's folder"):
+        load_token_stream(DataConfig(source=str(tmp_path / "dd")), tok, 2048, 0)
+    assert load_token_stream(DataConfig(source=str(tmp_path / "dd" / "train")), tok, 2048, 0).tolist() == got.tolist()
 
 
 def test_parquet_without_pyarrow_says_install_pyarrow(tmp_path: Path, tok, monkeypatch):

@@ -163,3 +163,63 @@ def test_eval_data_refused_before_the_run_folder_exists(tmp_path):
     with pytest.raises(DataError, match=r"eval\.batches 500 × train.global_batch_size 2 needs 1000 samples"):
         _run(out, "eval.holdout=0.01", "eval.interval=2", "eval.batches=500")
     assert not out.exists()
+
+
+def _write_docs(path: Path, word: str, n: int) -> Path:
+    path.write_text("".join(json.dumps({"text": f"{word} " * 40 + f"{i}"}) + "\n" for i in range(n)))
+    return path
+
+
+def test_blend_draws_sources_by_weight_reproducibly(tmp_path):
+    """Megatron's weight-path pairs: over 5,000 samples each source's share is within 2% of its weight; the draw
+    is the seed's; the Megatron form and the structured form are the same blend."""
+    from primus.core.data.splits import Blend, training_samples
+
+    small = _write_docs(tmp_path / "small.jsonl", "alpha", 40)
+    large = _write_docs(tmp_path / "large.jsonl", "omega", 400)
+    over = ["train.seq_len=32", "model.vocab_size=2048"]
+    cfg = resolve("tiny-llama", [f"data.blend=[0.2, {small}, 0.8, {large}]", *over], 1, check_plugins=False).config
+    assert [(b.weight, b.path) for b in cfg.data.blend] == [(0.2, str(small)), (0.8, str(large))]
+    blend = training_samples(cfg)
+    assert isinstance(blend, Blend) and len(blend) == sum(len(d) for d in blend.datasets)
+    draws = Blend(blend.datasets, [0.2, 0.8], cfg.train.seed)
+    counts = np.bincount(np.concatenate([draws.source] * (5000 // len(draws) + 1))[:5000], minlength=2)
+    assert abs(counts[0] / 5000 - 0.2) < 0.02 and abs(counts[1] / 5000 - 0.8) < 0.02
+    again = training_samples(cfg)
+    assert np.array_equal(again.source, blend.source) and np.array_equal(again.index, blend.index)
+    other = Blend(blend.datasets, [0.2, 0.8], cfg.train.seed + 1)
+    assert not np.array_equal(other.source, blend.source)
+    # a small source cycles through all its samples before repeating one
+    firsts = blend.index[blend.source == 0][: len(blend.datasets[0])]
+    assert sorted(firsts.tolist()) == list(range(len(blend.datasets[0])))
+    tokens = {int(t) for t in blend[int(np.flatnonzero(blend.source == 0)[0])][0]}
+    structured = [f"data.blend=[{{weight: 0.2, path: {small}}}, {{weight: 0.8, path: {large}}}]", *over]
+    same = training_samples(resolve("tiny-llama", structured, 1, check_plugins=False).config)
+    assert np.array_equal(same.source, blend.source) and tokens
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["data.blend=[0.5, a.jsonl, 0.5]"], "data.blend"),  # odd number of items
+        (["data.blend=[x, a.jsonl]"], "data.blend"),
+        (["data.blend=[0.5, a.jsonl]", "data.paths=[b.jsonl]"], "data.paths"),
+        (["data.blend=[-1, a.jsonl]"], "data.blend"),
+    ],
+)
+def test_bad_blends_are_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as exc:
+        resolve("tiny-llama", overrides, world_size=1, check_plugins=False)
+    assert key in str(exc.value)
+
+
+def test_a_missing_blend_source_is_refused_naming_its_entry(tmp_path):
+    from primus.core.data import DataError
+    from primus.core.data.checks import check_data
+
+    good = _write_docs(tmp_path / "a.jsonl", "alpha", 5)
+    cfg = resolve(
+        "tiny-llama", [f"data.blend=[0.5, {good}, 0.5, {tmp_path / 'nope.jsonl'}]"], 1, check_plugins=False
+    ).config
+    with pytest.raises(DataError, match=r"data\.blend\[1\]\.path"):
+        check_data(cfg)

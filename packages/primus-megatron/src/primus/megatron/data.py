@@ -1,8 +1,9 @@
 """Training samples and the global batch order.
 
 Two sources: Primus's own (``primus.core.data``: bundled corpus, mock tokens, .jsonl/.txt/.parquet
-files, packed to ``seq_len``), and Megatron indexed datasets (``data.format: megatron``, .bin/.idx
-prefixes) through megatron-core's ``BlendedMegatronDatasetBuilder`` and ``GPTDataset``.
+files, packed to ``seq_len``, blended by core's ``data.blend``), and Megatron indexed datasets
+(``data.format: megatron``, .bin/.idx prefixes) through megatron-core's ``BlendedMegatronDatasetBuilder`` and
+``GPTDataset`` (a ``data.blend`` then by megatron's own ``BlendedDataset``).
 
 Batches are laid out so every parallel layout sees the same tokens: the global sample order is
 fixed by the seed, global batch ``k`` is samples ``[k·G, (k+1)·G)`` of that order, and data-parallel
@@ -65,15 +66,24 @@ class _MegatronSamples:
         return item["tokens"].numpy(), item["labels"].numpy()
 
 
-def _megatron_prefixes(cfg: PrimusConfig) -> list[str]:
-    prefixes = []
-    for p in [cfg.data.source, *cfg.data.paths]:
-        path = Path(p)
-        if path.is_dir():
-            prefixes += sorted(str(x.with_suffix("")) for x in path.glob("*.idx"))
-        else:
-            prefixes.append(str(path.with_suffix("")) if path.suffix in (".bin", ".idx") else str(path))
-    return prefixes
+def _prefixes(path_str: str) -> list[str]:
+    path = Path(path_str)
+    if path.is_dir():
+        return sorted(str(x.with_suffix("")) for x in path.glob("*.idx"))
+    return [str(path.with_suffix("")) if path.suffix in (".bin", ".idx") else str(path)]
+
+
+def _megatron_blend(cfg: PrimusConfig) -> tuple[list[str], list[float] | None]:
+    """megatron-core's blend: (prefixes, weights); with ``data.blend`` each entry's weight (a folder's shared evenly
+    by its prefixes), drawn by megatron's own BlendedDataset."""
+    if not cfg.data.blend:
+        return [p for src in [cfg.data.source, *cfg.data.paths] for p in _prefixes(src)], None
+    prefixes, weights = [], []
+    for entry in cfg.data.blend:
+        found = _prefixes(entry.path)
+        prefixes += found
+        weights += [entry.weight / len(found)] * len(found)
+    return prefixes, weights
 
 
 def megatron_dataset(cfg: PrimusConfig, cache_dir: Path) -> _MegatronSamples:
@@ -96,7 +106,7 @@ def megatron_dataset(cfg: PrimusConfig, cache_dir: Path) -> _MegatronSamples:
     config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.train.seq_len,
-        blend=(_megatron_prefixes(cfg), None),
+        blend=_megatron_blend(cfg),
         split="100,0,0",
         path_to_cache=str(cache_dir),
         tokenizer=shim,

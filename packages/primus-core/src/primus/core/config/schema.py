@@ -210,13 +210,41 @@ class KernelsConfig(Section):
         return "off" if value is False else value
 
 
+class BlendSource(Section):
+    weight: float = Field(gt=0, description="share of the samples drawn from this source (weights are normalised)")
+    path: str = Field(description="a file, folder, glob or Megatron prefix, read like data.source")
+
+
 class DataConfig(Section):
     source: str = Field("bundled", description="'bundled' (embedded corpus), 'mock' (random tokens), or a path / glob")
+    blend: list[BlendSource] = Field(
+        default_factory=list,
+        description="weighted sources instead of data.source: [{weight: 0.3, path: a}, ...] or Megatron's "
+        "[0.3, a, 0.7, b]; each sample's source is drawn by weight from train.seed",
+    )
     paths: list[str] = Field(default_factory=list, description="extra files or folders (.jsonl/.txt/.parquet/.bin)")
-    format: Literal["auto", "jsonl", "txt", "parquet", "megatron"] = Field("auto", description="file format")
+    format: Literal["auto", "jsonl", "txt", "parquet", "arrow", "megatron"] = Field("auto", description="file format")
     text_key: str = Field("text", description="field holding the text in .jsonl/.parquet")
     tokenizer: str = Field("bundled", description="'bundled' or a folder / tokenizer.json path")
     num_workers: int = Field(0, ge=0, description="data loader worker processes")
+
+    @field_validator("blend", mode="before")
+    @classmethod
+    def _megatron_blend(cls, value: Any) -> Any:
+        # Megatron's `--data-path 0.3 a 0.7 b`: a string or a flat list, weight before path
+        if isinstance(value, str):
+            value = value.split()
+        if isinstance(value, list) and value and not isinstance(value[0], dict):
+            if len(value) % 2:
+                raise ValueError("Megatron's form is weight path pairs: [0.3, a, 0.7, b]")
+            pairs = []
+            for weight, path in zip(value[::2], value[1::2], strict=True):
+                try:
+                    pairs.append({"weight": float(weight), "path": str(path)})
+                except (TypeError, ValueError):
+                    raise ValueError(f"{weight!r} is not a weight (weight path pairs: [0.3, a, 0.7, b])") from None
+            return pairs
+        return value
 
 
 class CheckpointConfig(Section):
@@ -248,6 +276,11 @@ class LoggingConfig(Section):
     jsonl: bool = Field(True, description="write metrics.jsonl")
     progress: bool = Field(True, description="show a progress bar on rank 0")
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    loggers: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="loggers that plugins provide, by name, each with its settings; one is on when named here "
+        "(primus-loggers: wandb, mlflow; e.g. {wandb: {project: x, mode: offline}})",
+    )
 
 
 class ProfileConfig(Section):

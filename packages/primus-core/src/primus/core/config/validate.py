@@ -170,6 +170,12 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
             )
         )
     out += eval_issues(cfg)
+    d = cfg.data
+    if d.blend and (d.source != "bundled" or d.paths):
+        key = "data.paths" if d.paths else "data.source"
+        out.append(
+            ConfigIssue(key, "data.blend names the training sources", value=d.paths or d.source, allowed="unset")
+        )
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         out.append(
             ConfigIssue(

@@ -29,21 +29,24 @@ SAMPLE_TOKENS = 1 << 20
 def check_data(cfg: PrimusConfig) -> None:
     """Raise the :class:`DataError` (exit 2, naming the key or file) that ``cfg``'s data would give at run time.
 
-    Checked, for ``data`` and for the evaluation inputs of ``eval.source`` / ``eval.paths``: every input exists and
+    Checked, for ``data`` (each source of ``data.blend``) and for the evaluation inputs of ``eval.source`` / ``eval.paths``: every input exists and
     has a known format; each text file's first document reads (UTF-8, valid JSON, a string under
     ``data.text_key``); the inputs hold at least one document; each Megatron pair has a sound index and its first
     tokens fit ``model.vocab_size``; the tokenizer loads, has an end-of-document token and fits
     ``model.vocab_size`` where the text is tokenized; a tokenizer named in ``data.tokenizer`` loads even where the
     source is already tokens (engines read its end-of-document id).
     """
-    _check_inputs(cfg.data, cfg.model.vocab_size, "data")
+    from primus.core.data.splits import blend_configs
+
+    for data, key, paths_key in blend_configs(cfg):
+        _check_inputs(data, cfg.model.vocab_size, key, paths_key)
     if cfg.eval.source is not None:
         data = cfg.data.model_copy(update={"source": cfg.eval.source, "paths": list(cfg.eval.paths)})
-        _check_inputs(data, cfg.model.vocab_size, "eval")
+        _check_inputs(data, cfg.model.vocab_size, "eval.source", "eval.paths")
 
 
-def _check_inputs(data: DataConfig, vocab: int, key: str) -> None:
-    inputs = source_inputs(data, key)
+def _check_inputs(data: DataConfig, vocab: int, key: str, paths_key: str) -> None:
+    inputs = source_inputs(data, key, paths_key)
     if needs_tokenizer(data, inputs):
         eos_id(text_tokenizer(data, None, vocab))
     elif data.tokenizer != BUNDLED:
@@ -59,4 +62,4 @@ def _check_inputs(data: DataConfig, vocab: int, key: str) -> None:
         elif first_document(item, data.text_key) is not None:
             found = True
     if not found:
-        raise DataError(f"{key}.source {data.source}: the inputs hold no documents")
+        raise DataError(f"{key} {data.source}: the inputs hold no documents")

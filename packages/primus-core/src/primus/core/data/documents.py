@@ -5,6 +5,8 @@ Formats, chosen by extension when ``format`` is ``"auto"``:
 - ``.jsonl``: one JSON object per line, the document is the string under ``text_key``; blank lines skipped.
 - ``.txt``: the whole file is one document (split a corpus into several files for several documents).
 - ``.parquet``: one document per row, column ``text_key`` (needs pyarrow); null cells skipped.
+- ``.arrow``: the same, from Arrow IPC files read a batch at a time, memory-mapped (a Hugging Face ``datasets``
+  folder written by ``save_to_disk`` is a folder of them; a ``DatasetDict`` folder is refused: name a split).
 - Megatron ``<prefix>.bin/.idx``: already tokenized; named by the prefix, the ``.bin`` or the ``.idx`` path.
 
 A folder stands for every supported file under it (recursively), a glob for its matches, both in sorted order.
@@ -22,8 +24,15 @@ from pathlib import Path
 from primus.core.data.errors import DataError
 from primus.core.data.indexed import is_prefix
 
-EXTENSIONS = {".jsonl": "jsonl", ".txt": "txt", ".parquet": "parquet", ".bin": "megatron", ".idx": "megatron"}
-FORMATS = ("jsonl", "txt", "parquet", "megatron")
+EXTENSIONS = {
+    ".jsonl": "jsonl",
+    ".txt": "txt",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".bin": "megatron",
+    ".idx": "megatron",
+}
+FORMATS = ("jsonl", "txt", "parquet", "arrow", "megatron")
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,12 @@ def _from_file(path: Path, fmt: str, where: str) -> Input:
 
 
 def _from_folder(folder: Path, fmt: str, where: str, text_only: bool) -> list[Input]:
+    if (folder / "dataset_dict.json").is_file():  # a Hugging Face DatasetDict: one subfolder per split
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        raise DataError(
+            f"{where}: {folder} is a Hugging Face DatasetDict (splits {', '.join(splits)}): name one split's "
+            f"folder, e.g. {folder / (splits[0] if splits else 'train')}"
+        )
     inputs: dict[Path, Input] = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         kind = EXTENSIONS.get(path.suffix.lower())
@@ -114,6 +129,8 @@ def iter_documents(item: Input, text_key: str = "text") -> Iterator[str]:
             raise DataError(f"{item.path}: not UTF-8 text ({exc})") from exc
     elif item.format == "parquet":
         yield from _parquet(item.path, text_key)
+    elif item.format == "arrow":
+        yield from _arrow(item.path, text_key)
     else:
         raise DataError(f"{item.path}: {item.format} inputs hold tokens, not text")
 
@@ -170,6 +187,37 @@ def _parquet(path: Path, text_key: str) -> Iterator[str]:
         )
     for batch in table.iter_batches(columns=[text_key], batch_size=1024):
         for text in batch.column(0).to_pylist():
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"{path}: column {text_key!r} holds {type(text).__name__}, not text")
+            yield text
+
+
+def _arrow(path: Path, text_key: str) -> Iterator[str]:
+    """An Arrow IPC file, memory-mapped and read a record batch at a time (what Hugging Face ``datasets`` writes:
+    ``save_to_disk`` folders hold ``data-NNNNN-of-NNNNN.arrow`` stream files, which a folder input reads in
+    order)."""
+    try:
+        import pyarrow as pa
+    except ImportError as exc:
+        raise DataError(f"reading {path} needs pyarrow: pip install 'primus-core[data]' (or pyarrow)") from exc
+    try:
+        try:
+            reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+            batches = iter(reader)
+            schema = reader.schema
+        except pa.ArrowInvalid:  # the random-access file format
+            file = pa.ipc.open_file(pa.memory_map(str(path)))
+            batches = (file.get_batch(i) for i in range(file.num_record_batches))
+            schema = file.schema
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises its own error types
+        raise DataError(f"cannot read Arrow file {path}: {exc}") from exc
+    if text_key not in schema.names:
+        raise DataError(f"{path}: no column {text_key!r} (columns: {', '.join(schema.names)}; data.text_key)")
+    column = schema.get_field_index(text_key)
+    for batch in batches:
+        for text in batch.column(column).to_pylist():
             if text is None:
                 continue
             if not isinstance(text, str):

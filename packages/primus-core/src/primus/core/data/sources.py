@@ -78,18 +78,18 @@ def load_token_stream(data_cfg: DataConfig, tokenizer: Tokenizer | None, vocab_s
     return stream
 
 
-def source_inputs(data_cfg: DataConfig, key: str = "data") -> list[Input]:
+def source_inputs(data_cfg: DataConfig, key: str = "data.source", paths_key: str = "data.paths") -> list[Input]:
     """The files of ``data.source`` (unless "bundled") and ``data.paths``, in order; none for "mock" (random
-    tokens, the paths unused). ``key`` names the section in errors (``eval`` for evaluation inputs).
+    tokens, the paths unused). ``key`` / ``paths_key`` name them in errors (``eval.source``, ``data.blend[0].path``).
 
     :raises DataError: naming the key and path: no such file / folder / prefix, an unknown extension, an empty
         folder, a glob matching nothing, half a Megatron pair.
     """
     if data_cfg.source == "mock":
         return []
-    specs = [(p, f"{key}.paths[{i}]") for i, p in enumerate(data_cfg.paths)]
+    specs = [(p, f"{paths_key}[{i}]") for i, p in enumerate(data_cfg.paths)]
     if data_cfg.source != "bundled":
-        specs.insert(0, (data_cfg.source, f"{key}.source"))
+        specs.insert(0, (data_cfg.source, key))
     return resolve_inputs(specs, data_cfg.format) if specs else []
 
 

@@ -1,5 +1,10 @@
 """The run's training and evaluation samples, the same on every engine and layout.
 
+With ``data.blend`` the training samples come from several sources by weight (Megatron's ``weight path ...``
+meaning): blended sample ``k``'s source is drawn from the weights with a generator seeded by ``train.seed``, and it
+takes that source's next sample in a seeded order of its own (cycling when a small source runs out). The blend
+holds as many samples as its sources together; :class:`~primus.core.data.packed.GlobalOrder` then orders them.
+
 Training samples are the packed samples of ``data`` (:class:`~primus.core.data.packed.PackedDataset`) less the
 held-out ones: with ``eval.holdout`` a fraction of the sample ids, drawn from the seed, is set aside for
 evaluation and never trained on. With ``eval.source`` the evaluation samples are packed from those inputs instead
@@ -37,6 +42,45 @@ class Subset:
         return self.dataset[int(self.ids[index])]
 
 
+_BLEND_STREAM = 0x424C4E  # "BLN"
+
+
+class Blend:
+    """Samples of ``datasets`` interleaved by ``weights`` (normalised), reproducibly from ``seed``.
+
+    ``source[k]`` and ``index[k]`` (int32 / int64 arrays of the blend's length) say which sample of which
+    source blended sample ``k`` is: ``len × 12`` bytes in memory."""
+
+    def __init__(self, datasets: list[Any], weights: list[float], seed: int) -> None:
+        self.datasets = datasets
+        n = sum(len(d) for d in datasets)
+        p = np.asarray(weights, dtype=np.float64)
+        rng = np.random.default_rng([seed, _BLEND_STREAM])
+        self.source = rng.choice(len(datasets), size=n, p=p / p.sum()).astype(np.int32)
+        self.index = np.empty(n, dtype=np.int64)
+        for i, d in enumerate(datasets):
+            at = np.flatnonzero(self.source == i)  # the blend positions drawn from source i, in order
+            order = np.random.default_rng([seed, _BLEND_STREAM, i]).permutation(len(d))
+            self.index[at] = order[np.arange(len(at)) % len(d)]
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, k: int) -> Any:
+        return self.datasets[int(self.source[k])][int(self.index[k])]
+
+
+def blend_configs(cfg: PrimusConfig) -> list[tuple[Any, str, str]]:
+    """(data section, its source's key, its paths' key) of each training source: ``data`` itself, or one per
+    ``data.blend`` entry (that entry's path as the source)."""
+    if not cfg.data.blend:
+        return [(cfg.data, "data.source", "data.paths")]
+    return [
+        (cfg.data.model_copy(update={"source": b.path, "paths": []}), f"data.blend[{i}].path", "data.paths")
+        for i, b in enumerate(cfg.data.blend)
+    ]
+
+
 def holdout_ids(n: int, fraction: float, seed: int) -> np.ndarray:
     """The sorted ids of the ``ceil(fraction × n)`` samples held out of ``n``, drawn from ``seed``."""
     count = math.ceil(fraction * n)
@@ -49,10 +93,21 @@ def _packed(cfg: PrimusConfig, data: Any, tokenizer: Any) -> PackedDataset:
     return PackedDataset(tokens, cfg.train.seq_len)
 
 
+def _all_training(cfg: PrimusConfig, tokenizer: Any) -> Any:
+    """The packed samples of ``data``, or the blend of ``data.blend``'s sources (before any holdout)."""
+    if not cfg.data.blend:
+        return _packed(cfg, cfg.data, tokenizer)
+    parts = [_packed(cfg, data, tokenizer) for data, _, _ in blend_configs(cfg)]
+    for part, (_, key, _) in zip(parts, blend_configs(cfg), strict=True):
+        if not len(part):
+            raise DataError(f"{key}: holds no complete sample of train.seq_len + 1 tokens")
+    return Blend(parts, [b.weight for b in cfg.data.blend], cfg.train.seed)
+
+
 def training_samples(cfg: PrimusConfig, tokenizer: Any = None) -> Any:
     """What training reads: every packed sample of ``data`` but the held-out ones (``tokenizer`` None: the data
     layer loads ``data.tokenizer`` where the source needs one)."""
-    packed = _packed(cfg, cfg.data, tokenizer)
+    packed = _all_training(cfg, tokenizer)
     if not cfg.eval.holdout:
         return packed
     held = holdout_ids(len(packed), cfg.eval.holdout, cfg.train.seed)
@@ -68,7 +123,7 @@ def eval_samples(cfg: PrimusConfig, tokenizer: Any = None) -> Any:
         samples: Any = _packed(cfg, data, tokenizer)
         where = f"eval.source {e.source!r} holds"
     elif e.holdout:
-        packed = _packed(cfg, cfg.data, tokenizer)
+        packed = _all_training(cfg, tokenizer)
         samples = Subset(packed, holdout_ids(len(packed), e.holdout, cfg.train.seed))
         where = f"eval.holdout {e.holdout} of the {len(packed)} training samples is"
     else:
