@@ -22,7 +22,9 @@ GBS, MBS = 8, 2
 def cfg(tmp_path_factory):
     root = tmp_path_factory.mktemp("blend")
     for name, word, n in (("a.jsonl", "alpha", 30), ("b.jsonl", "omega beta", 200)):
-        (root / name).write_text("".join(json.dumps({"text": " ".join(f"{word} {i} {j}" for j in range(30))}) + "\n" for i in range(n)))
+        (root / name).write_text(
+            "".join(json.dumps({"text": " ".join(f"{word} {i} {j}" for j in range(30))}) + "\n" for i in range(n))
+        )
     overrides = [
         f"data.blend=[0.3, {root / 'a.jsonl'}, 0.7, {root / 'b.jsonl'}]",
         "train.seq_len=32",
