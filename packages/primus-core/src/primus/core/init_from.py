@@ -139,6 +139,9 @@ def apply_layers(layers: Layered) -> None:
                 clashes.append(f"model.{key} {model.get(key)!r} vs {theirs!r} (set in {where})")
             continue
         layers.merge({"model": {key: theirs}}, label)
+    tok_where = layers.sources.get("data.tokenizer", "default")
+    if (src.path / "tokenizer.json").is_file() and (tok_where == "default" or tok_where.startswith("preset ")):
+        layers.merge({"data": {"tokenizer": str(src.path)}}, label)  # the model's own tokenizer (and chat template)
     if clashes:
         message = f"the model you set disagrees with {src.path / 'config.json'} (yours first): " + "; ".join(clashes)
         raise ConfigError(

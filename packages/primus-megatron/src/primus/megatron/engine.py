@@ -193,6 +193,9 @@ class MegatronEngine:
     def _forward_step(self, step: int):
         faults = self.faults
 
+        if self.cfg.train.objective == "sft":
+            return self._masked_forward_step(step)
+
         def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
             tokens, labels = next(data_iterator)
             losses = model_chunk(tokens, None, None, labels=labels)
@@ -205,6 +208,29 @@ class MegatronEngine:
                 n = float(output.numel())
                 # full_like, not new_tensor: a host scalar copied to the GPU would sync mid-step
                 return total / n, {"lm loss": torch.stack([total.detach(), torch.full_like(total.detach(), n)])}
+
+            return losses, loss_func
+
+        return forward_step
+
+    def _masked_forward_step(self, step: int):
+        """Fine-tuning: labels of context tokens are IGNORE_INDEX (primus.core.data.sft). megatron's per-token loss
+        mode (``calculate_per_token_loss``, set at build): each micro-batch returns its masked loss sum and
+        trainable-token count; megatron scales the gradients by the global count."""
+        from primus.core.data.sft import IGNORE_INDEX
+
+        faults = self.faults
+
+        def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
+            tokens, labels = next(data_iterator)
+            mask = labels != IGNORE_INDEX
+            losses = model_chunk(tokens, None, None, labels=torch.where(mask, labels, torch.zeros_like(labels)))
+
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                total = faults.poison_loss(step, (output.float() * mask).sum())
+                n = mask.sum().to(torch.int)
+                report = torch.stack([total.detach(), n.to(total.dtype)])
+                return total, n, {"lm loss": report}
 
             return losses, loss_func
 

@@ -84,7 +84,7 @@ def transformer_config(cfg: PrimusConfig) -> TransformerConfig:
         params_dtype=dtype,
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
-        calculate_per_token_loss=False,
+        calculate_per_token_loss=cfg.train.objective == "sft",  # masked labels: megatron's per-token mode
         **{compat.PLUGGABLE_ACTIVATION_FLAG: True},
         **UNFUSED,
         **recompute,

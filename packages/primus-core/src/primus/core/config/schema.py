@@ -101,6 +101,11 @@ class TrainConfig(Section):
         description="start from these weights: a Hugging Face folder (its config.json gives the model) or a Primus "
         "checkpoint of either engine (primus.core.init_from)",
     )
+    objective: Literal["pretrain", "sft"] = Field(
+        "pretrain",
+        description="pretrain: next-token loss on every token; sft: fine-tuning on .jsonl chat (messages) or "
+        "prompt / completion records, loss on the answers only",
+    )
     init: Literal["canonical", "engine"] = Field(
         "canonical",
         description="initial weights: canonical = each tensor drawn from train.seed by its Hugging Face name, the "

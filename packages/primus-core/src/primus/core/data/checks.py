@@ -11,7 +11,7 @@ stream is built.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from primus.core.data.documents import first_document
 from primus.core.data.errors import DataError
@@ -39,13 +39,24 @@ def check_data(cfg: PrimusConfig) -> None:
     from primus.core.data.splits import blend_configs
 
     for data, key, paths_key in blend_configs(cfg):
-        _check_inputs(data, cfg.model.vocab_size, key, paths_key)
+        _check_inputs(data, cfg.model.vocab_size, key, paths_key, cfg.train.objective)
     if cfg.eval.source is not None:
         data = cfg.data.model_copy(update={"source": cfg.eval.source, "paths": list(cfg.eval.paths)})
         _check_inputs(data, cfg.model.vocab_size, "eval.source", "eval.paths")
 
 
-def _check_inputs(data: DataConfig, vocab: int, key: str, paths_key: str) -> None:
+def check_first_record(item: Any, data: DataConfig) -> bool:
+    """A fine-tuning input's first record is one (messages with a chat template, or prompt / completion)."""
+    from primus.core.data.sft import records, renderer_for, segments
+
+    for record, where in records(item):
+        render = renderer_for(data.tokenizer, None) if isinstance(record, dict) and "messages" in record else None
+        segments(record, render, where)
+        return True
+    return False
+
+
+def _check_inputs(data: DataConfig, vocab: int, key: str, paths_key: str, objective: str = "pretrain") -> None:
     inputs = source_inputs(data, key, paths_key)
     if needs_tokenizer(data, inputs):
         eos_id(text_tokenizer(data, None, vocab))
@@ -59,6 +70,8 @@ def _check_inputs(data: DataConfig, vocab: int, key: str, paths_key: str) -> Non
             if head.size:
                 check_token_ids(data, int(head.max()), vocab)
             found = found or len(reader) > 0
+        elif objective == "sft":
+            found = check_first_record(item, data) or found
         elif first_document(item, data.text_key) is not None:
             found = True
     if not found:

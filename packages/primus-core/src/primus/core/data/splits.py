@@ -88,7 +88,12 @@ def holdout_ids(n: int, fraction: float, seed: int) -> np.ndarray:
     return np.sort(perm[:count])
 
 
-def _packed(cfg: PrimusConfig, data: Any, tokenizer: Any) -> PackedDataset:
+def _packed(cfg: PrimusConfig, data: Any, tokenizer: Any) -> Any:
+    if cfg.train.objective == "sft":  # records with a trainable mask (primus.core.data.sft)
+        from primus.core.data.sft import sft_dataset
+        from primus.core.data.sources import text_tokenizer
+
+        return sft_dataset(data, text_tokenizer(data, tokenizer, cfg.model.vocab_size), cfg.train.seq_len)
     tokens = load_token_stream(data, tokenizer, cfg.model.vocab_size, cfg.train.seed)
     return PackedDataset(tokens, cfg.train.seq_len)
 

@@ -1,0 +1,166 @@
+"""Fine-tuning samples (``train.objective: sft``): chat or prompt / completion records, loss on the answers only.
+
+Records (.jsonl, one per line) are either ``{"prompt": ..., "completion": ...}`` or ``{"messages": [{"role": ...,
+"content": ...}, ...]}``. A ``messages`` record is rendered with the tokenizer's chat template (``chat_template`` of
+``tokenizer_config.json`` beside ``tokenizer.json`` in the ``data.tokenizer`` folder, as ``transformers`` renders
+it); each assistant message is trained on, everything before it (system, user turns, the template's assistant
+header) is context. A prompt / completion record trains on the completion and its end-of-sequence token.
+
+Records are packed one after another into one stream of tokens with a parallel trainable mask, and cut into
+windows of ``train.seq_len + 1`` like pretraining text (:class:`~primus.core.data.packed.PackedDataset`); the label
+of a position whose next token is context is :data:`IGNORE_INDEX`, so it adds nothing to the loss or the gradient
+(both engines average over the trainable tokens only). Tokens of one window may come from several records and
+attend to each other (no document masking).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from primus.core.data.documents import Input
+from primus.core.data.errors import DataError
+
+IGNORE_INDEX = -100  # the label both engines skip (torch's cross_entropy default)
+
+
+def chat_template(tokenizer_spec: str) -> str | None:
+    """The ``chat_template`` of the tokenizer folder's ``tokenizer_config.json`` (None where there is none)."""
+    path = Path(tokenizer_spec)
+    folder = path if path.is_dir() else path.parent
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    template = json.loads(config.read_text()).get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+class ChatRenderer:
+    """A chat template rendered as ``transformers``' ``apply_chat_template`` does (jinja2, sandboxed)."""
+
+    def __init__(self, template: str, special: dict[str, str]) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise DataError(f"the chat template refused a record: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self.template, self.special = env.from_string(template), special
+
+    def __call__(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+
+
+def segments(record: Any, render: ChatRenderer | None, where: str) -> list[tuple[str, bool]]:
+    """``record`` as (text, trainable) pieces in order."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record is a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise DataError(f"{where}: 'messages' is a list of {{role, content}} objects")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no assistant message to train on")
+        if render is None:
+            raise DataError(
+                f"{where}: 'messages' records need a chat template: data.tokenizer names a folder whose "
+                "tokenizer_config.json has one (a Hugging Face model folder)"
+            )
+        out: list[tuple[str, bool]] = []
+        done = ""
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":  # the template's header for the answer is context, the answer not
+                head = render(messages[:i], add_generation_prompt=True)
+                out.append((head[len(done) :], False))
+                done = head
+            text = render(messages[: i + 1])
+            if not text.startswith(done):
+                raise DataError(f"{where}: the chat template does not render messages incrementally")
+            out.append((text[len(done) :], message["role"] == "assistant"))
+            done = text
+        return [(t, trainable) for t, trainable in out if t]
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise DataError(f"{where}: a record has 'messages', or string 'prompt' and 'completion' fields")
+    return [(prompt, False), (completion, True)]
+
+
+def records(item: Input) -> Iterator[tuple[Any, str]]:
+    if item.format != "jsonl":
+        raise DataError(f"{item.path}: fine-tuning records are read from .jsonl files (got {item.format})")
+    with open(item.path, encoding="utf-8") as stream:
+        for lineno, line in enumerate(stream, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line), f"{item.path}:{lineno}"
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{item.path}:{lineno}: not valid JSON ({exc})") from exc
+
+
+def encode(inputs: list[Input], tokenizer: Any, eos: int, render: ChatRenderer | None) -> tuple[np.ndarray, np.ndarray]:
+    """Every record of ``inputs`` as one token stream and its trainable mask (a prompt / completion record ends
+    with ``eos``, trainable; a chat record ends as its template renders it)."""
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    for item in inputs:
+        for record, where in records(item):
+            pieces = segments(record, render, where)
+            for text, trainable in pieces:
+                tokens = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+                ids.append(tokens)
+                masks.append(np.full(len(tokens), trainable))
+            if "messages" not in record:
+                ids.append(np.asarray([eos], dtype=np.int64))
+                masks.append(np.ones(1, dtype=bool))
+    if not ids:
+        raise DataError(f"{inputs[0].path if inputs else 'data.source'}: no fine-tuning records")
+    return np.concatenate(ids), np.concatenate(masks)
+
+
+class SFTDataset:
+    """Windows of ``seq_len + 1`` tokens of the packed stream: (inputs, labels), labels :data:`IGNORE_INDEX` where
+    the next token is context."""
+
+    def __init__(self, tokens: np.ndarray, trainable: np.ndarray, seq_len: int) -> None:
+        self.tokens, self.trainable, self.seq_len = tokens, trainable, seq_len
+
+    def __len__(self) -> int:
+        return max(len(self.tokens) - 1, 0) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for {len(self)} samples")
+        start = index * self.seq_len
+        inputs = self.tokens[start : start + self.seq_len]
+        labels = self.tokens[start + 1 : start + self.seq_len + 1].copy()
+        labels[~self.trainable[start + 1 : start + self.seq_len + 1]] = IGNORE_INDEX
+        return inputs, labels
+
+
+def renderer_for(tokenizer_spec: str, tokenizer: Any) -> ChatRenderer | None:
+    template = chat_template(tokenizer_spec)
+    if template is None:
+        return None
+    folder = Path(tokenizer_spec) if Path(tokenizer_spec).is_dir() else Path(tokenizer_spec).parent
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+    return ChatRenderer(template, special)
+
+
+def sft_dataset(data: Any, tokenizer: Any, seq_len: int) -> SFTDataset:
+    """The fine-tuning samples of ``data`` (a DataConfig) with ``tokenizer`` (loaded from ``data.tokenizer``)."""
+    from primus.core.data.sources import source_inputs
+    from primus.core.data.tokenizer import eos_id
+
+    inputs = source_inputs(data)
+    if not inputs:
+        raise DataError("data.source: fine-tuning reads records from .jsonl files (not the bundled corpus or mock)")
+    tokens, trainable = encode(inputs, tokenizer, eos_id(tokenizer), renderer_for(data.tokenizer, tokenizer))
+    return SFTDataset(tokens, trainable, seq_len)
