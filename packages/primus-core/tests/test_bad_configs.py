@@ -127,6 +127,19 @@ CASES = [
     ("bad-override-syntax", "", ["train.steps"], 1, "train.steps", "key.sub=value"),
     ("bad-paths-type", "data: {paths: a.jsonl}", [], 1, "data.paths", "valid list"),
     ("bad-list-item", "profile: {ranks: [0, x]}", [], 1, "profile.ranks[1]", "valid integer"),
+    (
+        "logger-not-installed",
+        "logging: {loggers: {wandb: {}}}",
+        [],
+        1,
+        "logging.loggers.wandb",
+        "primus-loggers[wandb]",
+    ),
+    ("unknown-logger", "logging: {loggers: {tensorwatch: {}}}", [], 1, "logging.loggers.tensorwatch", "no installed"),
+    ("eval-without-data", "eval: {interval: 5}", [], 1, "eval.interval", "no evaluation data is named"),
+    ("blend-odd", "data: {blend: [0.5, a.jsonl, 0.5]}", [], 1, "data.blend", "weight path pairs"),
+    ("sft-on-bundled", "train: {objective: sft}", [], 1, "train.objective", ".jsonl records"),
+    ("resume-word", "checkpoint: {resume: sometimes}", [], 1, "checkpoint.resume", "auto"),
 ]
 
 

@@ -287,6 +287,10 @@ def world_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
     return []
 
 
+# loggers whose plugin ships in-tree, for the install hint (the plugins register under these names)
+KNOWN_LOGGER_DISTS = {"wandb": "primus-loggers[wandb]", "mlflow": "primus-loggers[mlflow]"}
+
+
 def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> list[ConfigIssue]:
     """Names the installed plugins must know, then the chosen backend's own refusals."""
     out: list[ConfigIssue] = []
@@ -309,6 +313,17 @@ def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> l
                 allowed=", ".join(sorted(backend.model_families)),
             )
         )
+    for name in cfg.logging.loggers:  # a logger plugin is registered under its logger's name
+        if registry.pm.records.get(name) is None:
+            dist = KNOWN_LOGGER_DISTS.get(name)
+            out.append(
+                ConfigIssue(
+                    f"logging.loggers.{name}",
+                    f"no installed plugin provides the {name!r} logger"
+                    + (f": pip install '{dist}'" if dist else ""),
+                    allowed=", ".join(sorted(KNOWN_LOGGER_DISTS)) + " (primus-loggers), or a third-party logger plugin",
+                )
+            )
     strategy = cfg.parallel.strategy
     if strategy not in ("manual", "auto") and strategy not in registry.strategies:
         hint = suggest(strategy, list(registry.strategies))
