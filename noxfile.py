@@ -40,6 +40,9 @@ INTEGRATION_DEPS = ["pytest>=8", "hatchling>=1.24"]
 GPU_ONLY_EXTRAS = {"cuda"}
 # In-tree packages a package's tests use besides itself (installed from packages/, with their extras).
 TEST_PACKAGES = {"torchtitan": ["turbo"], "megatron": ["turbo"]}
+# Packages integration installs bare (no extras, no test group): their own session tests them with their libraries.
+# The loggers': megatron-core imports wandb whenever it is installed, 10-20 s in every megatron process.
+INTEGRATION_BARE = {"loggers"}
 
 
 def list_packages() -> dict[str, Path]:
@@ -75,13 +78,16 @@ def install(session: nox.Session, *requirements: str) -> None:
     session.install("--constraint", str(constraints), *requirements)
 
 
-def install_packages(session: nox.Session, names: list[str], *more: str) -> None:
-    """The named packages with all their extras (what a package ships is tested), plus primus-core: with its
-    ``torch`` extra (data, metrics, reference kernels) when any of them needs torch, else bare."""
+def install_packages(session: nox.Session, names: list[str], *more: str, bare: set[str] = frozenset()) -> None:
+    """The named packages with all their extras (what a package ships is tested; those in ``bare`` without),
+    plus primus-core: with its ``torch`` extra (data, metrics, reference kernels) when any of them needs torch,
+    else bare."""
     torch = any(n == "core" or needs_torch(n) for n in names)
     reqs = []
     for name in dict.fromkeys(["core", *names]):
-        if name in names:
+        if name in bare:
+            extras = []
+        elif name in names:
             extras = [
                 e for e in pyproject(name)["project"].get("optional-dependencies", {}) if e not in GPU_ONLY_EXTRAS
             ]
@@ -150,9 +156,8 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session(python=PYTHON, reuse_venv=True)
 def integration(session: nox.Session) -> None:
     """Every package installed together: the cross-package tests (tests/), then core's tests again."""
-    install_packages(
-        session, list(PACKAGES), *dict.fromkeys(INTEGRATION_DEPS + [d for name in PACKAGES for d in test_deps(name)])
-    )
+    deps = INTEGRATION_DEPS + [d for name in PACKAGES if name not in INTEGRATION_BARE for d in test_deps(name)]
+    install_packages(session, list(PACKAGES), *dict.fromkeys(deps), bare=INTEGRATION_BARE)
     pytest(session, "tests")
     pytest(session, str(PACKAGES["core"] / "tests"))
 
