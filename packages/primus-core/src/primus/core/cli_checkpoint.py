@@ -1,4 +1,5 @@
-"""``primus checkpoint ...``: Hugging Face import / export for either backend (mounted by :mod:`primus.core.cli`).
+"""``primus checkpoint ...``: Hugging Face import / export for either backend, and verifying a checkpoint's files
+(mounted by :mod:`primus.core.cli`).
 
 Importing this module imports neither torch nor an engine: the work is imported when a command runs.
 """
@@ -13,7 +14,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-checkpoint_app = typer.Typer(help="Hugging Face import / export of checkpoints.", no_args_is_help=True)
+checkpoint_app = typer.Typer(
+    help="Hugging Face import / export of checkpoints; verifying their files.", no_args_is_help=True
+)
 _out = Console()
 _err = Console(stderr=True)
 log = logging.getLogger("primus.hf")
@@ -86,7 +89,9 @@ def export(
     ] = None,
     max_shard_mb: Annotated[int, typer.Option("--max-shard-mb", help="largest safetensors shard, MiB")] = 5120,
 ) -> None:
-    """A backend checkpoint -> a Hugging Face folder (config.json, safetensors shards + index, tokenizer)."""
+    """A backend checkpoint -> a Hugging Face folder (config.json, safetensors shards + index, tokenizer). Refuses a
+    checkpoint whose files are not what its manifest records, or a folder without manifest (an uncommitted save)."""
+    from primus.core.checkpoints import readable
     from primus.core.config.errors import ConfigError
     from primus.core.errors import UserError
     from primus.core.hf.contract import OFFLINE_OVERRIDES, export_checkpoint
@@ -103,9 +108,57 @@ def export(
     if source is None:
         raise _fail(ValueError(f"no config.yaml beside {path} or in its run folder: pass --config"))
     try:
+        folder = readable(path)  # the checkpoint itself, or the newest under it, that verifies
         res = resolve(str(source), [*OFFLINE_OVERRIDES, *(overrides or [])], world_size=1)
         cfg = res.config
-        written = export_checkpoint(cfg, path, to_hf, max_shard_bytes=max_shard_mb * 2**20, registry=res.registry)
+        written = export_checkpoint(
+            cfg, folder, to_hf, max_shard_bytes=max_shard_mb * 2**20, registry=res.registry, verified=True
+        )
     except (ConfigError, UserError) as exc:
         raise _fail(exc) from None
-    _out.print(f"exported {path} ({cfg.backend.name}) -> {written}", highlight=False)
+    _out.print(f"exported {folder} ({cfg.backend.name}) -> {written}", highlight=False)
+
+
+@checkpoint_app.command("verify")
+def verify(
+    checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, or a folder of them (each is verified)")],
+) -> None:
+    """Check a checkpoint's files against its manifest (present, sizes, checksums): OK, or the problems (exit 2)."""
+    from primus.core import checkpoints as ckpt
+
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise _fail(FileNotFoundError(f"checkpoint {path} is not a folder"))
+    single = ckpt.read_manifest(path) is not None
+    folders = [path] if single else [folder for _, folder in ckpt.complete_checkpoints(path, ckpt.NAMING)]
+    if not folders:
+        raise _fail(
+            ValueError(
+                f"{path} is no committed checkpoint (no {ckpt.MANIFEST}: an uncommitted or partial save) and holds none"
+            )
+        )
+    broken = 0
+    for folder in folders:
+        man = ckpt.read_manifest(folder) or {}
+        problems = ckpt.verify(folder)
+        if problems:
+            broken += 1
+            _out.print(f"BROKEN {folder} (step {man.get('step')}):", highlight=False, soft_wrap=True)
+            for problem in problems:
+                _out.print(f"  {problem}", highlight=False, soft_wrap=True)
+        elif "files" not in man:
+            _out.print(
+                f"OK {folder} (step {man.get('step')}; written before manifests recorded files: nothing to verify)",
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            files = man["files"]
+            size = sum(r["bytes"] for r in files.values()) / 2**20
+            _out.print(
+                f"OK {folder} (step {man.get('step')}, {len(files)} files, {size:.1f} MiB)",
+                highlight=False,
+                soft_wrap=True,
+            )
+    if broken:
+        raise typer.Exit(2)

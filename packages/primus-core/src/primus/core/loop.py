@@ -144,7 +144,7 @@ class _Checkpoints:
     def __init__(self, cfg: PrimusConfig, ctx: RunContext, backend: str) -> None:
         self.cfg, self.backend = cfg, backend
         self.engine: Engine | None = None  # set once built
-        self.rank = ctx.info.rank
+        self.rank, self.world = ctx.info.rank, ctx.info.world_size
         self.root = checkpoint_root(cfg)
         self.faults = FaultInjection.from_extra(cfg.backend.extra)
         self.saved: Path | None = None
@@ -159,15 +159,17 @@ class _Checkpoints:
             )
 
     def resume(self) -> tuple[int, int]:
-        """Load the newest complete checkpoint: (step, applied updates); (0, 0) when there is none."""
-        found = ckpt.latest(self.root, NAMING)
-        if found is None:
+        """Load the newest complete checkpoint that verifies: (step, applied updates); (0, 0) when there is none.
+        A newer one that does not verify is skipped with a warning naming its files; when none verifies, a
+        :class:`~primus.core.checkpoints.CheckpointBroken` names them (not a fresh start over them)."""
+        found = self._agreed(ckpt.complete_checkpoints(self.root, NAMING))
+        if not found:
             if self.rank == 0 and self.cfg.checkpoint.resume == "auto":
                 log.info("checkpoint.resume auto: %s holds no complete checkpoint, starting at step 0", self.root)
             elif self.rank == 0:
                 log.warning("resume asked for, but %s holds no complete checkpoint: starting at step 0", self.root)
             return 0, 0
-        step, folder = found
+        step, folder = ckpt.newest_verified(found, self._problems, warn=self.rank == 0)
         man = ckpt.check_compatible(folder, self.cfg, self.backend)
         self.engine.load(folder)
         self.engine.barrier()
@@ -175,6 +177,36 @@ class _Checkpoints:
             ckpt.purge(self.root, NAMING, self.cfg.checkpoint.keep_last)
         log.info("resumed from %s (step %d)", folder, step)
         return step, int(man.get("applied_steps", step))
+
+    # Every rank must load the same step. The candidates are rank 0's listing; each rank checks every file's size
+    # (a stat) and the checksums of its share of the files (reading a checkpoint once in all, not once per rank);
+    # the ranks pool what they found, so each takes the same decision. Without a process group (one rank, or a
+    # test), a rank checks every checksum itself: the same decision from the same files on a shared file system.
+    def _problems(self, folder: Path) -> list[str]:
+        if self.world == 1 or not self._distributed():
+            return ckpt.verify(folder)
+        import torch.distributed as dist
+
+        pooled: list[list[str] | None] = [None] * self.world
+        dist.all_gather_object(pooled, ckpt.verify(folder, share=(self.rank, self.world)))
+        return sorted({p for found in pooled for p in found or []})
+
+    def _agreed(self, found: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
+        if self.world == 1 or not self._distributed():
+            return found
+        import torch.distributed as dist
+
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @staticmethod
+    def _distributed() -> bool:
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return False
+        return dist.is_available() and dist.is_initialized()
 
     def save(self, step: int, applied: int) -> None:
         man = ckpt.manifest(self.cfg, step, self.engine.layout, self.engine.distributions)
@@ -185,7 +217,7 @@ class _Checkpoints:
             self.engine.save(tmp)
             self.faults.during_save(step, self.rank)
 
-        ckpt.atomic_save(final, man, self.rank, write, self.engine.barrier)
+        ckpt.atomic_save(final, man, self.rank, write, self.engine.barrier, self.world)
         if self.rank == 0:
             ckpt.purge(self.root, NAMING, self.cfg.checkpoint.keep_last)
         log.info("saved checkpoint %s", final)

@@ -146,14 +146,22 @@ def export_checkpoint(
     *,
     max_shard_bytes: int = 5 * 2**30,
     registry: Registry | None = None,
+    verified: bool = False,
 ) -> Path:
-    """The engine checkpoint ``checkpoint`` -> a HF folder ``out`` that ``from_pretrained`` loads.
+    """The engine checkpoint ``checkpoint`` (a committed checkpoint that verifies, or a folder of them: its newest
+    that verifies) -> a HF folder ``out`` that ``from_pretrained`` loads.
 
-    ``registry``: as in :func:`import_checkpoint`."""
+    ``registry``: as in :func:`import_checkpoint`. ``verified``: ``checkpoint`` is what
+    :func:`primus.core.checkpoints.readable` returned (its files are not read twice)."""
+    from primus.core.checkpoints import readable
     from primus.core.hf.config import hf_config
     from primus.core.hf.safetensors_io import write_hf
 
-    tensors = interop(cfg, registry or _registry()).export_hf(cfg, Path(checkpoint))
+    # refuses a broken or uncommitted one, naming the file or the folder
+    folder = Path(checkpoint) if verified else readable(Path(checkpoint))
+    if folder != Path(checkpoint):
+        log.info("exporting %s, the newest checkpoint under %s that verifies", folder, checkpoint)
+    tensors = interop(cfg, registry or _registry()).export_hf(cfg, folder)
     expected = hf_names(cfg.model)
     if sorted(tensors) != sorted(expected):
         raise RuntimeError(
