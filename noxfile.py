@@ -40,6 +40,11 @@ INTEGRATION_DEPS = ["pytest>=8", "hatchling>=1.24"]
 GPU_ONLY_EXTRAS = {"cuda"}
 # In-tree packages a package's tests use besides itself (installed from packages/, with their extras).
 TEST_PACKAGES = {"torchtitan": ["turbo"], "megatron": ["turbo"]}
+# pytest-xdist workers for the sessions whose tests are mostly engine runs in child processes, on the 2 cores of
+# a CI machine: one worker imports an engine or waits on a rendezvous while the other computes. Each test file runs
+# whole on one worker (--dist loadfile), so module fixtures are built once. Not for integration: its plugin tests
+# install and uninstall a distribution in the session's environment.
+WORKERS = {"megatron": 2, "torchtitan": 2}
 # Packages integration installs bare (no extras, no test group): their own session tests them with their libraries.
 # The loggers': megatron-core imports wandb whenever it is installed, 10-20 s in every megatron process.
 INTEGRATION_BARE = {"loggers"}
@@ -149,8 +154,11 @@ def tests(session: nox.Session, package: str) -> None:
     """One package alone: first installed as a user would (with primus-core only) running its smoke commands,
     then with what its tests need (its extras, its test group, TEST_PACKAGES) running its tests."""
     smoke(session, package)
-    install_packages(session, [package, *TEST_PACKAGES.get(package, [])], *test_deps(package))
-    pytest(session, str(PACKAGES[package] / "tests"))
+    workers = WORKERS.get(package, 1)
+    xdist = ["pytest-xdist>=3.5"] if workers > 1 else []
+    install_packages(session, [package, *TEST_PACKAGES.get(package, [])], *test_deps(package), *xdist)
+    parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+    pytest(session, *parallel, str(PACKAGES[package] / "tests"))
 
 
 @nox.session(python=PYTHON, reuse_venv=True)

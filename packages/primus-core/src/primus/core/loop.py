@@ -26,8 +26,9 @@ over evaluation samples), ``save`` / ``load`` (its state into / from a folder co
   ``<output_dir>/checkpoints``), every ``interval`` steps and at the end, committed atomically
   (:func:`primus.core.checkpoints.atomic_save`), the newest ``keep_last`` kept; the loop's own state (step,
   applied updates) rides in the manifest. ``--resume`` / ``checkpoint.resume`` loads the newest complete one
-  (or warns and starts at step 0 when there is none; ``auto`` says so quietly); a fresh run refuses a folder that
-  holds checkpoints;
+  that verifies against the sizes and checksums its manifest records (a broken newer one is skipped with a warning
+  naming its files; none verifying is refused), or warns and starts at step 0 when there is none (``auto`` says so
+  quietly); a fresh run refuses a folder that holds checkpoints;
 - **evaluation** (``eval``): every ``eval.interval`` steps and at the last step, the engine's forward-only loss over
   the evaluation samples (:mod:`primus.core.evaluation`), in that step's metrics row and the run's summary;
 - **stopping early** (:mod:`primus.core.stop`): SIGTERM / SIGUSR1 or ``train.max_minutes``: the step finishes on
@@ -325,8 +326,8 @@ def evaluate_checkpoint(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, f
     samples = evaluation.samples_of(cfg)
     if samples is None:
         raise UserError("primus eval needs evaluation data: set eval.holdout (as in training) or eval.source")
-    if ckpt.read_manifest(folder) is None and (newest := ckpt.latest(folder, NAMING)) is not None:
-        folder = newest[1]  # a checkpoint folder's root: its newest complete checkpoint
+    # the checkpoint, or a root's newest, that verifies (sizes and checksums; every rank reads every file once)
+    folder = ckpt.readable(folder, NAMING)
     man = ckpt.check_compatible(folder, cfg, spec.dist or spec.name)
     engine: Engine = load_ref(spec.engine)(cfg, ctx)
     try:

@@ -319,8 +319,7 @@ def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> l
             out.append(
                 ConfigIssue(
                     f"logging.loggers.{name}",
-                    f"no installed plugin provides the {name!r} logger"
-                    + (f": pip install '{dist}'" if dist else ""),
+                    f"no installed plugin provides the {name!r} logger" + (f": pip install '{dist}'" if dist else ""),
                     allowed=", ".join(sorted(KNOWN_LOGGER_DISTS)) + " (primus-loggers), or a third-party logger plugin",
                 )
             )
