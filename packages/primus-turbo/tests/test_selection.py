@@ -13,9 +13,9 @@ from primus.core.kernels import KernelUnavailable, select_kernels
 
 def test_providers_are_registered_with_their_priorities(registry):
     by_name = {p.name: p for p in registry.providers("attention")}
-    assert [p.name for p in registry.providers("attention")] == ["aiter", "cudnn", "flash", "sdpa"]
-    assert {n: by_name[n].priority for n in by_name} == {"aiter": 30, "cudnn": 20, "flash": 10, "sdpa": 0}
-    assert {by_name[n].dist for n in ("aiter", "cudnn", "flash")} == {"primus-turbo"}
+    assert [p.name for p in registry.providers("attention")] == ["aiter", "cudnn", "flash", "ring", "sdpa"]
+    assert {n: by_name[n].priority for n in by_name} == {"aiter": 30, "cudnn": 20, "flash": 10, "ring": 5, "sdpa": 0}
+    assert {by_name[n].dist for n in ("aiter", "cudnn", "flash", "ring")} == {"primus-turbo"}
     assert by_name["sdpa"].dist == "primus-core"
 
 
@@ -48,5 +48,5 @@ def test_primus_plugins_lists_turbo():
         [sys.executable, "-m", "primus.core.cli", "plugins"], capture_output=True, text=True, check=True
     ).stdout
     assert "primus-turbo" in out
-    for name in ("attention:aiter", "attention:cudnn", "attention:flash"):
+    for name in ("attention:aiter", "attention:cudnn", "attention:flash", "attention:ring"):
         assert name in out

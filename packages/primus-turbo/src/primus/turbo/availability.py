@@ -3,7 +3,8 @@
 Each check has the :class:`primus.core.protocols.KernelProvider` ``available`` signature:
 ``(device, **constraints) -> Availability`` with ``device`` one of ``"cuda"``, ``"rocm"``, ``"cpu"``
 and the constraints core passes at selection (``dtype``: ``"bf16"``/``"fp16"``/``"fp32"`` or a
-``torch.dtype``; ``head_dim``). A constraint that is not given is not checked. torch is imported
+``torch.dtype``; ``head_dim``; ``cp``: the context-parallel size, which the attention checks answer: only a
+provider with the ``"context_parallel"`` feature takes ``cp > 1``). A constraint that is not given is not checked. torch is imported
 only once the device is a GPU, so the checks run on a machine without torch too.
 """
 
@@ -47,9 +48,38 @@ def _verdict(reason: str) -> Availability:
     return Availability(not reason, reason)
 
 
-def cudnn(device: str, *, dtype: Any = None, head_dim: int | None = None, **_: Any) -> Availability:
+# KernelProvider.features entry of an attention provider whose impl also offers
+# ``impl.context_parallel(q, k, v, *, group, causal, scale)`` for a load-balanced sequence shard
+CONTEXT_PARALLEL = "context_parallel"
+
+
+def cp_reason(cp: int | None) -> str:
+    """Why a whole-sequence attention kernel refuses context parallelism ("" at cp 1 or when not given)."""
+    if cp is None or cp <= 1:
+        return ""
+    return (
+        f"attends over the whole sequence on one device; parallel.cp={cp} needs an attention provider with the "
+        f"{CONTEXT_PARALLEL!r} feature (primus-turbo's 'ring')"
+    )
+
+
+def ring(device: str, *, cp: int | None = None, **_: Any) -> Availability:
+    """primus.turbo.context_parallel: plain PyTorch and torch.distributed, any device, dtype and head size; offered
+    only where the sequence is split (``cp > 1``), since a whole-sequence kernel is faster at cp 1."""
+    if cp is None or cp <= 1:
+        return Availability(
+            False, f"ring attention is for a sequence split over parallel.cp > 1 ranks (cp={cp or 1} here)"
+        )
+    return Availability(True)
+
+
+def cudnn(
+    device: str, *, dtype: Any = None, head_dim: int | None = None, cp: int | None = None, **_: Any
+) -> Availability:
     if device != "cuda":
         return Availability(False, "no CUDA device" + (" (ROCm has no cuDNN)" if device == "rocm" else ""))
+    if why := cp_reason(cp):
+        return Availability(False, why)
     import torch
 
     if not torch.backends.cudnn.is_available():
@@ -59,9 +89,13 @@ def cudnn(device: str, *, dtype: Any = None, head_dim: int | None = None, **_: A
     return _verdict(shape_reason(dtype, head_dim))
 
 
-def flash(device: str, *, dtype: Any = None, head_dim: int | None = None, **_: Any) -> Availability:
+def flash(
+    device: str, *, dtype: Any = None, head_dim: int | None = None, cp: int | None = None, **_: Any
+) -> Availability:
     if device not in ("cuda", "rocm"):
         return Availability(False, "no CUDA or ROCm device")
+    if why := cp_reason(cp):
+        return Availability(False, why)
     import torch
 
     if device == "cuda" and torch.cuda.get_device_capability() < (8, 0):
@@ -69,9 +103,13 @@ def flash(device: str, *, dtype: Any = None, head_dim: int | None = None, **_: A
     return _verdict(shape_reason(dtype, head_dim))
 
 
-def aiter(device: str, *, dtype: Any = None, head_dim: int | None = None, **_: Any) -> Availability:
+def aiter(
+    device: str, *, dtype: Any = None, head_dim: int | None = None, cp: int | None = None, **_: Any
+) -> Availability:
     if device != "rocm":
         return Availability(False, "no ROCm device")
+    if why := cp_reason(cp):
+        return Availability(False, why)
     import torch
 
     if not getattr(torch.version, "hip", None):

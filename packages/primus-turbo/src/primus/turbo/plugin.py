@@ -1,7 +1,9 @@
 """The ``turbo`` entry point: the kernel providers primus-turbo registers.
 
 Priorities order ``auto`` selection (highest available wins): AITER (ROCm) 30, cuDNN (CUDA) 20,
-flash 10, core's plain SDPA 0. The Triton kernels (rms_norm, swiglu, rope, cross_entropy) are 20, above
+flash 10, ring 5, core's plain SDPA 0. ``ring`` (context-parallel attention, :mod:`primus.turbo.context_parallel`)
+declares the ``"context_parallel"`` feature and is available only under the constraint ``cp > 1``, which the other
+attention providers refuse: with ``cp`` passed at selection, ``auto`` picks it exactly when the sequence is split. The Triton kernels (rms_norm, swiglu, rope, cross_entropy) are 20, above
 core's plain-PyTorch ones (0), on any CUDA or ROCm device with ``triton`` installed.
 
 FP8 linears are ``gemm`` providers, chosen by ``kernels.fp8`` / ``fp8_recipe.implementation`` (not by
@@ -54,6 +56,15 @@ def primus_kernels() -> list[KernelProvider]:
             available=f"{_CHECK}:flash",
             priority=10,
             description="torch SDPA forced to the flash backend (CUDA, ROCm)",
+        ),
+        KernelProvider(
+            op="attention",
+            name="ring",
+            impl="primus.turbo.context_parallel:attention",
+            available=f"{_CHECK}:ring",
+            priority=5,
+            description="context-parallel attention: K/V around a ring of P2P sends, LSE merge (plain PyTorch)",
+            features=frozenset({"context_parallel"}),
         ),
         *(
             KernelProvider(
