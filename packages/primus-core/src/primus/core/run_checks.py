@@ -37,7 +37,7 @@ def has_complete_checkpoint(root: Path) -> bool:
     folder whose manifest records its step."""
     from primus.core import checkpoints as ckpt
 
-    if ckpt.latest(root, ckpt.NAMING) is not None:
+    if ckpt.complete_checkpoints(root, ckpt.NAMING):  # committed (whether it verifies is the resume's to say)
         return True
     if not root.is_dir():
         return False
