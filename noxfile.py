@@ -42,9 +42,12 @@ GPU_ONLY_EXTRAS = {"cuda"}
 TEST_PACKAGES = {"torchtitan": ["turbo"], "megatron": ["turbo"]}
 # pytest-xdist workers for the sessions whose tests are mostly engine runs in child processes, on the 2 cores of
 # a CI machine: one worker imports an engine or waits on a rendezvous while the other computes. Each test file runs
-# whole on one worker (--dist loadfile), so module fixtures are built once. Not for integration: its plugin tests
-# install and uninstall a distribution in the session's environment.
-WORKERS = {"megatron": 2, "torchtitan": 2}
+# whole on one worker (--dist loadfile), so module fixtures are built once. Integration runs its tests the same
+# way, but for SERIAL ones, run alone after the rest.
+WORKERS = {"megatron": 2, "torchtitan": 2, "integration": 2}
+# Tests that install and uninstall a distribution in the session's environment: nothing may run beside them.
+SERIAL = ["tests/test_example_plugin.py", "tests/test_example_plan.py"]
+XDIST = "pytest-xdist>=3.5"
 # Packages integration installs bare (no extras, no test group): their own session tests them with their libraries.
 # The loggers': megatron-core imports wandb whenever it is installed, 10-20 s in every megatron process.
 INTEGRATION_BARE = {"loggers"}
@@ -155,7 +158,7 @@ def tests(session: nox.Session, package: str) -> None:
     then with what its tests need (its extras, its test group, TEST_PACKAGES) running its tests."""
     smoke(session, package)
     workers = WORKERS.get(package, 1)
-    xdist = ["pytest-xdist>=3.5"] if workers > 1 else []
+    xdist = [XDIST] if workers > 1 else []
     install_packages(session, [package, *TEST_PACKAGES.get(package, [])], *test_deps(package), *xdist)
     parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     pytest(session, *parallel, str(PACKAGES[package] / "tests"))
@@ -165,9 +168,11 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """Every package installed together: the cross-package tests (tests/), then core's tests again."""
     deps = INTEGRATION_DEPS + [d for name in PACKAGES if name not in INTEGRATION_BARE for d in test_deps(name)]
-    install_packages(session, list(PACKAGES), *dict.fromkeys(deps), bare=INTEGRATION_BARE)
-    pytest(session, "tests")
-    pytest(session, str(PACKAGES["core"] / "tests"))
+    install_packages(session, list(PACKAGES), *dict.fromkeys(deps), XDIST, bare=INTEGRATION_BARE)
+    workers = ["-n", str(WORKERS["integration"]), "--dist", "loadfile"]
+    pytest(session, *workers, "tests", *(f"--ignore={path}" for path in SERIAL))
+    pytest(session, *SERIAL)
+    pytest(session, *workers, str(PACKAGES["core"] / "tests"))
 
 
 @nox.session(python=PYTHON, reuse_venv=True)
