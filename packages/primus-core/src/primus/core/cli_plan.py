@@ -1,11 +1,18 @@
-"""``primus plan``: per-GPU memory and estimated step time of every layout an engine can run, best first."""
+"""``primus plan``: per-GPU memory and estimated step time of every layout an engine can run, best first.
+
+The config is read at the cluster's world size (``--gpus`` × ``--nodes``); only layouts that fit within the usable
+memory less ``--headroom`` and that the engine's backend accepts (its own validation) are ranked, each with its fastest
+micro-batch (:mod:`primus.core.planner.ranking`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Annotated
 
 import typer
 from rich.table import Table
+
+from primus.core.planner.calibration import HEADROOM
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
 OVERHEAD = ("workspace", "fragmentation", "context")  # shown summed as "overhead"
@@ -26,12 +33,24 @@ def plan(
         typer.Option(help="an installed backend, planned with its profile (default: backend.name)"),
     ] = None,
     top: Annotated[int, typer.Option(help="layouts shown")] = 10,
+    headroom: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=0.9,
+            help="share of the usable memory a layout must leave free (default: the memory model's error band)",
+        ),
+    ] = HEADROOM,
 ) -> None:
-    """Rank the parallel layouts that fit: DDP (+ distributed optimizer), FSDP, TP(+SP), PP/VPP, recompute."""
-    from primus.core.cli_helpers import _resolve, err, out
-    from primus.core.planner import Cluster, candidates, device
+    """Rank the parallel layouts that fit and the engine accepts: DDP (+ distributed optimizer), FSDP, TP(+SP), PP/VPP,
+    recompute, each with its fastest micro-batch (set train.micro_batch_size=N to fix it). Exit 3: nothing fits;
+    4: the engine refuses every layout that fits."""
+    from primus.core.cli_helpers import _fail, err, out
+    from primus.core.config.errors import ConfigError
+    from primus.core.planner import Cluster, device
     from primus.core.planner.memory import GIB
     from primus.core.planner.profile import backend_spec, load_profile
+    from primus.core.planner.ranking import global_batch, rank, resolve_on, searched_micro_batches
     from primus.core.strategies import kernel_terms
 
     if preset and config:  # with --preset, positional words are all overrides
@@ -39,12 +58,23 @@ def plan(
     ref = preset or config
     if ref is None:
         raise typer.BadParameter("give CONFIG or --preset NAME")
-    res = _resolve(ref, overrides, world_size=None, check_plugins=False)
+    try:
+        res, own = resolve_on(ref, overrides or [], gpus * nodes)
+    except ConfigError as exc:
+        raise _fail(exc) from None
     cfg = res.config
+    if own:  # a recipe written for another cluster: its layout does not run here, the others are planned all the same
+        err.print(
+            f"note: the config's own layout does not run on {nodes}×{gpus} GPUs ("
+            + "; ".join(str(issue) for issue in own)
+            + "); planning every layout",
+            style="yellow",
+            markup=False,
+        )
     engine = engine or cfg.backend.name
     spec = backend_spec(engine, res.registry)
     try:
-        profile = load_profile(spec)
+        load_profile(spec)  # a broken planner= is reported here, before the search loads it
     except (ImportError, AttributeError, TypeError) as exc:  # the backend's planner= is broken
         err.print(f"error: --engine {engine!r}: its planner profile does not load: {exc}", style="red", markup=False)
         raise typer.Exit(2) from None
@@ -60,31 +90,37 @@ def plan(
     except ValueError as exc:
         err.print(f"error: --device: {exc}", style="red", markup=False)
         raise typer.Exit(2) from None
-    cluster = Cluster(dev, nodes, gpus)
+    cluster = Cluster(dev, nodes, gpus, headroom)
     t = cfg.train
-    gbs = t.global_batch_size if "train.global_batch_size" in res.layers.sources else None
+    gbs, mbs = global_batch(res), searched_micro_batches(res)
     k, terms = cfg.kernels, kernel_terms(cfg, res.registry)
-    cands = candidates(cfg.model, cluster, t.seq_len, t.micro_batch_size, gbs, profile, t.precision, terms)
+    cands = rank(cfg, cluster, engine, res.registry, mbs, gbs)
     if not cands:
         err.print("error: no layout divides this cluster (check --gpus, --nodes and the global batch)", style="red")
         raise typer.Exit(2)
-    fitting = [c for c in cands if c.fits]
+    fitting = [c for c in cands if c.runnable]
+    searched = "fixed" if isinstance(mbs, int) else "searched"
     title = (
-        f"{cfg.model.name} on {nodes}×{gpus} {dev.name} ({dev.memory_gib:.0f} GiB, {cluster.capacity / GIB:.0f} usable), "
-        f"{engine}, seq {t.seq_len}, micro-batch {t.micro_batch_size}, global batch {gbs or 'auto'}"
+        f"{cfg.model.name} on {nodes}×{gpus} {dev.name} ({dev.memory_gib:.0f} GiB, {cluster.capacity / GIB:.0f} usable, "
+        f"≤ {cluster.budget / GIB:.0f} with {headroom:.0%} headroom), {engine}, seq {t.seq_len}, "
+        f"micro-batch {searched}, global batch {gbs or 'auto'}"
     )
+    if t.compile:
+        title += ", compiled"
     if k.fp8 != "off":
         title += f", FP8 {k.fp8} GEMMs in {terms.fp8_layers} of {cfg.model.num_layers} layers"
     cats = (*CATEGORIES, "fp8") if k.fp8 != "off" else CATEGORIES
     table = Table(title=title, box=None)
-    for col in ("#", "layout", *cats, "overhead", "total GiB", "step s", "tok/s/GPU", "MFU"):
+    for col in ("#", "layout", "mbs", *cats, "overhead", "total GiB", "step s", "tok/s/GPU", "MFU"):
         table.add_column(col, justify="left" if col == "layout" else "right")
-    shown = (fitting or sorted(cands, key=lambda c: c.memory.total))[:top]
+    accepted = [c for c in cands if not c.refused] or cands
+    shown = (fitting or sorted(accepted, key=lambda c: c.memory.total))[:top]
     for i, c in enumerate(shown, 1):
         g = c.memory.gib()
         table.add_row(
             str(i),
             c.layout.describe(),
+            str(c.layout.micro_batch),
             *(f"{g.get(name, 0.0):.1f}" for name in cats),
             f"{sum(g.get(name, 0.0) for name in OVERHEAD):.1f}",
             f"{c.memory.total / GIB:.1f}",
@@ -93,14 +129,26 @@ def plan(
             f"{c.mfu:.1%}",
         )
     out.print(table)
+    refused = [c for c in cands if c.fits and c.refused]
+    reasons = Counter(r for c in refused for r in c.refused).most_common(3)
+    why = "; ".join(f"{r} ({n}×)" for r, n in reasons)
+    if not fitting and refused:
+        err.print(f"error: {engine} refuses every layout that fits: {why}", style="red", markup=False)
+        raise typer.Exit(4)
     if not fitting:
         best = shown[0]
         err.print(
-            f"error: nothing fits: the smallest layout ({best.layout.describe()}) needs "
-            f"{best.memory.total / GIB:.1f} GiB per GPU, {cluster.capacity / GIB:.1f} GiB usable",
+            f"error: nothing fits: the smallest layout ({best.layout.describe()}, micro-batch {best.layout.micro_batch})"
+            f" needs {best.memory.total / GIB:.1f} GiB per GPU, {cluster.capacity / GIB:.1f} GiB usable, "
+            f"{cluster.budget / GIB:.1f} with {headroom:.0%} headroom",
             style="red",
             markup=False,
         )
         raise typer.Exit(3)
+    if refused:
+        err.print(f"note: {len(refused)} layouts that fit are left out, {engine} refuses them: {why}", markup=False)
+    best = fitting[0]
+    # the micro-batch where the recommendation changes the config's (the table gives each layout's)
+    mb_note = f", micro-batch {best.layout.micro_batch}" if best.layout.micro_batch != t.micro_batch_size else ""
     fp8_note = f", FP8 {k.fp8}" if k.fp8 != "off" else ""
-    out.print(f"recommended: {fitting[0].layout.describe()}{fp8_note}", highlight=False)
+    out.print(f"recommended: {best.layout.describe()}{mb_note}{fp8_note}", highlight=False)

@@ -8,9 +8,10 @@ from primus.core.planner.profile import EngineProfile
 
 
 def dp_modes(tp: int, pp: int, dp: int) -> list[str]:
-    """DDP; with more than one replica also DDP + the distributed optimizer, and Megatron FSDP (not under PP)."""
-    modes = ["ddp", "ddp_distopt"] if dp > 1 else ["ddp"]
-    return modes + (["fsdp"] if pp == 1 and dp > 1 else [])
+    """DDP; with more than one replica also DDP + the distributed optimizer. No FSDP: primus-megatron does not offer
+    Megatron FSDP (validate.py refuses backend.extra.fsdp), and ``parallel.dp_shard > 1`` asks it for the distributed
+    optimizer (ZeRO-1: parameters and gradients stay whole on every replica), which the planner counts as such."""
+    return ["ddp", "ddp_distopt"] if dp > 1 else ["ddp"]
 
 
 def first_layers(layers_per_stage: int) -> range:
@@ -31,7 +32,7 @@ PROFILE = EngineProfile(
     master_bytes=4,
     grad_bytes=4,
     grad_comm_bytes=2,  # the step-time model sends megatron's gradients in bf16
-    fsdp_reduce_buffer_bytes=0,  # and counts no reduce-scatter buffer for Megatron FSDP besides the gathered layers
+    fsdp_reduce_buffer_bytes=0,  # (no FSDP: see dp_modes)
     autocast=False,  # the model itself is bf16: no autocast copies
     activation_scale=1.0,
     # selective recomputes only core attention, and with flash/cuDNN attention (all our providers) that saves

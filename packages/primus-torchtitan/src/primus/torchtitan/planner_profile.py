@@ -16,7 +16,10 @@ def dp_modes(tp: int, pp: int, dp: int) -> list[str]:
 
 def every_kth_block(layers_per_stage: int) -> list[int]:
     """Selective per layer: checkpoint every k-th block (k = 4, 3, 2), ``layers_per_stage // k`` of each stage.
-    The config has no field for it yet: ``primus plan`` shows it, ``parallel.strategy: auto`` does not pick it."""
+    The config has no field for it yet (``backend.extra.activation_checkpoint.selective_ac_option: k`` asks for it):
+    as the planner writes a partial recompute (``parallel.recompute_layers``) this backend's validation refuses it, so
+    neither ``primus plan`` nor ``parallel.strategy: auto`` recommends it; ``primus plan`` counts it among the layouts
+    torchtitan refuses."""
     return [layers_per_stage // k for k in (4, 3, 2) if layers_per_stage // k]
 
 

@@ -1,26 +1,29 @@
-"""``parallel.strategy: auto``: let the planner pick the layout at train time.
+"""``parallel.strategy: auto``: let the planner pick the layout at train time; and what a layout is as a config.
 
 Fields the user set explicitly under ``parallel`` (any layer but the defaults) are kept: the planner
 only considers layouts that agree with them. The device is the one this process sees (the first
 GPU, or the host for CPU runs). The engine is ``backend.name``'s, planned with its backend's profile
-(:mod:`primus.core.planner.profile`; the generic engine's where it gives none).
+(:mod:`primus.core.planner.profile`; the generic engine's where it gives none), and only the layouts its backend's
+own validation accepts are picked (:func:`refusals`), as in ``primus plan``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device, device
 from primus.core.planner.memory import GIB, Layout
-from primus.core.planner.profile import profile_of
+from primus.core.planner.profile import backend_spec, profile_of
 from primus.core.planner.search import Candidate, Cluster, candidates
 
 if TYPE_CHECKING:
     from primus.core.plugins import Registry
+    from primus.core.protocols import BackendSpec
 
 log = logging.getLogger("primus.planner")
 
@@ -38,12 +41,14 @@ def local_device() -> Device:
 
 
 def to_parallel(layout: Layout) -> dict[str, Any]:
+    """The ``parallel`` section's fields that ask the engine for ``layout``."""
     out: dict[str, Any] = {
         "dp_replicate": layout.dp if layout.dp_mode != "fsdp" else 1,
         "dp_shard": layout.dp if layout.dp_mode == "fsdp" else 1,
         "distributed_optimizer": layout.dp_mode == "ddp_distopt",
         "tp": layout.tp,
         "sequence_parallel": layout.tp > 1,
+        "cp": layout.cp,
         "pp": layout.pp,
         "vpp": layout.vpp,
         "pp_schedule": "interleaved_1f1b" if layout.vpp > 1 else "1f1b",
@@ -53,6 +58,35 @@ def to_parallel(layout: Layout) -> dict[str, Any]:
         method = layout.engine_profile.partial_recompute_method
         out.update(recompute_method=method, recompute_layers=layout.recompute_layers)
     return out
+
+
+def layout_config(cfg: PrimusConfig, layout: Layout) -> PrimusConfig:
+    """``cfg`` as it would run ``layout``: its parallel section and batch sizes filled (the global batch the layout
+    splits: micro-batch × micro-batches × data-parallel size), on the layout's engine."""
+    train = cfg.train.model_copy(
+        update={
+            "micro_batch_size": layout.micro_batch,
+            "global_batch_size": layout.micro_batch * layout.micro_batches * layout.dp,
+        }
+    )
+    parallel = cfg.parallel.model_copy(update=to_parallel(layout))
+    backend = cfg.backend.model_copy(update={"name": layout.engine})
+    return cfg.model_copy(update={"parallel": parallel, "train": train, "backend": backend})
+
+
+def refusals(cfg: PrimusConfig, spec: BackendSpec | None, world_size: int) -> Callable[[Layout], list[str]]:
+    """``check(layout)`` for :func:`~primus.core.planner.search.candidates`: why ``cfg`` cannot run a layout on
+    ``world_size`` devices ("path: message" each; empty where it can): core's own check of the sizes against the world,
+    then the backend's validation (``spec``'s ``BackendSpec.validate``; None: no backend to ask)."""
+    from primus.core.config.validate import world_issues
+    from primus.core.protocols import validate_with
+
+    def check(layout: Layout) -> list[str]:
+        run = layout_config(cfg, layout)
+        issues = world_issues(run, world_size) or (validate_with(spec, run, world_size) if spec is not None else [])
+        return [f"{issue.path}: {issue.message}" for issue in issues]
+
+    return check
 
 
 def _agrees(cand: Candidate, explicit: dict[str, Any]) -> bool:
@@ -71,7 +105,7 @@ def choose(
     profile is looked up first (then among the installed backends) and the kernel providers (None: the process's)."""
     dev = dev or local_device()
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    cluster = Cluster(dev, max(world_size // gpn, 1), gpn)
+    cluster = Cluster(dev, max(world_size // gpn, 1), gpn, cal.HEADROOM)
     t = cfg.train
     explicit = {k: getattr(cfg.parallel, k) for k in explicit_keys if k not in ("strategy",)}
     from primus.core.strategies import kernel_terms  # strategies imports the planner
@@ -86,12 +120,13 @@ def choose(
         engine,
         t.precision,
         kernel_terms(cfg, registry),
+        check=refusals(cfg, backend_spec(cfg.backend.name, registry), world_size),
     )
     cands = [
         c
         for c in every
         # a partial recompute the config cannot ask for (the profile names no recompute_method for it) is not picked
-        if c.fits
+        if c.runnable
         and _agrees(c, explicit)
         and not (c.layout.recompute == "partial" and engine.partial_recompute_method is None)
     ]
@@ -100,19 +135,23 @@ def choose(
         from primus.core.protocols import ConfigIssue
 
         allowed = [c for c in every if _agrees(c, explicit)] or every
-        smallest = min(allowed, key=lambda c: c.memory.total) if allowed else None
+        accepted = [c for c in allowed if not c.refused] or allowed
+        smallest = min(accepted, key=lambda c: c.memory.total) if accepted else None
         need = (
             f"; the smallest ({smallest.layout.describe()}) needs {smallest.memory.total / GIB:.1f} GiB per device"
             if smallest
             else ""
         )
+        refused = sorted({r for c in allowed if c.fits for r in c.refused})
+        why = f"; {cfg.backend.name} refuses the layouts that fit: {'; '.join(refused[:3])}" if refused else ""
         raise ConfigError(
             [
                 ConfigIssue(
                     "parallel.strategy",
                     f"auto: no layout fits {world_size} × {dev.name} "
-                    f"({dev.memory_gib:.0f} GiB, {cluster.capacity / GIB:.1f} usable) with the parallel settings "
-                    f"given ({explicit or 'none'}){need}; `primus plan` ranks them",
+                    f"({dev.memory_gib:.0f} GiB, {cluster.capacity / GIB:.1f} usable, {cluster.budget / GIB:.1f} with "
+                    f"{cluster.headroom:.0%} headroom) with the parallel settings given ({explicit or 'none'}){need}"
+                    f"{why}; `primus plan` ranks them",
                 )
             ]
         )

@@ -200,7 +200,9 @@ class KernelTerms:
     fp8_layers: int | None = None
     fused_loss: bool = False
     fp8_head: bool = False
-    compiled: bool = False  # torch.compile: its partitioner, not the FP8 linear, picks what FP8 layers save
+    # torch.compile (train.compile): it fuses the memory-bound work between the GEMMs (perf.layer_seconds_per_token),
+    # and its partitioner, not the FP8 linear, picks what FP8 layers save
+    compiled: bool = False
 
     def fp8_share(self, model: ModelConfig) -> float:
         """The fraction of the model's layers whose GEMMs run in FP8."""

@@ -4,9 +4,10 @@
   ÷ 0.9^log2(tp). Per token and layer: GEMMs (6 × the layer's weights) at the device's achieved GEMM
   rate (the FP8 rate for FP8 layers, plus the casts FP8 adds), causal attention (6·h·c·s) at its achieved
   attention rate, and memory-bound work (norms, RoPE, SwiGLU, adds) as passes over d + f elements at HBM
-  bandwidth; all times the recompute factor (none 1, selective 1.03, full 4/3 for one more forward,
-  partial 1 + share/3). The last stage adds the output head GEMM and the loss; every device adds the
-  optimizer step over its parameters. Rates and constants: :mod:`primus.core.planner.calibration`.
+  bandwidth (under torch.compile, ``train.compile``, the share ``COMPILE_MEMORY_BOUND_KEPT`` of it: compile fuses
+  that elementwise work, and is assumed to change nothing else); all times the recompute factor (none 1,
+  selective 1.03, full 4/3 for one more forward, partial 1 + share/3). The last stage adds the output head GEMM
+  and the loss; every device adds the optimizer step over its parameters. Rates and constants: :mod:`primus.core.planner.calibration`.
 - pipeline bubble = compute × (pp − 1) / (micro-batches × vpp), plus a fixed 0.2 ms per hop.
 - data-parallel traffic per device, ring collectives ((n − 1)/n of the payload per step of the ring):
   DDP all-reduce of gradients once per step = 2·G bytes of gradients; DDP + distributed optimizer
@@ -71,8 +72,11 @@ def gemm_rate(dev: Device, fp8: str = "off") -> float:
     return dev.fp8_peak_flops * dev.gemm_fraction * cal.FP8_RATE_VS_BF16[fp8]
 
 
-def layer_seconds_per_token(model: ModelConfig, seq_len: int, dev: Device, fp8: str = "off") -> dict[str, float]:
-    """One transformer layer, forward + backward, one token (no TP, no recompute), by kind of work."""
+def layer_seconds_per_token(
+    model: ModelConfig, seq_len: int, dev: Device, fp8: str = "off", compiled: bool = False
+) -> dict[str, float]:
+    """One transformer layer, forward + backward, one token (no TP, no recompute), by kind of work; ``compiled``:
+    under torch.compile, which fuses the memory-bound work (``calibration.COMPILE_MEMORY_BOUND_KEPT`` of it left)."""
     pc = count_params(model)
     d, f, h, kv, c = (
         model.hidden_size,
@@ -82,10 +86,11 @@ def layer_seconds_per_token(model: ModelConfig, seq_len: int, dev: Device, fp8: 
         model.kv_channels,
     )
     hbm = dev.hbm_gbps * 1e9
+    fused = cal.COMPILE_MEMORY_BOUND_KEPT if compiled else 1.0  # what torch.compile leaves of the memory-bound work
     out = {
         "gemm": 6 * pc.per_layer / gemm_rate(dev, fp8),
         "attention": 6 * h * c * seq_len / (dev.peak_flops * dev.attention_fraction),  # causal: half of 12·h·c·s
-        "memory_bound": cal.MEMORY_BOUND_PASSES * 2 * (d + f) / hbm,
+        "memory_bound": cal.MEMORY_BOUND_PASSES * 2 * (d + f) / hbm * fused,
     }
     if fp8 != "off" and dev.fp8_peak_flops:
         # forward GEMM inputs (qkv, o, gate/up, down) and backward output gradients, cast to e4m3
@@ -107,8 +112,8 @@ def step_time(
     m = layout.micro_batches
     pc = count_params(model)
     hbm = dev.hbm_gbps * 1e9
-    bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev).values())
-    fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8).values())
+    bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev, compiled=kernels.compiled).values())
+    fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8, kernels.compiled).values())
     fp8_share = kernels.fp8_share(model)
     layer_s = fp8_share * fp8_layer + (1 - fp8_share) * bf16_layer
     # the slowest pipeline stage sets the pace: the last one also runs the output head and the loss

@@ -1,17 +1,24 @@
 """Enumerate the layouts an engine can run on a cluster, keep those that fit, rank by estimated step time.
 
 Which data-parallel modes and recompute options an engine runs is its profile's to say
-(:class:`~primus.core.planner.profile.EngineProfile`: ``dp_modes``, ``recompute``, ``partial_recompute``).
+(:class:`~primus.core.planner.profile.EngineProfile`: ``dp_modes``, ``recompute``, ``partial_recompute``); whether
+the engine's backend accepts a layout is its own validation's (``check``: :func:`primus.core.planner.auto.refusals`
+builds it from a config and the backend's ``BackendSpec.validate``).
 
-Ties (equal estimated time, e.g. DDP with and without the distributed optimizer) go to the layout
-that needs less memory, then to the one with fewer parallel dimensions. Nothing here is a lookup:
-which strategy wins follows from the memory model (memory.py) and the time model (perf.py).
+A layout fits when its estimate stays within the cluster's budget: the usable memory less a headroom
+(:attr:`Cluster.headroom`; ``primus plan`` and ``parallel.strategy: auto`` keep the memory model's error band,
+``calibration.HEADROOM``). Where several micro-batch sizes are given, each layout is evaluated with each that splits
+the global batch and keeps the fastest that fits (and that the backend accepts). Ties (equal estimated time, e.g. DDP
+with and without the distributed optimizer) go to the layout that needs less memory, then to the one with fewer
+parallel dimensions. Nothing here is a lookup: which strategy wins follows from the memory model (memory.py) and the
+time model (perf.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from primus.core.config.schema import ModelConfig
@@ -26,6 +33,7 @@ if TYPE_CHECKING:
 
 USABLE = 0.9  # of device memory: headroom for allocator spikes and fragmentation the model does not see
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # tokens per step when the config sets no global batch (Llama 3 used 4M+)
+MICRO_BATCHES = (1, 2, 4, 8, 16)  # the micro-batch sizes `primus plan` tries (those that split the global batch)
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,9 @@ class Cluster:
     device: Device
     nodes: int
     gpus_per_node: int
+    # the share of the usable memory a layout must leave free to fit (``primus plan`` and ``parallel.strategy: auto``
+    # keep ``calibration.HEADROOM``, the estimate's own error band; 0: a layout may fill the usable memory)
+    headroom: float = 0.0
 
     @property
     def world(self) -> int:
@@ -40,7 +51,13 @@ class Cluster:
 
     @property
     def capacity(self) -> float:
+        """Usable memory per device (bytes): the device's less what the allocator and the runtime keep."""
         return self.device.memory_gib * GIB * USABLE
+
+    @property
+    def budget(self) -> float:
+        """What a layout's estimate may reach (bytes): the usable memory less the headroom."""
+        return self.capacity * (1 - self.headroom)
 
 
 @dataclass(frozen=True)
@@ -48,14 +65,21 @@ class Candidate:
     layout: Layout
     memory: MemoryBreakdown
     time: StepTime
-    fits: bool
+    fits: bool  # within the cluster's budget
     tokens_per_s_per_device: float
     mfu: float
+    # why the engine's backend refuses this layout ("path: message" each; empty: it accepts it, or nothing checked)
+    refused: tuple[str, ...] = ()
+
+    @property
+    def runnable(self) -> bool:
+        """It fits and the backend accepts it: what the planner may recommend."""
+        return self.fits and not self.refused
 
     def key(self) -> tuple:
         lay = self.layout
         dims = sum(x > 1 for x in (lay.tp, lay.pp, lay.vpp, lay.cp))
-        return (not self.fits, round(self.time.total, 9), round(self.memory.total / GIB, 3), dims)
+        return (not self.runnable, round(self.time.total, 9), round(self.memory.total / GIB, 3), dims)
 
 
 def _divisors(n: int) -> list[int]:
@@ -71,14 +95,6 @@ def _tp_options(model: ModelConfig, gpus_per_node: int) -> list[int]:
     return out
 
 
-def _recompute_options(engine: EngineProfile, lps: int) -> list[tuple[str, int]]:
-    """The engine's recompute modes, then its partial recompute (N layers of each stage), least recompute first."""
-    opts = [(rc, 0) for rc in engine.recompute]
-    if engine.partial_recompute is not None:
-        opts += [("partial", n) for n in engine.partial_recompute(lps)]
-    return opts
-
-
 def evaluate(
     model: ModelConfig,
     layout: Layout,
@@ -92,30 +108,74 @@ def evaluate(
     t = step_time(model, layout, seq_len, global_batch, cluster.device, cluster.gpus_per_node, kernels)
     tps = global_batch * seq_len / t.total / layout.world
     mfu = tps * flops_per_token(model, seq_len) / cluster.device.peak_flops
-    return Candidate(layout, mem, t, mem.total <= cluster.capacity, tps, mfu)
+    return Candidate(layout, mem, t, mem.total <= cluster.budget, tps, mfu)
+
+
+def _partial(
+    layouts: list[Layout], evaluated: Callable[[Layout], Candidate], judged: Callable[[Candidate], Candidate]
+) -> list[Candidate]:
+    """Of one layout's partial recomputes (``layouts``, in increasing recompute, so in decreasing memory): the first
+    that fits and the backend accepts, else the first that fits (reported as refused); none where none fits. The first
+    that fits is found by bisection, so only a few are estimated."""
+    lo, hi = 0, len(layouts)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if evaluated(layouts[mid]).fits:
+            hi = mid
+        else:
+            lo = mid + 1
+    first: Candidate | None = None
+    for layout in layouts[lo:]:
+        cand = judged(evaluated(layout))
+        if not cand.refused:
+            return [cand]
+        first = first or cand
+    return [first] if first is not None else []
+
+
+def _better(a: Candidate, b: Candidate) -> bool:
+    """Of one layout's variants (``b`` found first): one the planner may recommend over one it may not; of two it may,
+    the faster, ``b`` where they tie (the micro-batch sizes are tried in the order given); of two it may not, the
+    smaller (what "nothing fits" reports)."""
+    if a.runnable != b.runnable:
+        return a.runnable
+    if not a.runnable:
+        return a.memory.total < b.memory.total
+    return a.time.total < b.time.total and not math.isclose(a.time.total, b.time.total, rel_tol=1e-9)
 
 
 def candidates(
     model: ModelConfig,
     cluster: Cluster,
     seq_len: int,
-    micro_batch: int = 1,
+    micro_batch: int | Sequence[int] = 1,
     global_batch: int | None = None,
     engine: str | EngineProfile = GENERIC,
     precision: str = "bf16",
     kernels: KernelTerms = PLAIN_KERNELS,
     registry: Registry | None = None,
+    check: Callable[[Layout], Sequence[str]] | None = None,
 ) -> list[Candidate]:
     """Every layout ``engine`` can run on ``cluster``, best first, with the run's ``kernels`` counted. ``engine``:
     a backend's name (its profile looked up in ``registry``, else among the installed backends; the generic
-    engine's where none is found) or a profile."""
+    engine's where none is found) or a profile. ``micro_batch``: the micro-batch size, or the sizes to try in order of
+    preference (each layout then comes once, with the fastest; of equally fast ones the first). ``check(layout)``:
+    the backend's refusals of a layout (None: none checked), kept in :attr:`Candidate.refused`; a layout it refuses is
+    never ranked above one it accepts."""
     profile = profile_of(engine, registry)
     name = engine if isinstance(engine, str) else profile.name
     gbs = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq_len)
-    out: list[Candidate] = []
+    sizes = [micro_batch] if isinstance(micro_batch, int) else list(dict.fromkeys(micro_batch))
+
+    def judged(cand: Candidate) -> Candidate:
+        return replace(cand, refused=tuple(check(cand.layout))) if check is not None else cand
+
+    # the best of each layout over the micro-batch sizes (a partial recompute: over its numbers of layers too)
+    kept: dict[tuple, Candidate] = {}
     for tp in _tp_options(model, cluster.gpus_per_node):
-        # uneven splits are allowed (the last stages take a layer less, as Megatron's
-        # decoder_last_pipeline_num_layers and TorchTitan's module splitting allow): 126 layers on PP 16
+        # uneven splits are enumerated (the last stages take a layer less, as Megatron's
+        # decoder_last_pipeline_num_layers and TorchTitan's module splitting allow): 126 layers on PP 16; a backend
+        # that does not run them refuses them in its validation (``check``)
         pps = sorted(
             {p for p in _divisors(model.num_layers) if p <= 32} | {p for p in (2, 4, 8, 16, 32) if p < model.num_layers}
         )
@@ -123,25 +183,38 @@ def candidates(
             if cluster.world % (tp * pp):
                 continue
             dp = cluster.world // (tp * pp)
-            if gbs % (micro_batch * dp):
-                continue
-            m = gbs // (micro_batch * dp)
             lps = math.ceil(model.num_layers / pp)
-            vpps = [1] + [v for v in (2, 4) if pp > 1 and lps % v == 0 and m % pp == 0]
-            for vpp in vpps:
-                for mode in profile.dp_modes(tp, pp, dp):
-                    best_partial: Candidate | None = None
-                    for rc, n in _recompute_options(profile, lps):
-                        layout = Layout(name, mode, dp, tp, pp, vpp, 1, rc, n, micro_batch, m, profile)
-                        cand = evaluate(model, layout, seq_len, gbs, cluster, precision, kernels)
-                        if rc != "partial":
-                            out.append(cand)
-                        elif cand.fits and best_partial is None:
-                            best_partial = cand  # options are in increasing recompute: the first that fits
-                    if best_partial is not None:
-                        out.append(best_partial)
-    return sorted(out, key=Candidate.key)
+            for mb in sizes:
+                if gbs % (mb * dp):
+                    continue
+                m = gbs // (mb * dp)
+                vpps = [1] + [v for v in (2, 3, 4) if pp > 1 and lps % v == 0 and m % pp == 0]
+                for vpp in vpps:
+                    for mode in profile.dp_modes(tp, pp, dp):
+                        found = [
+                            judged(evaluate(model, lay, seq_len, gbs, cluster, precision, kernels))
+                            for lay in (
+                                Layout(name, mode, dp, tp, pp, vpp, 1, rc, 0, mb, m, profile)
+                                for rc in profile.recompute
+                            )
+                        ]
+                        if profile.partial_recompute is not None:
+                            found += _partial(
+                                [
+                                    Layout(name, mode, dp, tp, pp, vpp, 1, "partial", n, mb, m, profile)
+                                    for n in profile.partial_recompute(lps)
+                                ],
+                                lambda lay: evaluate(model, lay, seq_len, gbs, cluster, precision, kernels),
+                                judged,
+                            )
+                        for cand in found:
+                            lay = cand.layout
+                            key = (mode, dp, tp, pp, vpp, lay.cp, lay.recompute)
+                            if key not in kept or _better(cand, kept[key]):
+                                kept[key] = cand
+    return sorted(kept.values(), key=Candidate.key)
 
 
 def best(cands: list[Candidate]) -> Candidate | None:
-    return cands[0] if cands and cands[0].fits else None
+    """The first of ``cands`` (ranked by :func:`candidates`) if the planner may recommend it."""
+    return cands[0] if cands and cands[0].runnable else None

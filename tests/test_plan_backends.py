@@ -1,0 +1,105 @@
+"""``primus plan`` on the in-tree engines (issue 22): every layout it recommends is one the engine's backend accepts
+(its own validation, ``BackendSpec.validate``), over every preset, H100 / H200 / MI300X, both engines (each where it is
+installed); megatron is never planned with FSDP (its ``dp_shard > 1`` is the distributed optimizer); a recipe with fixed
+sizes is planned at the cluster's world size; a layout inside the estimate's error band of the memory is not
+recommended. Core's side, engine-free: primus-core's tests/test_planner_findings.py."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from primus.core import cli
+from primus.core.config.validate import validate_config
+from primus.core.planner import Cluster, device
+from primus.core.planner.auto import layout_config
+from primus.core.planner.calibration import HEADROOM
+from primus.core.planner.profile import backend_spec
+from primus.core.planner.ranking import global_batch, rank, resolve_on, searched_micro_batches
+from primus.core.plugins import get_registry
+from primus.core.presets import catalog
+from primus.core.protocols import validate_with
+
+ENGINES = ("megatron", "torchtitan")
+DEVICES = ("H100", "H200", "MI300X")
+SHOWN = 10  # the layouts `primus plan` shows by default: each is one it recommends
+# what a preset needs to be read at all (nothing is read to plan it)
+OVERRIDES = {"sft": ["data.source=chats.jsonl"]}
+
+
+def _engine(name: str):
+    spec = backend_spec(name)
+    if spec is None or spec.validate is None:
+        pytest.skip(f"backend {name!r} is not installed")
+    return spec
+
+
+def _plan(*args: str):
+    return CliRunner().invoke(cli.app, ["plan", *args])
+
+
+@pytest.fixture(autouse=True)
+def wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # one line per layout
+
+
+def _recommended(output: str) -> str:
+    return next(ln for ln in output.splitlines() if ln.startswith("recommended: ")).removeprefix("recommended: ")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_recommended_layout_runs_on_its_backend(engine):
+    spec = _engine(engine)
+    registry = get_registry()
+    planned, presets = 0, sorted(catalog(registry))
+    for name in presets:
+        res, _ = resolve_on(name, OVERRIDES.get(name, []), 8, registry)
+        for dev in DEVICES:
+            cluster = Cluster(device(dev), 1, 8, HEADROOM)
+            ranked = rank(res.config, cluster, engine, registry, searched_micro_batches(res), global_batch(res))
+            shown = [c for c in ranked if c.runnable][:SHOWN]
+            planned += bool(shown)
+            for c in shown:
+                where = f"{name} on 8 {dev}, {engine}: {c.layout.describe()}, micro-batch {c.layout.micro_batch}"
+                run = layout_config(res.config, c.layout)
+                assert validate_with(spec, run, 8) == [], where
+                validate_config(run.model_dump(), world_size=8, registry=registry)  # core's checks and the backend's
+                assert c.memory.total <= cluster.budget, where
+                if engine == "megatron":  # what it runs: replicated weights, the optimizer sharded at most
+                    assert c.layout.dp_mode != "fsdp" and run.parallel.dp_shard == 1, where
+                    assert "FSDP" not in c.layout.describe(), where
+    assert planned >= len(presets)  # not vacuous: most presets have layouts on most devices
+
+
+def test_megatron_is_not_planned_with_fsdp():
+    """The planner recommended "FSDP 4, TP 2+SP" on megatron, which refuses FSDP and runs dp_shard 4 as the
+    distributed optimizer with whole weights and gradients on every replica: a layout that did not fit."""
+    _engine("megatron")
+    one = _plan("llama3.1-70b-fsdp-recompute", "--engine", "megatron", "--device", "MI300X")
+    assert "FSDP" not in one.output and "recommended" not in one.output  # 70B does not fit one node on megatron
+    two = _plan("llama3.1-70b-fsdp-recompute", "--engine", "megatron", "--device", "MI300X", "--nodes", "2")
+    assert two.exit_code == 0, two.output
+    assert "FSDP" not in two.output and _recommended(two.output).startswith("DDP+distopt ")
+
+
+def test_the_405b_recipe_is_planned_on_the_cluster():
+    _engine("megatron")
+    seven = _plan("llama3.1-405b-tp-pp-vpp", "--device", "MI300X", "--gpus", "8", "--nodes", "7")
+    assert seven.exit_code == 0, seven.output
+    assert "note: the config's own layout" not in seven.output and "TP 8+SP, PP 7" in _recommended(seven.output)
+    # 64 devices: its own layout (56) does not tile them, every layout is planned; megatron splits the 126 layers
+    # evenly only, which no pipeline of 64 devices that fits does
+    eight = _plan("llama3.1-405b-tp-pp-vpp", "--device", "MI300X", "--gpus", "8", "--nodes", "8")
+    assert "world size 1" not in eight.output and "56 does not divide the world size 64" in eight.output
+    assert eight.exit_code == 4 and "megatron refuses every layout that fits: model.num_layers" in eight.output
+
+
+def test_a_layout_inside_the_error_band_is_not_recommended():
+    """llama3.1-8b-fsdp on 1×8 MI300X recommended DDP at 169.4 of 173 usable GiB, inside the ±10% the estimate is
+    held to; with the headroom it takes a layout with that much free, and the micro-batch it is fastest with."""
+    _engine("torchtitan")
+    run = _plan("llama3.1-8b-fsdp", "--device", "MI300X")
+    assert run.exit_code == 0, run.output
+    assert "≤ 156 with 10% headroom" in run.output and _recommended(run.output) != "DDP 8, no recompute"
+    tight = _plan("llama3.1-8b-fsdp", "--device", "MI300X", "--headroom", "0", "train.micro_batch_size=1")
+    assert _recommended(tight.output) == "DDP 8, no recompute"  # what it was: the layout the headroom leaves out
