@@ -235,7 +235,7 @@ class DataConfig(Section):
 
     @field_validator("blend", mode="before")
     @classmethod
-    def _megatron_blend(cls, value: Any) -> Any:
+    def _weight_path_pairs(cls, value: Any) -> Any:
         # Megatron's `--data-path 0.3 a 0.7 b`: a string or a flat list, weight before path
         if isinstance(value, str):
             value = value.split()
