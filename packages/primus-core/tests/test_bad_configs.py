@@ -138,7 +138,6 @@ CASES = [
     ("unknown-logger", "logging: {loggers: {tensorwatch: {}}}", [], 1, "logging.loggers.tensorwatch", "no installed"),
     ("eval-without-data", "eval: {interval: 5}", [], 1, "eval.interval", "no evaluation data is named"),
     ("blend-odd", "data: {blend: [0.5, a.jsonl, 0.5]}", [], 1, "data.blend", "weight path pairs"),
-    ("sft-on-bundled", "train: {objective: sft}", [], 1, "train.objective", ".jsonl records"),
     ("resume-word", "checkpoint: {resume: sometimes}", [], 1, "checkpoint.resume", "auto"),
 ]
 

@@ -50,8 +50,9 @@ def test_labels_of_context_positions_are_ignored():
 
 
 def test_sft_needs_jsonl_records():
-    from primus.core.config.errors import ConfigError
+    from primus.core.data.checks import check_data
     from primus.core.train import resolve
 
-    with pytest.raises(ConfigError, match="train.objective"):
-        resolve("tiny-llama", ["train.objective=sft"], world_size=1, check_plugins=False)
+    cfg = resolve("tiny-llama", ["train.objective=sft"], world_size=1, check_plugins=False).config
+    with pytest.raises(DataError, match="train.objective sft trains on .jsonl records"):
+        check_data(cfg)

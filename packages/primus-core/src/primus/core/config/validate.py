@@ -171,17 +171,6 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         )
     out += eval_issues(cfg)
     d = cfg.data
-    sources = [b.path for b in d.blend] or [d.source]
-    if t.objective == "sft" and ({"bundled", "mock"} & set(sources) or d.format not in ("auto", "jsonl")):
-        out.append(
-            ConfigIssue(
-                "train.objective",
-                "sft trains on .jsonl records (messages, or prompt / completion), not on "
-                + (f"data.format {d.format}" if d.format not in ("auto", "jsonl") else "the bundled / mock data"),
-                value="sft",
-                allowed="data.source (or data.blend) naming .jsonl files",
-            )
-        )
     if d.blend and (d.source != "bundled" or d.paths):
         key = "data.paths" if d.paths else "data.source"
         out.append(

@@ -38,6 +38,12 @@ def check_data(cfg: PrimusConfig) -> None:
     """
     from primus.core.data.splits import blend_configs
 
+    sources = [b.path for b in cfg.data.blend] or [cfg.data.source]
+    if cfg.train.objective == "sft" and {"bundled", "mock"} & set(sources):
+        raise DataError(
+            "train.objective sft trains on .jsonl records (messages, or prompt / completion): set data.source "
+            "(or data.blend) to them; the bundled corpus and mock tokens hold none"
+        )
     for data, key, paths_key in blend_configs(cfg):
         _check_inputs(data, cfg.model.vocab_size, key, paths_key, cfg.train.objective)
     if cfg.eval.source is not None:
