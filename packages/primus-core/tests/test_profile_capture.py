@@ -56,8 +56,15 @@ def test_profile_writes_traces_and_report(tmp_path, monkeypatch):
     assert meta["model_flops_per_step_per_device"] == pytest.approx(
         meta["tokens_per_step_per_device"] * meta["flops_per_token"]
     )
+    assert {k: meta["layout"][k] for k in ("world", "tp", "pp", "cp")} == {"world": 1, "tp": 1, "pp": 1, "cp": 1}
+    assert isinstance(meta["kernels"], dict)  # the providers the backend selected (none for this one)
     report = (tmp_path / "profile" / "report.md").read_text()
     assert "| 0 |" in report and "MFU (last logged interval): 25.0%" in report
+    # a CPU trace: primus's own parser, and the report says why
+    assert "Engine: Time shares from primus's built-in trace parser: HolisticTraceAnalysis cannot read" in report
+    page = (tmp_path / "profile" / "report.html").read_text()
+    assert page.count("<table>") >= 4 and "CPU-only" in page and "MFU (last logged interval): 25.0%" in page
+    assert "tiny-llama" in page and ">thread " in page  # the run summary; the timeline's lanes are CPU threads
     gemm_share = report.split("## Kernel categories")[1].splitlines()[4].split("|")[2].strip()
     assert float(gemm_share.rstrip("%")) > 0  # the matmuls were traced and counted as GEMM
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -17,7 +17,7 @@ def profile(
 ) -> None:
     """Runs ``primus train`` with profiling on (checkpoints off), then analyzes the traces it wrote."""
     from primus.core.cli_helpers import _resolve, err, out
-    from primus.core.profile.analyze import analyze_files
+    from primus.core.profile.analyze import analyze_run
     from primus.core.profile.capture import trace_dir
     from primus.core.profile.report import html_page, markdown
     from primus.core.train import output_dir
@@ -39,19 +39,23 @@ def profile(
     if not traces:
         err.print(f"error: the backend wrote no trace under {trace_dir(out_dir)}", style="red", markup=False)
         raise typer.Exit(1)
-    reports = analyze_files(traces)
-    text = markdown(reports, f"Step time breakdown: {res.config.model.name} on {res.config.backend.name}")
+    run = analyze_run(traces)  # HolisticTraceAnalysis where it can read them (GPU traces), else primus's parser
+    title = f"Step time breakdown: {res.config.model.name} on {res.config.backend.name}"
+    text = markdown(run, title)
     metrics = out_dir / "metrics.jsonl"
+    notes = []
     if metrics.is_file():
         last = json.loads(metrics.read_text().splitlines()[-1])
         if "mfu" in last:
-            text += f"\nMFU (last logged interval): {last['mfu']:.1%}\n"
+            notes.append(f"MFU (last logged interval): {last['mfu']:.1%}")
         if "tflops_per_device" in last:
-            text += f"TFLOP/s per device: {last['tflops_per_device']:.1f}\n"
+            notes.append(f"TFLOP/s per device: {last['tflops_per_device']:.1f}")
+    if notes:
+        text += "\n" + "\n".join(notes) + "\n"
     report_dir = Path(out_dir) / "profile"
     report_dir.mkdir(parents=True, exist_ok=True)
     (report_dir / "report.md").write_text(text)
-    (report_dir / "report.html").write_text(html_page(reports))
+    (report_dir / "report.html").write_text(html_page(run, title, notes))
     from rich.markdown import Markdown
 
     out.print(Markdown(text))

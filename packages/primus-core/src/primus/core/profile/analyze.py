@@ -18,6 +18,11 @@ The step time is the window over the number of traced steps (torch.profiler's ``
 annotations). MFU needs the model FLOPs of a step: the ``"primus"`` block StepProfiler writes into
 the trace (:func:`primus.core.profile.capture.trace_metadata`), or ``flops_per_step`` / ``peak_flops``
 given by the caller.
+
+:func:`analyze_run` is what the CLI calls: it takes the four time shares from HolisticTraceAnalysis where that
+library is installed and can read the traces (:mod:`primus.core.profile.hta_engine`; GPU traces), else from the
+parser here, and says which in one line (``RunAnalysis.engine_line``). Kernel categories, the FP8 share, MFU, top
+kernels and the picture of one step (``RankReport.timeline``) always come from here.
 """
 
 from __future__ import annotations
@@ -101,6 +106,16 @@ class RankReport:
     model_flops_per_step: float | None = None
     peak_flops: float | None = None
     fp8_gemm_us: float = 0.0  # of the "gemm" category: kernels with FP8 operands (FP8_GEMM)
+    # one step, for the report's picture: (lane, start us, end us, what) from the step's start; lane "busy" holds
+    # the time shares (compute / exposed or overlapped communication), the others one stream each (kernel categories)
+    timeline: list[tuple[str, float, float, str]] = field(default_factory=list)
+    timeline_us: float = 0.0
+    top_categories: dict[str, str] = field(default_factory=dict)  # top kernel name -> category
+    # set by HolisticTraceAnalysis (primus.core.profile.hta_engine) when it produced the time shares
+    hta: dict[str, float] | None = None
+    launch: dict[str, float] | None = None
+    on_device: bool = False  # GPU kernels (False: a CPU-only trace, its top-level operators stand in)
+    meta: dict = field(default_factory=dict)  # the trace's "primus" block (model, backend, device, layout...)
 
     @property
     def step_us(self) -> float:
@@ -183,6 +198,70 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
     return total
 
 
+TIMELINE_PIXELS = 1200  # intervals closer than a pixel of this width are drawn as one
+
+
+def _step_window(events: list[dict], start: float, end: float, steps: int) -> tuple[float, float]:
+    """The first traced step on the device: its GPU ``ProfilerStep#N`` annotation, else the CPU one (a CPU trace),
+    else the first 1/steps of the window."""
+    for cat in ("gpu_user_annotation", "user_annotation"):
+        marks = [e for e in events if e.get("cat") == cat and STEP_MARK.match(str(e.get("name", "")))]
+        if marks:
+            first = min(marks, key=lambda e: e["ts"])
+            lo, hi = max(first["ts"], start), min(first["ts"] + first["dur"], end)
+            if hi > lo:
+                return lo, hi
+    return start, start + (end - start) / max(steps, 1)
+
+
+def _merged(segments: list[tuple[float, float, str]], gap: float) -> list[tuple[float, float, str]]:
+    out: list[list] = []
+    for s, e, what in sorted(segments):
+        if out and out[-1][2] == what and s - out[-1][1] <= gap:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e, what])
+    return [(s, e, w) for s, e, w in out]
+
+
+def _states(cu: list[tuple[float, float]], mu: list[tuple[float, float]]) -> list[tuple[float, float, str]]:
+    """The busy time split into compute / exposed communication / overlapped communication segments."""
+    points = sorted({p for iv in (*cu, *mu) for p in iv})
+    out, i, j = [], 0, 0
+    for a, b in zip(points, points[1:], strict=False):
+        mid = (a + b) / 2
+        while i < len(cu) and cu[i][1] <= mid:
+            i += 1
+        while j < len(mu) and mu[j][1] <= mid:
+            j += 1
+        c = i < len(cu) and cu[i][0] <= mid
+        m = j < len(mu) and mu[j][0] <= mid
+        if c or m:
+            out.append((a, b, "overlapped communication" if c and m else "compute" if c else "exposed communication"))
+    return out
+
+
+def _timeline(
+    events: list[dict], dev: list[dict], cats: list[str], start: float, end: float, steps: int
+) -> tuple[list[tuple[str, float, float, str]], float]:
+    lo, hi = _step_window(events, start, end, steps)
+    gap = (hi - lo) / TIMELINE_PIXELS
+    gpu = any(e.get("cat") in DEVICE_CATS for e in dev)
+    lanes: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    cu, mu = [], []
+    for e, cat in zip(dev, cats, strict=True):
+        s, t = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+        if t <= s:
+            continue
+        lane = f"stream {e.get('args', {}).get('stream', e.get('tid'))}" if gpu else f"thread {e.get('tid')}"
+        lanes[lane].append((s - lo, t - lo, cat))
+        (mu if cat == "communication" else cu).append((s - lo, t - lo))
+    out = [("busy", s, e, w) for s, e, w in _merged(_states(_union(cu), _union(mu)), gap)]
+    for lane in sorted(lanes, key=lambda name: (len(name), name)):
+        out += [(lane, s, e, w) for s, e, w in _merged(lanes[lane], gap)]
+    return out, hi - lo
+
+
 def analyze_events(
     events: list[dict],
     rank: str = "0",
@@ -200,8 +279,8 @@ def analyze_events(
     cats: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, list[float]] = defaultdict(list)
     fp8_gemm = 0.0
-    for e in dev:
-        cat = categorize(e["name"])
+    names = [categorize(e["name"]) for e in dev]
+    for e, cat in zip(dev, names, strict=True):
         cats[cat] += e["dur"]
         if cat == "gemm" and FP8_GEMM.search(e["name"]):
             fp8_gemm += e["dur"]
@@ -211,7 +290,8 @@ def analyze_events(
     both = _intersection(cu, mu)
     busy = _length(cu) + _length(mu) - both
     top = sorted(((n, sum(d), len(d)) for n, d in per_kernel.items()), key=lambda t: -t[1])[:top_n]
-    return RankReport(
+    timeline, timeline_us = _timeline(events, dev, names, start, end, steps)
+    report = RankReport(
         rank,
         end - start,
         _length(cu) - both,
@@ -225,7 +305,12 @@ def analyze_events(
         flops_per_step,
         peak_flops,
         fp8_gemm,
+        timeline,
+        timeline_us,
+        {n: categorize(n) for n, _, _ in top},
     )
+    report.on_device = any(e.get("cat") in DEVICE_CATS for e in dev)
+    return report
 
 
 def analyze_files(
@@ -238,5 +323,100 @@ def analyze_files(
         events, meta = read_trace(path)
         flops = flops_per_step or meta.get("model_flops_per_step_per_device")
         peak = peak_flops or meta.get("peak_flops")
-        reports.append(analyze_events(events, m.group(1) if m else str(i), top_n, flops, peak))
+        report = analyze_events(events, m.group(1) if m else str(i), top_n, flops, peak)
+        report.meta = meta
+        reports.append(report)
     return reports
+
+
+ENGINES = ("auto", "hta", "primus")
+
+
+@dataclass
+class RunAnalysis:
+    """The reports of one run's traces, which engine produced the time shares (one line), the trace's
+    ``"primus"`` block (model, backend, device, layout, kernels) and HTA's kernel-type split where it ran."""
+
+    reports: list[RankReport]
+    engine: str = "primus"  # "hta" or "primus"
+    engine_line: str = "Time shares from primus's built-in trace parser."
+    meta: dict = field(default_factory=dict)
+    kernel_types: dict[str, float] = field(default_factory=dict)
+    label: str = ""
+
+
+def _hta_line(version: str) -> str:
+    return (
+        f"Time shares, communication overlap, kernel types and CUDA launches from HolisticTraceAnalysis {version}; "
+        "kernel categories, FP8 share, MFU and top kernels from primus's trace parser."
+    )
+
+
+def analyze_run(
+    paths: list[Path],
+    top_n: int = 10,
+    flops_per_step: float | None = None,
+    peak_flops: float | None = None,
+    engine: str = "auto",
+    label: str = "",
+) -> RunAnalysis:
+    """Every trace of a run, with HolisticTraceAnalysis's time shares where it can read them (``engine`` "auto"
+    or "hta"; "hta" raises :class:`~primus.core.profile.hta_engine.Unavailable` where it cannot), else primus's
+    own (the fallback, named in ``engine_line``). Kernel categories, FP8 share, MFU and top kernels are primus's."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    reports = analyze_files(paths, top_n, flops_per_step, peak_flops)
+    run = RunAnalysis(reports, meta=reports[0].meta if reports else {}, label=label)
+    if engine == "primus":
+        return run
+    from primus.core.profile import hta_engine
+
+    ranks = {int(r.rank) if r.rank.isdigit() else i: r for i, r in enumerate(reports)}
+    try:
+        if len(ranks) != len(reports):
+            raise hta_engine.Unavailable("HolisticTraceAnalysis needs one trace per rank (two files name one rank)")
+        if not all(r.on_device for r in reports):
+            # no GPU kernels: HTA has nothing to read, and importing it takes seconds
+            raise hta_engine.Unavailable("HolisticTraceAnalysis cannot read this trace: no GPU kernels (CPU-only)")
+        result = hta_engine.analyze({rank: path for rank, path in zip(ranks, paths, strict=True)})
+    except hta_engine.Unavailable as exc:
+        if engine == "hta":
+            raise
+        run.engine_line = f"Time shares from primus's built-in trace parser: {exc}."
+        return run
+    for rank, r in ranks.items():
+        h = result.ranks[rank]
+        shares = h.primus_shares()
+        r.window_us = h.window_us
+        r.compute_us = shares["compute"] * h.window_us
+        r.exposed_comm_us = shares["exposed communication"] * h.window_us
+        r.overlapped_comm_us = shares["overlapped communication"] * h.window_us
+        r.idle_us = h.idle_us
+        w = h.window_us or 1.0
+        r.hta = {
+            "compute": h.compute_us / w,
+            "non-compute": h.non_compute_us / w,
+            "idle": h.idle_us / w,
+        }
+        if h.comm_us:  # the share of communication time under a compute kernel: none without communication
+            r.hta["comm-comp overlap"] = h.overlap_ratio
+        r.launch = h.launch
+    run.engine, run.engine_line, run.kernel_types = "hta", _hta_line(result.version), result.kernel_types
+    return run
+
+
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+
+def find_traces(path: Path) -> list[Path]:
+    """The traces of a run: a trace file itself, or the traces in a folder (``rank*.json``, any ``*.json(.gz)``),
+    or its ``traces/`` sub-folder (a run's output folder), or the ``traces/`` beside it (its ``profile/`` folder)."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"no such trace or folder: {path}")
+    for folder in (path, path / "traces", path.parent / "traces"):
+        found = sorted(p for p in folder.glob("*") if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+        if found:
+            return found
+    raise FileNotFoundError(f"no Chrome trace (*.json, *.json.gz) in {path}, {path / 'traces'} or beside it")

@@ -6,7 +6,8 @@ which ``primus analyze`` / ``primus profile`` read. Otherwise every call is a no
 
 Each trace carries a top-level ``"primus"`` block (:func:`trace_metadata`): the model FLOPs one step
 costs this device, the device's dense bf16 peak and the number of traced steps, so that a trace alone
-gives the step time and MFU.
+gives the step time and MFU; and the run's model, backend, device, parallel layout and selected kernels, which
+the report's run summary shows.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ def trace_metadata(cfg: Any, info: Any) -> dict[str, Any]:
         "device_name": (info.extra or {}).get("device_name"),
         "active_steps": cfg.profile.active,
         "fp8": cfg.kernels.fp8,
+        # the report's run summary: the parallel layout and the kernel providers the backend selected
+        "layout": {
+            "world": world,
+            "tp": p.tp,
+            "pp": p.pp,
+            "cp": p.cp,
+            "dp_replicate": p.dp_replicate,
+            "dp_shard": p.dp_shard,
+        },
+        "kernels": {str(k): str(v) for k, v in (getattr(info, "kernels", None) or {}).items()},
     }
 
 
