@@ -51,6 +51,8 @@ XDIST = "pytest-xdist>=3.5"
 # Packages integration installs bare (no extras, no test group): their own session tests them with their libraries.
 # The loggers': megatron-core imports wandb whenever it is installed, 10-20 s in every megatron process.
 INTEGRATION_BARE = {"loggers"}
+# Extras integration leaves out: primus-core[profile] (HolisticTraceAnalysis brings jupyterlab, ~2 min to install).
+INTEGRATION_SKIP_EXTRAS = {"profile"}
 
 
 def list_packages() -> dict[str, Path]:
@@ -86,7 +88,13 @@ def install(session: nox.Session, *requirements: str) -> None:
     session.install("--constraint", str(constraints), *requirements)
 
 
-def install_packages(session: nox.Session, names: list[str], *more: str, bare: set[str] = frozenset()) -> None:
+def install_packages(
+    session: nox.Session,
+    names: list[str],
+    *more: str,
+    bare: set[str] = frozenset(),
+    skip_extras: set[str] = frozenset(),
+) -> None:
     """The named packages with all their extras (what a package ships is tested; those in ``bare`` without),
     plus primus-core: with its ``torch`` extra (data, metrics, reference kernels) when any of them needs torch,
     else bare."""
@@ -97,7 +105,9 @@ def install_packages(session: nox.Session, names: list[str], *more: str, bare: s
             extras = []
         elif name in names:
             extras = [
-                e for e in pyproject(name)["project"].get("optional-dependencies", {}) if e not in GPU_ONLY_EXTRAS
+                e
+                for e in pyproject(name)["project"].get("optional-dependencies", {})
+                if e not in GPU_ONLY_EXTRAS and e not in skip_extras
             ]
         else:  # primus-core, as a dependency
             extras = ["torch"] if torch else []
@@ -166,13 +176,15 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session(python=PYTHON, reuse_venv=True)
 def integration(session: nox.Session) -> None:
-    """Every package installed together: the cross-package tests (tests/), then core's tests again."""
+    """Every package installed together (core without its profile extra, whose tests are tests(core)'s): the
+    cross-package tests (tests/)."""
     deps = INTEGRATION_DEPS + [d for name in PACKAGES if name not in INTEGRATION_BARE for d in test_deps(name)]
-    install_packages(session, list(PACKAGES), *dict.fromkeys(deps), XDIST, bare=INTEGRATION_BARE)
+    install_packages(
+        session, list(PACKAGES), *dict.fromkeys(deps), XDIST, bare=INTEGRATION_BARE, skip_extras=INTEGRATION_SKIP_EXTRAS
+    )
     workers = ["-n", str(WORKERS["integration"]), "--dist", "loadfile"]
     pytest(session, *workers, "tests", *(f"--ignore={path}" for path in SERIAL))
     pytest(session, *SERIAL)
-    pytest(session, *workers, str(PACKAGES["core"] / "tests"))
 
 
 @nox.session(python=PYTHON, reuse_venv=True)
