@@ -48,6 +48,12 @@ WORKERS = {"megatron": 2, "torchtitan": 2, "integration": 2}
 # Tests that install and uninstall a distribution in the session's environment: nothing may run beside them.
 SERIAL = ["tests/test_example_plugin.py", "tests/test_example_plan.py"]
 XDIST = "pytest-xdist>=3.5"
+# primus-core's tests that compare with an engine's own code (megatron-core's indexed dataset builder and reader):
+# tests(core) has no engine installed, so integration runs them.
+CORE_WITH_ENGINES = [
+    "packages/primus-core/tests/test_data_indexed.py",
+    "packages/primus-core/tests/test_data_prepare.py",
+]
 # Packages integration installs bare (no extras, no test group): their own session tests them with their libraries.
 # The loggers': megatron-core imports wandb whenever it is installed, 10-20 s in every megatron process.
 INTEGRATION_BARE = {"loggers"}
@@ -185,6 +191,7 @@ def integration(session: nox.Session) -> None:
     workers = ["-n", str(WORKERS["integration"]), "--dist", "loadfile"]
     pytest(session, *workers, "tests", *(f"--ignore={path}" for path in SERIAL))
     pytest(session, *SERIAL)
+    pytest(session, *CORE_WITH_ENGINES)  # core's tests that need megatron-core (skipped in tests(core))
 
 
 @nox.session(python=PYTHON, reuse_venv=True)
