@@ -2,9 +2,9 @@
 take the newest checkpoint that verifies, warn about each newer one naming the file, and refuse naming the files
 when none does; a save killed before its manifest never verifies.
 
-A pure-Python engine stands in for the real ones (tests/test_checkpoint_integrity.py runs both engines): it writes a
-weights file and a state file, and, like a real engine over a truncated shard, dies with EOFError loading short
-weights."""
+Core's stand-in engine (primus.core.testing) takes the real ones' place (tests/test_checkpoint_integrity_engines.py
+runs both engines): it writes a weights file and a state file, and, like a real engine over a truncated shard, dies
+with EOFError loading short weights."""
 
 from __future__ import annotations
 
@@ -19,81 +19,24 @@ import pytest
 from typer.testing import CliRunner
 
 from primus.core import checkpoints as ckpt
-from primus.core import hookimpl
 from primus.core.cli import app
 from primus.core.errors import UserError
-from primus.core.loop import StepResult
-from primus.core.plugins import Registry, build_plugin_manager
-from primus.core.protocols import BackendSpec
+from primus.core.testing import WEIGHT_BYTES, StandInEngine, registry, weights
 from primus.core.train import eval_rank, resolve, run_rank
 
 pytest.importorskip("torch")  # run_rank detects the device through torch
 
-WEIGHTS = 3 * 2**16  # bytes of the fake engine's weights file
-
-
-def _weights(step: int) -> bytes:
-    return bytes((step * 7 + i) % 251 for i in range(WEIGHTS))
-
-
-class FileEngine:
-    """Loss 10/step; saves weights.bin + state.json; backend.extra.fail_save_at=N: dies writing step N's files."""
-
-    layout = {"world": 1}
-    distributions = ("primus-core",)
-    calls: list = []
-
-    def __init__(self, cfg, ctx) -> None:
-        self.model_parts, self.step = [], 0
-        self.fail_save_at = cfg.backend.extra.get("fail_save_at")
-
-    def train_step(self, step, lr, gate):
-        self.calls.append(("train", step))
-        self.step = step
-        assert gate(10.0 / step, 1.0)
-        return StepResult(loss=10.0 / step, grad_norm=1.0)
-
-    def evaluate(self, samples, batches):
-        return float(self.step)
-
-    def save(self, folder: Path) -> None:
-        (folder / "weights.bin").write_bytes(_weights(self.step))
-        if self.step == self.fail_save_at:
-            raise RuntimeError("killed mid-save")
-        (folder / "state.json").write_text(json.dumps({"step": self.step}))
-
-    def load(self, folder: Path) -> None:
-        data = (folder / "weights.bin").read_bytes()
-        if len(data) < WEIGHTS:
-            raise EOFError  # what torch's readers raise over a truncated shard
-        self.step = json.loads((folder / "state.json").read_text())["step"]
-        self.calls.append(("load", self.step))
-
-    def barrier(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Backends:
-    @staticmethod
-    @hookimpl
-    def primus_backends():
-        return [BackendSpec("files", "", engine=FileEngine)]
-
-
-REGISTRY = Registry(build_plugin_manager(extra_plugins=[("backends", Backends)]))
+REGISTRY = registry()
 
 
 def _resolved(out: Path, *overrides: str):
-    base = ["backend.name=files", f"logging.output_dir={out}", "logging.tensorboard=false", "train.steps=4"]
+    base = ["backend.name=stand-in", f"logging.output_dir={out}", "logging.tensorboard=false", "train.steps=4"]
     base += ["checkpoint.interval=1", "checkpoint.keep_last=3", "logging.interval=1"]
     return resolve("tiny-llama", [*base, *overrides], world_size=1, registry=REGISTRY)
 
 
 def _run(out: Path, *overrides: str, resume: bool = False) -> dict:
-    FileEngine.calls = []
+    StandInEngine.calls = []
     return run_rank(_resolved(out, *overrides), resume=resume)
 
 
@@ -102,7 +45,7 @@ def _step(out: Path, step: int) -> Path:
 
 
 def _truncate(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[: WEIGHTS // 2])
+    path.write_bytes(path.read_bytes()[: WEIGHT_BYTES // 2])
 
 
 def _delete(path: Path) -> None:
@@ -116,7 +59,7 @@ def _flip(path: Path) -> None:  # same size, other bytes
 
 
 DAMAGE = {"truncated": _truncate, "deleted": _delete, "overwritten": _flip}
-SAYS = {"truncated": f"{WEIGHTS // 2} bytes, the manifest records {WEIGHTS}", "deleted": "missing"}
+SAYS = {"truncated": f"{WEIGHT_BYTES // 2} bytes, the manifest records {WEIGHT_BYTES}", "deleted": "missing"}
 SAYS["overwritten"] = "blake2b checksum differs from the manifest's (the file was changed)"
 
 
@@ -137,9 +80,9 @@ def test_the_manifest_records_every_file_with_its_size_and_checksum(run):
     man = ckpt.read_manifest(_step(run, 4))
     assert man["files"] == {
         "state.json": {"bytes": len('{"step": 4}'), "blake2b": hashlib.blake2b(b'{"step": 4}').hexdigest()},
-        "weights.bin": {"bytes": WEIGHTS, "blake2b": hashlib.blake2b(_weights(4)).hexdigest()},
+        "weights.bin": {"bytes": WEIGHT_BYTES, "blake2b": hashlib.blake2b(weights(4)).hexdigest()},
     }
-    assert man["step"] == 4 and man["applied_steps"] == 4 and man["backend"] == "files"  # the keys it had
+    assert man["step"] == 4 and man["applied_steps"] == 4 and man["backend"] == "stand-in"  # the keys it had
     assert {"config_hash", "model_shape", "layout", "versions", "time"} <= set(man)
     assert sorted(p.name for p in _step(run, 4).iterdir()) == ["manifest.json", "state.json", "weights.bin"]
     assert [ckpt.verify(_step(run, s)) for s in (2, 3, 4)] == [[], [], []]
@@ -155,7 +98,7 @@ def test_resume_skips_a_broken_newest_checkpoint_naming_the_file(run, damage, ca
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(broken) in w and "step 4" in w and SAYS[damage] in w for w in warnings), warnings
     assert summary["start_step"] == 3 and summary["final_step"] == 6 and summary["status"] == "ok"
-    assert FileEngine.calls == [("load", 3), ("train", 4), ("train", 5), ("train", 6)]
+    assert StandInEngine.calls == [("load", 3), ("train", 4), ("train", 5), ("train", 6)]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows[-3:]] == [(4, 2.5), (5, 2.0), (6, 10 / 6)]
     assert ckpt.verify(_step(run, 4)) == []  # step 4 written again, whole
@@ -184,7 +127,7 @@ def test_a_save_killed_before_its_manifest_never_verifies(tmp_path):
     with pytest.raises(ckpt.CheckpointBroken, match=r"step_00000002\.tmp is no committed checkpoint"):
         ckpt.readable(partial)
     summary = _run(out, resume=True)
-    assert summary["start_step"] == 1 and FileEngine.calls[0] == ("load", 1)
+    assert summary["start_step"] == 1 and StandInEngine.calls[0] == ("load", 1)
 
 
 def test_each_rank_checksums_its_share_and_the_shares_cover_every_file(run):

@@ -1,78 +1,29 @@
 """Core's loop stops early with a checkpoint (a stop signal, train.max_minutes), resumes with checkpoint.resume=auto,
 and evaluates on held-out samples it never trains on; evaluation config and data are refused naming the key.
 
-A pure-Python engine stands in for the real ones (tests/test_same_run.py and tests/test_preemption.py run both
-engines): it records what the loop asks of it."""
+Core's stand-in engine (primus.core.testing) takes the real ones' place (tests/test_same_run.py and
+tests/test_preemption.py run both engines): it records what the loop asks of it."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from primus.core import hookimpl
 from primus.core.config.errors import ConfigError
-from primus.core.loop import StepResult
-from primus.core.plugins import Registry, build_plugin_manager
-from primus.core.protocols import BackendSpec
+from primus.core.testing import StandInEngine, registry
 from primus.core.train import resolve, run_rank
 
 pytest.importorskip("torch")  # run_rank detects the device through torch
 
 
-class RecordingEngine:
-    """Loss 10/step; stores the applied step count in its checkpoint; raises a signal at a chosen step."""
-
-    layout = {"world": 1}
-    distributions = ("primus-core",)
-    calls: list = []
-
-    def __init__(self, cfg, ctx) -> None:
-        self.cfg, self.model_parts, self.step = cfg, [], 0
-        self.signal_at = cfg.backend.extra.get("signal_at")
-
-    def train_step(self, step, lr, gate):
-        self.calls.append(("train", step))
-        if step == self.signal_at:
-            os.kill(os.getpid(), signal.SIGUSR1)  # arrives mid-step; the step still completes
-        self.step = step
-        assert gate(10.0 / step, 1.0)
-        return StepResult(loss=10.0 / step, grad_norm=1.0)
-
-    def evaluate(self, samples, batches):
-        self.calls.append(("eval", self.step, len(samples), batches))
-        return 2.0
-
-    def save(self, folder: Path) -> None:
-        (folder / "state.json").write_text(json.dumps({"step": self.step}))
-
-    def load(self, folder: Path) -> None:
-        self.step = json.loads((folder / "state.json").read_text())["step"]
-        self.calls.append(("load", self.step))
-
-    def barrier(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Backends:
-    @staticmethod
-    @hookimpl
-    def primus_backends():
-        return [BackendSpec("recording", "", engine=RecordingEngine)]
-
-
 def _run(out: Path, *overrides: str) -> dict:
-    RecordingEngine.calls = []
-    base = ["backend.name=recording", f"logging.output_dir={out}", "logging.tensorboard=false", "train.steps=8"]
-    registry = Registry(build_plugin_manager(extra_plugins=[("backends", Backends)]))
-    return run_rank(resolve("tiny-llama", [*base, *overrides], world_size=1, registry=registry))
+    StandInEngine.calls = []
+    base = ["backend.name=stand-in", f"logging.output_dir={out}", "logging.tensorboard=false", "train.steps=8"]
+    return run_rank(resolve("tiny-llama", [*base, *overrides], world_size=1, registry=registry()))
 
 
 def _rows(out: Path) -> list[dict]:
@@ -89,14 +40,14 @@ def test_a_stop_signal_finishes_the_step_saves_and_resume_auto_continues(tmp_pat
     summary = _run(out, "checkpoint.resume=auto", "backend.extra.signal_at=3", "logging.interval=5")
     assert summary["status"] == "preempted" and summary["stop_reason"] == "SIGUSR1"
     assert summary["final_step"] == 3 and summary["start_step"] == 0  # resume auto on an empty folder: fresh
-    assert RecordingEngine.calls == [("train", 1), ("train", 2), ("train", 3)]
+    assert StandInEngine.calls == [("train", 1), ("train", 2), ("train", 3)]
     assert _checkpoints(out) == ["step_00000003"]  # one checkpoint, committed (interval 0: none before the end)
     assert [r["step"] for r in _rows(out)] == [3]  # the last step is logged even off the logging interval
     assert signal.getsignal(signal.SIGUSR1) == previous  # the loop's handlers are gone after the run
 
     summary = _run(out, "checkpoint.resume=auto", "logging.interval=5")  # the requeued job: same command
     assert summary["status"] == "ok" and summary["start_step"] == 3 and summary["final_step"] == 8
-    assert RecordingEngine.calls[0] == ("load", 3) and RecordingEngine.calls[1] == ("train", 4)
+    assert StandInEngine.calls[0] == ("load", 3) and StandInEngine.calls[1] == ("train", 4)
     assert [r["step"] for r in _rows(out)] == [3, 5, 8]
 
 
@@ -112,14 +63,14 @@ def test_max_minutes_stops_like_a_signal(tmp_path):
 def test_evaluation_runs_on_its_steps_and_reaches_the_metrics(tmp_path):
     out = tmp_path / "run"
     summary = _run(out, "eval.holdout=0.1", "eval.interval=3", "eval.batches=2", "logging.interval=4")
-    evals = [c for c in RecordingEngine.calls if c[0] == "eval"]
+    evals = [c for c in StandInEngine.calls if c[0] == "eval"]
     assert [c[1] for c in evals] == [3, 6, 8]  # every 3 steps and at the last
     assert all(c[3] == 2 for c in evals)
     rows = {r["step"]: r for r in _rows(out)}
     assert sorted(rows) == [3, 4, 6, 8]  # evaluation steps get a full metrics row
-    assert rows[3]["eval_loss"] == 2.0 and rows[3]["eval_perplexity"] == pytest.approx(np.exp(2.0))
+    assert rows[3]["eval_loss"] == 3.0 and rows[3]["eval_perplexity"] == pytest.approx(np.exp(3.0))
     assert "eval_loss" not in rows[4] and "grad_norm" in rows[3]
-    assert summary["eval"]["step"] == 8 and summary["eval"]["eval_loss"] == 2.0
+    assert summary["eval"]["step"] == 8 and summary["eval"]["eval_loss"] == 8.0
 
 
 def test_held_out_samples_are_never_trained_on(tmp_path):

@@ -191,16 +191,25 @@ class MegatronEngine:
         self.fb = get_forward_backward_func()
 
     def _forward_step(self, step: int):
-        faults = self.faults
+        from primus.core.data.sft import IGNORE_INDEX
 
-        if self.cfg.train.objective == "sft":
-            return self._masked_forward_step(step)
+        faults = self.faults
+        # Fine-tuning: labels of context tokens are IGNORE_INDEX (primus.core.data.sft), and megatron runs in its
+        # per-token loss mode (``calculate_per_token_loss``, set at build): each micro-batch returns its masked loss
+        # sum and trainable-token count, and megatron scales the gradients by the global count.
+        masked = self.cfg.train.objective == "sft"
 
         def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
             tokens, labels = next(data_iterator)
-            losses = model_chunk(tokens, None, None, labels=labels)
+            mask = labels != IGNORE_INDEX if masked else None
+            target = labels if mask is None else torch.where(mask, labels, torch.zeros_like(labels))
+            losses = model_chunk(tokens, None, None, labels=target)
 
-            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            def loss_func(output: torch.Tensor) -> tuple:
+                if mask is not None:
+                    total = faults.poison_loss(step, (output.float() * mask).sum())
+                    n = mask.sum().to(torch.int)
+                    return total, n, {"lm loss": torch.stack([total.detach(), n.to(total.dtype)])}
                 # Every micro-batch holds the same number of tokens (packed, unmasked), so megatron's
                 # mean over micro-batches and DP ranks of per-micro-batch means is the per-token mean
                 # of the global batch, without the extra gradient-scaling pass of per-token mode.
@@ -208,29 +217,6 @@ class MegatronEngine:
                 n = float(output.numel())
                 # full_like, not new_tensor: a host scalar copied to the GPU would sync mid-step
                 return total / n, {"lm loss": torch.stack([total.detach(), torch.full_like(total.detach(), n)])}
-
-            return losses, loss_func
-
-        return forward_step
-
-    def _masked_forward_step(self, step: int):
-        """Fine-tuning: labels of context tokens are IGNORE_INDEX (primus.core.data.sft). megatron's per-token loss
-        mode (``calculate_per_token_loss``, set at build): each micro-batch returns its masked loss sum and
-        trainable-token count; megatron scales the gradients by the global count."""
-        from primus.core.data.sft import IGNORE_INDEX
-
-        faults = self.faults
-
-        def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
-            tokens, labels = next(data_iterator)
-            mask = labels != IGNORE_INDEX
-            losses = model_chunk(tokens, None, None, labels=torch.where(mask, labels, torch.zeros_like(labels)))
-
-            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-                total = faults.poison_loss(step, (output.float() * mask).sum())
-                n = mask.sum().to(torch.int)
-                report = torch.stack([total.detach(), n.to(total.dtype)])
-                return total, n, {"lm loss": report}
 
             return losses, loss_func
 
@@ -255,20 +241,26 @@ class MegatronEngine:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         set_lr(self.optimizer, lr, t.optimizer.weight_decay)
-        iters: Any = [iter(self.batches.micro_batches(step - 1)) for _ in self.model]
-        reduced = self.fb(
+        reduced = self._schedule(lambda: self.batches.micro_batches(step - 1), step, forward_only=False)
+        loss = self._global_loss(self._loss_sums(reduced))
+        # with the loss and (inside the optimizer step) the grad norm known, before the update
+        applied, grad_norm = self.mc.optimizer_step(self.optimizer, lambda norm: gate(loss, norm))
+        return StepResult(loss=loss, grad_norm=float(grad_norm) if grad_norm is not None else None, applied=applied)
+
+    def _schedule(self, micro_batches: Any, step: int, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        """megatron's forward(-backward) schedule over one global batch (``micro_batches()``: this rank's, one
+        iterator per model chunk)."""
+        t = self.cfg.train
+        iters: Any = [iter(micro_batches()) for _ in self.model]
+        return self.fb(
             forward_step_func=self._forward_step(step),
             data_iterator=_one_or_list(iters),
             model=_one_or_list(self.model),
             num_microbatches=self.num_micro,
             seq_length=t.seq_len,
             micro_batch_size=t.micro_batch_size,
-            forward_only=False,
+            forward_only=forward_only,
         )
-        loss = self._global_loss(self._loss_sums(reduced))
-        # with the loss and (inside the optimizer step) the grad norm known, before the update
-        applied, grad_norm = self.mc.optimizer_step(self.optimizer, lambda norm: gate(loss, norm))
-        return StepResult(loss=loss, grad_norm=float(grad_norm) if grad_norm is not None else None, applied=applied)
 
     def evaluate(self, samples: Any, batches: int) -> float:
         """Forward only through megatron's schedule (``forward_only=True``: its no-pipelining or pipelined
@@ -277,7 +269,7 @@ class MegatronEngine:
         from primus.megatron.data import Batches
         from primus.megatron.dist import ranks
 
-        t, r = self.cfg.train, ranks()
+        r = ranks()
         loader = Batches(samples, self.cfg, r["dp"], r["dp_size"], torch.cuda.current_device(), shuffle=False)
         stats = torch.zeros(2, dtype=torch.float64, device=torch.cuda.current_device())
         for m in self.model:
@@ -285,17 +277,7 @@ class MegatronEngine:
         try:
             with torch.no_grad():
                 for b in range(batches):
-                    iters: Any = [iter(loader.micro_batches(b)) for _ in self.model]
-                    reduced = self.fb(
-                        forward_step_func=self._forward_step(0),
-                        data_iterator=_one_or_list(iters),
-                        model=_one_or_list(self.model),
-                        num_microbatches=self.num_micro,
-                        seq_length=t.seq_len,
-                        micro_batch_size=t.micro_batch_size,
-                        forward_only=True,
-                    )
-                    stats += self._loss_sums(reduced)
+                    stats += self._loss_sums(self._schedule(lambda b=b: loader.micro_batches(b), 0, forward_only=True))
         finally:
             for m in self.model:
                 m.train()

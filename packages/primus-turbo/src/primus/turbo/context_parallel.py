@@ -38,6 +38,7 @@ contract for a sequence shard, which a backend calls when ``parallel.cp > 1``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -467,27 +468,10 @@ def attention(
     return _ContextParallelAttention.apply(q, k, v, None, 1, 0, causal, scale, "ring").transpose(1, 2)
 
 
-def context_parallel_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group: dist.ProcessGroup | None,
-    causal: bool = True,
-    scale: float | None = None,
-    variant: str = "ring",
-) -> torch.Tensor:
-    """:func:`ring_attention` in core's layout: q ``[b, h, s_local, d]``, k/v ``[b, h_kv, s_local, d]``."""
-    out = ring_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        group=group,
-        causal=causal,
-        scale=scale,
-        variant=variant,
-    )
-    return out.transpose(1, 2)
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
+    """:func:`ring_attention` (the same keyword ``options``: group, causal, scale, variant) in core's layout:
+    q ``[b, h, s_local, d]``, k/v ``[b, h_kv, s_local, d]``."""
+    return ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options).transpose(1, 2)
 
 
 # what the provider's "context_parallel" feature promises: this attribute on its impl
