@@ -48,10 +48,3 @@ def evaluate(engine: Any, samples: Any, batches: int) -> dict[str, float]:
 def due(cfg: PrimusConfig, step: int) -> bool:
     n = cfg.eval.interval
     return bool(n) and (step % n == 0 or step == cfg.train.steps)
-
-
-def samples_of(cfg: PrimusConfig) -> Any:
-    """The run's evaluation samples (None without evaluation data); refused, naming the keys, if too few."""
-    from primus.core.data.splits import eval_samples
-
-    return eval_samples(cfg)

@@ -98,8 +98,8 @@ Gate = Callable[[float, "float | None"], bool]
 class Engine(Protocol):
     """A backend's adapter: its engine's native objects behind the calls core's loop makes.
 
-    ``evaluate`` is optional (an engine without it cannot run with evaluation); two optional attributes: ``summary`` (a dict the run's summary takes over, e.g. which kernels the engine
-    applied) and ``finished`` (set at build by an engine whose whole job was done then, e.g. a seed checkpoint
+    ``evaluate`` is optional (an engine without it cannot run with evaluation); two optional attributes:
+    ``summary`` (a dict the run's summary takes over, e.g. which kernels the engine applied) and ``finished`` (set at build by an engine whose whole job was done then, e.g. a seed checkpoint
     written: its summary; the loop then runs no step)."""
 
     model_parts: list[Any]  # the model modules on this rank (one per pipeline chunk)
@@ -237,7 +237,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
     checkpoints = _Checkpoints(cfg, ctx, spec.dist or spec.name)
     if cfg.checkpoint.enabled and not ctx.resume:
         checkpoints.refuse_earlier_run()
-    eval_data = evaluation.samples_of(cfg) if cfg.eval.interval else None
+    eval_data = ctx.eval_samples if cfg.eval.interval else None
     engine: Engine = load_ref(spec.engine)(cfg, ctx)
     checkpoints.engine = engine
     try:
@@ -323,7 +323,7 @@ def evaluate_checkpoint(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, f
     from primus.core import evaluation
     from primus.core.protocols import load_ref
 
-    samples = evaluation.samples_of(cfg)
+    samples = ctx.eval_samples
     if samples is None:
         raise UserError("primus eval needs evaluation data: set eval.holdout (as in training) or eval.source")
     # the checkpoint, or a root's newest, that verifies (sizes and checksums; every rank reads every file once)

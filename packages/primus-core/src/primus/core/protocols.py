@@ -177,6 +177,7 @@ class RunContext:
     kernels: dict[str, KernelProvider] = field(default_factory=dict)
     resume: bool = False
     config: Any = None  # the validated PrimusConfig, for the hooks that take it
+    eval_samples: Any = None  # the evaluation samples, built once before the run folder (primus.core.evaluation)
 
     def model_ready(self, model_parts: list[Any]) -> None:
         self.hooks.primus_on_model_ready(config=self.config, model_parts=list(model_parts), info=self.info)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from primus.core.launch_env import SITE_SPECIFIC, defaults
+from primus.core.stop import TORCHRUN_SIGNALS
 
 
 @dataclass
@@ -88,7 +89,7 @@ def script(job: SlurmJob) -> str:
             'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             "export PRIMUS_LAUNCHED=1",
             "# torchrun forwards SIGUSR1 to the workers and gives them this long to save before it kills them",
-            "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            f"export PET_SIGNALS_TO_HANDLE={TORCHRUN_SIGNALS}",
             f"export PET_SHUTDOWN_TIMEOUT=${{PET_SHUTDOWN_TIMEOUT:-{job.signal_grace_s}}}",
             "requeue=0",
             "trap 'requeue=1; kill -USR1 \"$srun_pid\" 2>/dev/null' USR1  # the time limit is near",

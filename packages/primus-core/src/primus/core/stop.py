@@ -20,6 +20,9 @@ log = logging.getLogger("primus.stop")
 #: (EX_TEMPFAIL: try again later — the same command with ``checkpoint.resume: auto`` continues it).
 PREEMPTED_EXIT = 75
 SIGNALS = ("SIGTERM", "SIGUSR1")
+#: What torchrun must handle and forward to its workers (its option ``--signals-to-handle``): its own defaults and
+#: the stop signals.
+TORCHRUN_SIGNALS = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *SIGNALS]))
 _stopped_early = False  # set once this process's run has stopped early (read by exit_code)
 
 

@@ -27,6 +27,7 @@ from primus.core.plugins import Registry, get_registry
 from primus.core.presets import resolver
 from primus.core.protocols import RunContext, RunInfo
 from primus.core.rundir import output_dir
+from primus.core.stop import TORCHRUN_SIGNALS
 
 log = logging.getLogger("primus.train")
 
@@ -115,16 +116,20 @@ def _empty_dir(path: Path) -> bool:
     return path.is_dir() and not any(path.iterdir())
 
 
-def rank_context(res: Resolved, resume: bool = False, write_config: bool = True) -> tuple[PrimusConfig, RunContext]:
-    """This rank's side of a run before the engine: data refusals (before anything is written), kernels, the
-    run's facts (:class:`RunInfo`), the run folder with its ``config.yaml`` (``write_config``)."""
+def rank_context(
+    res: Resolved, resume: bool = False, write_config: bool = True, evaluate: bool = False
+) -> tuple[PrimusConfig, RunContext]:
+    """This rank's side of a run before the engine: data refusals (before anything is written), the evaluation
+    samples (with ``eval.interval`` or ``evaluate``), kernels, the run's facts (:class:`RunInfo`), the run folder
+    with its ``config.yaml`` (``write_config``)."""
     from primus.core.data.checks import check_data
 
     check_data(res.config)  # every data refusal comes before anything is written (the run folder included)
-    if res.config.eval.interval:
-        from primus.core.evaluation import samples_of
+    eval_samples = None
+    if evaluate or res.config.eval.interval:
+        from primus.core.data.splits import eval_samples as build_eval_samples
 
-        samples_of(res.config)  # too few evaluation samples: refused now (the token stream stays cached)
+        eval_samples = build_eval_samples(res.config)  # too few: refused now, before the run folder
 
     from primus.core.kernels import detect_device, select_kernels
     from primus.core.metrics import peak_flops
@@ -166,7 +171,14 @@ def rank_context(res: Resolved, resume: bool = False, write_config: bool = True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         log.info("kernels: %s", ", ".join(f"{op}={name}" for op, name in info.kernels.items()))
     hooks = registry.pm.hook
-    ctx = RunContext(info=info, hooks=hooks, kernels=kernels, resume=bool(resume or cfg.checkpoint.resume), config=cfg)
+    ctx = RunContext(
+        info=info,
+        hooks=hooks,
+        kernels=kernels,
+        resume=bool(resume or cfg.checkpoint.resume),
+        config=cfg,
+        eval_samples=eval_samples,
+    )
     return cfg, ctx
 
 
@@ -199,7 +211,7 @@ def eval_rank(res: Resolved, checkpoint: Path) -> dict[str, Any]:
     from primus.core.errors import UserError
     from primus.core.loop import evaluate_checkpoint
 
-    cfg, ctx = rank_context(res, write_config=False)
+    cfg, ctx = rank_context(res, write_config=False, evaluate=True)
     backend = res.registry.backends[cfg.backend.name]
     if backend.engine is None:
         raise UserError(f"backend {cfg.backend.name!r} has no engine adapter: primus eval needs one")
@@ -225,7 +237,7 @@ def torchrun_command(
 
 #: torchrun forwards these to its workers (SIGUSR1: what Slurm sends before a time limit or preemption) and waits
 #: this long for them to commit their checkpoint before it kills them (torchrun reads its options from PET_*).
-TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "PET_SHUTDOWN_TIMEOUT": "600"}
+TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS, "PET_SHUTDOWN_TIMEOUT": "600"}
 
 
 #: torchrun's own report that a worker exited with code 2: a refusal the worker has already printed as one line.

@@ -29,14 +29,14 @@ SAMPLE_TOKENS = 1 << 20
 def check_data(cfg: PrimusConfig) -> None:
     """Raise the :class:`DataError` (exit 2, naming the key or file) that ``cfg``'s data would give at run time.
 
-    Checked, for ``data`` (each source of ``data.blend``) and for the evaluation inputs of ``eval.source`` / ``eval.paths``: every input exists and
-    has a known format; each text file's first document reads (UTF-8, valid JSON, a string under
+    Checked, for ``data`` (each source of ``data.blend``) and for the evaluation inputs of ``eval.source`` /
+    ``eval.paths``: every input exists and has a known format; each text file's first document reads (UTF-8, valid JSON, a string under
     ``data.text_key``); the inputs hold at least one document; each Megatron pair has a sound index and its first
     tokens fit ``model.vocab_size``; the tokenizer loads, has an end-of-document token and fits
     ``model.vocab_size`` where the text is tokenized; a tokenizer named in ``data.tokenizer`` loads even where the
     source is already tokens (engines read its end-of-document id).
     """
-    from primus.core.data.splits import blend_configs
+    from primus.core.data.splits import blend_configs, eval_source
 
     sources = [b.path for b in cfg.data.blend] or [cfg.data.source]
     if cfg.train.objective == "sft" and {"bundled", "mock"} & set(sources):
@@ -46,8 +46,7 @@ def check_data(cfg: PrimusConfig) -> None:
         )
     for data, key, paths_key in blend_configs(cfg):
         _check_inputs(data, cfg.model.vocab_size, key, paths_key, cfg.train.objective)
-    if cfg.eval.source is not None:
-        data = cfg.data.model_copy(update={"source": cfg.eval.source, "paths": list(cfg.eval.paths)})
+    if (data := eval_source(cfg)) is not None:
         _check_inputs(data, cfg.model.vocab_size, "eval.source", "eval.paths")
 
 

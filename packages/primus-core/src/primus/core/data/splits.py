@@ -15,6 +15,7 @@ samples ``[b·G, (b+1)·G)`` with ``G = train.global_batch_size``, data-parallel
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -23,7 +24,7 @@ import numpy as np
 from primus.core.config.schema import PrimusConfig
 from primus.core.data.errors import DataError
 from primus.core.data.packed import PackedDataset
-from primus.core.data.sources import load_token_stream
+from primus.core.data.sources import _fingerprint, load_token_stream, source_inputs
 
 # mixed into the seed so that the held-out draw is independent of the training order drawn from the same seed
 _HOLDOUT_STREAM = 0x45564C  # "EVL"
@@ -81,6 +82,12 @@ def blend_configs(cfg: PrimusConfig) -> list[tuple[Any, str, str]]:
     ]
 
 
+def eval_source(cfg: PrimusConfig) -> Any:
+    """The data section of ``eval.source`` / ``eval.paths`` (read like ``data``), None without an eval.source."""
+    e = cfg.eval
+    return None if e.source is None else cfg.data.model_copy(update={"source": e.source, "paths": list(e.paths)})
+
+
 def holdout_ids(n: int, fraction: float, seed: int) -> np.ndarray:
     """The sorted ids of the ``ceil(fraction × n)`` samples held out of ``n``, drawn from ``seed``."""
     count = math.ceil(fraction * n)
@@ -98,13 +105,30 @@ def _packed(cfg: PrimusConfig, data: Any, tokenizer: Any) -> Any:
     return PackedDataset(tokens, cfg.train.seq_len)
 
 
+# The last training samples built in this process (keyed by the data config and its files' sizes and times): a run
+# builds them for its training and again for its held-out evaluation; fine-tuning records are encoded in memory (no
+# disk cache), so the second build would encode them again.
+_built: dict[str, Any] = {}
+
+
 def _all_training(cfg: PrimusConfig, tokenizer: Any) -> Any:
     """The packed samples of ``data``, or the blend of ``data.blend``'s sources (before any holdout)."""
+    t = cfg.train
+    files = [_fingerprint(item) for data, _, _ in blend_configs(cfg) for item in source_inputs(data)]
+    key = json.dumps([cfg.data.model_dump(mode="json"), files, t.seq_len, t.seed, t.objective, cfg.model.vocab_size])
+    if key not in _built:
+        _built.clear()
+        _built[key] = _build_training(cfg, tokenizer)
+    return _built[key]
+
+
+def _build_training(cfg: PrimusConfig, tokenizer: Any) -> Any:
     if not cfg.data.blend:
         return _packed(cfg, cfg.data, tokenizer)
-    parts = [_packed(cfg, data, tokenizer) for data, _, _ in blend_configs(cfg)]
-    for part, (_, key, _) in zip(parts, blend_configs(cfg), strict=True):
-        if not len(part):
+    parts = []
+    for data, key, _ in blend_configs(cfg):
+        parts.append(_packed(cfg, data, tokenizer))
+        if not len(parts[-1]):
             raise DataError(f"{key}: holds no complete sample of train.seq_len + 1 tokens")
     return Blend(parts, [b.weight for b in cfg.data.blend], cfg.train.seed)
 
@@ -124,8 +148,7 @@ def eval_samples(cfg: PrimusConfig, tokenizer: Any = None) -> Any:
     smaller than ``eval.batches`` global batches."""
     e = cfg.eval
     if e.source is not None:
-        data = cfg.data.model_copy(update={"source": e.source, "paths": list(e.paths)})
-        samples: Any = _packed(cfg, data, tokenizer)
+        samples: Any = _packed(cfg, eval_source(cfg), tokenizer)
         where = f"eval.source {e.source!r} holds"
     elif e.holdout:
         packed = _all_training(cfg, tokenizer)
