@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -56,3 +58,21 @@ def test_sft_needs_jsonl_records():
     cfg = resolve("tiny-llama", ["train.objective=sft"], world_size=1, check_plugins=False).config
     with pytest.raises(DataError, match="train.objective sft trains on .jsonl records"):
         check_data(cfg)
+
+
+def test_fine_tuning_evaluation_data_is_checked_as_records(tmp_path):
+    """eval.source of a fine-tuning run holds records like data.source (not documents under data.text_key)."""
+    from primus.core.data.checks import check_data
+    from primus.core.train import resolve
+
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text(json.dumps({"prompt": "Q:", "completion": " A"}) + "\n")
+    overrides = [
+        "train.objective=sft",
+        f"data.source={tmp_path / 'train.jsonl'}",
+        f"eval.source={tmp_path / 'eval.jsonl'}",
+    ]
+    check_data(resolve("tiny-llama", overrides, world_size=1, check_plugins=False).config)
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "Q:"}) + "\n")
+    with pytest.raises(DataError, match="string 'prompt' and 'completion'"):
+        check_data(resolve("tiny-llama", overrides, world_size=1, check_plugins=False).config)

@@ -47,7 +47,7 @@ def check_data(cfg: PrimusConfig) -> None:
     for data, key, paths_key in blend_configs(cfg):
         _check_inputs(data, cfg.model.vocab_size, key, paths_key, cfg.train.objective)
     if (data := eval_source(cfg)) is not None:
-        _check_inputs(data, cfg.model.vocab_size, "eval.source", "eval.paths")
+        _check_inputs(data, cfg.model.vocab_size, "eval.source", "eval.paths", cfg.train.objective)
 
 
 def check_first_record(item: Any, data: DataConfig) -> bool:
