@@ -34,7 +34,7 @@ def targets() -> list[tuple[str, str, int, int]]:
 
 @pytest.mark.parametrize(("name", "gpu", "nodes", "gpn"), targets())
 def test_recipe_is_valid_and_fits_its_gpu(name, gpu, nodes, gpn):
-    cfg = resolve(name, [], world_size=nodes * gpn, check_plugins=False).config  # the backends may be absent
+    cfg = resolve(name, [], world_size=nodes * gpn).config  # with its backend's validation (all installed here)
     need = estimate_memory(cfg, nodes * gpn).total
     have = device(gpu).memory_gib * GIB
     assert need <= have, f"{name}: {need / GIB:.1f} GiB estimated on a {have / GIB:.0f} GiB {gpu}"

@@ -406,3 +406,26 @@ def test_fp8_linears_override_megatrons_forward_impl():
         layers.ColumnParallelLinear.forward
     )
     assert "self.allreduce_dgrad = (" in inspect.getsource(layers.ColumnParallelLinear.__init__)
+
+
+def test_fsdp2_wrapper_gaps_still_there():
+    """fsdp.FSDP2's two methods: 0.16's finalize_model_grads passes force_all_reduce to finish_grad_sync, which the
+    FSDP2 wrapper's base class does not take, and its scale_gradients does nothing."""
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    assert "finish_grad_sync(force_all_reduce=force_all_reduce)" in inspect.getsource(finalize_model_grads)
+    assert "force_all_reduce" not in inspect.signature(_BaseDataParallel.finish_grad_sync).parameters
+    body = ast.parse(textwrap.dedent(inspect.getsource(_BaseDataParallel.scale_gradients))).body[0].body
+    assert [type(node) for node in body] == [ast.Expr, ast.Pass]  # docstring, pass
+
+
+def test_fsdp2_optimizer_ids_still_by_to_local():
+    """fsdp.optimizer_param_ids: megatron keys optimizer parameters by id(to_local_if_dtensor(param)), and torch's
+    DTensor.to_local() of a parameter returns a fresh view (not the _local_tensor the sharded tensors hold)."""
+    from megatron.core.dist_checkpointing import optimizer as optim_ckpt
+    from torch.distributed.tensor import DTensor
+
+    assert "id(param)" in inspect.getsource(optim_ckpt.get_optim_param_to_id_map)
+    assert "to_local_if_dtensor(param)" in inspect.getsource(optim_ckpt.get_optim_param_to_id_map)
+    assert "result.view_as(result)" in inspect.getsource(DTensor.to_local)

@@ -56,7 +56,12 @@ def test_megatron_asserts_cuda_tensor_types():
 CHECK = textwrap.dedent("""
     import torch
     from primus.megatron.cpu import redirect_to_cpu
-    assert redirect_to_cpu() == ["current_device", "rng", "streams", "device_literals"]
+    assert redirect_to_cpu() == ["current_device", "device_mesh", "rng", "streams", "device_literals"]
+    from torch.distributed.device_mesh import DeviceMesh
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    assert DeviceMesh.from_group(dist.group.WORLD, "cuda").device_type == "cpu"  # megatron's FSDP2 mesh
+    dist.destroy_process_group()
     assert torch.cuda.current_device() == "cpu"
     x = torch.zeros(3, device="cuda")
     assert x.device.type == "cpu" and x.cuda() is x and x.to("cuda").device.type == "cpu"
@@ -87,3 +92,12 @@ CHECK = textwrap.dedent("""
 def test_patches_redirect_cuda_to_cpu():
     proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_megatron_fsdp2_builds_a_cuda_mesh():
+    """TorchFullyShardedDataParallel names the device "cuda" for its mesh (cpu.PATCHES["device_mesh"])."""
+    import inspect
+
+    from megatron.core.distributed import TorchFullyShardedDataParallel
+
+    assert 'DeviceMesh.from_group(self.process_group, "cuda")' in inspect.getsource(TorchFullyShardedDataParallel)

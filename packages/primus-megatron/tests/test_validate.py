@@ -23,6 +23,8 @@ def test_tiny_config_is_accepted():
     res = resolve(TINY, [], world_size=4)
     assert res.config.backend.name == "megatron"
     assert validate(res.config, world_size=4) == []
+    fsdp = ["parallel.fsdp=true", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=full"]
+    assert validate(resolve(TINY, fsdp, world_size=4).config, world_size=4) == []
 
 
 def test_profiling_health_and_fault_injection_are_accepted():
@@ -49,7 +51,13 @@ def test_profiling_health_and_fault_injection_are_accepted():
             "swaps activations",
         ),
         (["parallel.pp=3"], 3, "model.num_layers", "do not split evenly"),
-        (["backend.extra.fsdp=true"], 2, "backend.extra.fsdp", "gradient norm"),
+        (["backend.extra.fsdp=true"], 2, "backend.extra.fsdp", "parallel.fsdp: true"),
+        (["parallel.fsdp=true", "parallel.dp_replicate=2", "parallel.dp_shard=2"], 4, "parallel.dp_replicate", "HSDP"),
+        (["parallel.fsdp=true", "parallel.overlap_param_gather=true"], 2, "parallel.overlap_param_gather", "prefetch"),
+        (["parallel.fsdp=true", "kernels.fp8=tensorwise"], 2, "kernels.fp8", "FSDP2-sharded"),
+        (["parallel.fsdp=true", "train.global_batch_size=6"], 3, "parallel.dp_shard", "even dp_shard"),
+        (["parallel.fsdp=true", "model.ffn_hidden_size=353"], 4, "model.ffn_hidden_size", "706 rows"),
+        (["parallel.fsdp=true", "parallel.distributed_optimizer=true"], 2, "parallel.distributed_optimizer", "already"),
         (["parallel.overlap_param_gather=true"], 1, "parallel.overlap_param_gather", "distributed_optimizer"),
         (
             ["parallel.recompute=full", "parallel.recompute_method=block", "parallel.recompute_layers=5"],

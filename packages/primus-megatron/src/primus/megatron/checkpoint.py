@@ -39,7 +39,44 @@ def manifest(cfg: PrimusConfig, step: int, layout: dict[str, int]) -> dict[str, 
 
 
 def model_sharded_state_dict(chunk: Any) -> dict:
-    return chunk.sharded_state_dict()
+    sd = chunk.sharded_state_dict()
+    if _fsdp2(chunk):
+        _fsdp2_swiglu(sd)
+    return sd
+
+
+def _fsdp2(chunk: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in chunk.parameters())
+
+
+def _fsdp2_swiglu(sd: dict) -> None:
+    """FSDP2's rows of the SwiGLU fc1 weight as one regular shard of megatron's checkpoint tensor.
+
+    megatron saves fc1 (the TP-local ``[gate_t; up_t]``) as its two halves, at the places of gate and up in the global
+    ``[gate_0 .. gate_tp-1; up_0 .. up_tp-1]`` (``mlp.apply_swiglu_sharded_factory``). Under FSDP2 a rank holds rows
+    ``d`` of ``dp`` of the TP-local tensor, not both halves, and the factory would save its two quarters in the wrong
+    places (a checkpoint only the same layout reads back). With dp even, rank ``d``'s rows lie in one half ``h`` =
+    d // (dp/2), sub-piece s = d % (dp/2): piece h·tp·dp/2 + t·dp/2 + s of tp·dp in the global tensor
+    (validate.py refuses odd dp_shard with parallel.fsdp on this backend)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    tp, t = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    half = dp // 2
+    for key, value in sd.items():
+        if isinstance(value, dict):
+            _fsdp2_swiglu(value)
+        elif isinstance(value, ShardedTensorFactory) and value.key.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+            built = value.build()[0]
+            n = built.prepend_axis_num
+            prepend = [(i, built.global_offset[i], built.global_shape[i]) for i in range(n)]
+            piece = (d // half) * tp * half + t * half + d % half
+            sd[key] = ShardedTensor.from_rank_offsets(
+                value.key, value.data, *prepend, (n, piece, tp * dp), replica_id=value.replica_id, prepend_axis_num=n
+            )
 
 
 def optimizer_sharded_state_dict(optimizer: Any, model_sd: dict, is_loading: bool) -> dict:
@@ -116,9 +153,14 @@ def read(folder: Path, chunks: list[Any], optimizer: Any) -> None:
     sd = {"model": model_sd, "optimizer": optimizer_sharded_state_dict(optimizer, model_sd, is_loading=True)}
     state = dist_checkpointing.load(sd, str(folder))
     for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state["model"][f"chunk{i}"])
+        if not _fsdp2(chunk):  # FSDP2: dist_checkpointing loaded each rank's shards into its parameters in place
+            chunk.load_state_dict(state["model"][f"chunk{i}"])
     with torch.no_grad():  # the distributed optimizer copies into (views of) leaf parameters
         optimizer.load_state_dict(state["optimizer"])
+    if any(_fsdp2(c) for c in chunks):
+        from primus.megatron.fsdp import optimizer_state_as_dtensors
+
+        optimizer_state_as_dtensors(optimizer)
     compat.restore_adam_step(optimizer, state["optimizer"])
 
 

@@ -73,8 +73,23 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_spec_slots_the_backend_fills",
     ),
     Patch(
-        "cpu.redirect_to_cpu (cpu.PATCHES: current_device, rng, streams, device_literals)",
-        "torch.cuda.current_device / set_device / device_count, the torch.cuda RNG functions, megatron's "
+        "fsdp.FSDP2 (finish_grad_sync, scale_gradients)",
+        "a subclass of TorchFullyShardedDataParallel overriding two methods of its base _BaseDataParallel",
+        "0.16's finalize_model_grads passes force_all_reduce, which the base finish_grad_sync does not take; the base "
+        "scale_gradients is a no-op, and fine-tuning's per-token loss scales the gradients by 1 / tokens",
+        "test_compat.py::test_fsdp2_wrapper_gaps_still_there",
+    ),
+    Patch(
+        "fsdp.optimizer_param_ids",
+        "the module global megatron.core.dist_checkpointing.optimizer.get_optim_param_to_id_map",
+        "megatron matches optimizer parameters to the model's sharded tensors by id(to_local()); torch 2.13's "
+        "DTensor.to_local() of a parameter is a fresh view, so an FSDP2 optimizer could not be saved",
+        "test_compat.py::test_fsdp2_optimizer_ids_still_by_to_local",
+    ),
+    Patch(
+        "cpu.redirect_to_cpu (cpu.PATCHES: current_device, device_mesh, rng, streams, device_literals)",
+        "torch.cuda.current_device / set_device / device_count, DeviceMesh.from_group's 'cuda' (FSDP2's mesh), "
+        "the torch.cuda RNG functions, megatron's "
         "tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state, torch.cuda streams, events and "
         "synchronize, and a process-wide TorchFunctionMode for device='cuda' and CUDA tensor types (CPU only)",
         "megatron-core assumes CUDA throughout",
@@ -82,7 +97,8 @@ PATCHES: tuple[Patch, ...] = (
         "test_cpu_redirect.py::test_megatron_rng_tracker_uses_cuda_rng, "
         "test_cpu_redirect.py::test_megatron_uses_streams_and_synchronize, "
         "test_cpu_redirect.py::test_megatron_asserts_cuda_tensor_types, "
-        "test_cpu_redirect.py::test_patches_redirect_cuda_to_cpu",
+        "test_cpu_redirect.py::test_patches_redirect_cuda_to_cpu, "
+        "test_cpu_redirect.py::test_megatron_fsdp2_builds_a_cuda_mesh",
     ),
     Patch(
         "gpt.FusedLossGPTModel._postprocess (gpt.fuse_loss)",

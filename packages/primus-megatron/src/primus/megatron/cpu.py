@@ -143,7 +143,25 @@ def _device_literals() -> None:
     _mode.__enter__()  # stays active for the life of the process (only ever on CPU-only machines)
 
 
-PATCHES = {"current_device": _current_device, "rng": _rng, "streams": _streams, "device_literals": _device_literals}
+def _device_mesh() -> None:
+    # TorchFullyShardedDataParallel (FSDP2 under megatron) builds its mesh as DeviceMesh.from_group(group, "cuda").
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from_group = DeviceMesh.from_group
+
+    def cpu_from_group(group, device_type, *args, **kwargs):
+        return from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    DeviceMesh.from_group = staticmethod(cpu_from_group)
+
+
+PATCHES = {
+    "current_device": _current_device,
+    "device_mesh": _device_mesh,
+    "rng": _rng,
+    "streams": _streams,
+    "device_literals": _device_literals,
+}
 
 
 def redirect_to_cpu() -> list[str]:

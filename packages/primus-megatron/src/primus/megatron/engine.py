@@ -1,7 +1,8 @@
 """The Megatron-Core backend's adapter for core's training loop (:mod:`primus.core.loop`).
 
 ``build(cfg, ctx)`` makes megatron's own objects on this rank: process groups -> model chunks (kernel layer
-spec) -> [HF / seed weights] -> Float16Module -> megatron DDP -> megatron optimizer (+ distributed optimizer).
+spec) -> [HF / seed weights] -> Float16Module -> megatron DDP, or FSDP2 (:mod:`.fsdp`) -> megatron optimizer (+
+distributed optimizer).
 :meth:`MegatronEngine.train_step` runs ``get_forward_backward_func`` over the micro-batches of one global batch,
 then the optimizer step with core's health gate between megatron's grad norm and the update
 (:func:`primus.megatron.compat.optimizer_step`). Steps, the learning rate, metrics, checkpoints and resume are
@@ -27,10 +28,18 @@ from primus.megatron.dist import init_distributed, teardown
 log = logging.getLogger("primus.megatron")
 
 
-def _sharded_optimizer(cfg: PrimusConfig) -> bool:
-    """dp_shard > 1 (the default split of a multi-rank world) shards the optimizer state."""
+def fully_sharded(cfg: PrimusConfig) -> bool:
+    """``parallel.fsdp: true`` with dp_shard > 1: PyTorch FSDP2 under megatron (TorchFullyShardedDataParallel)
+    shards parameters, gradients and optimizer state over the data-parallel ranks."""
     p = cfg.parallel
-    return p.distributed_optimizer or int(p.dp_shard) > 1
+    return p.fsdp is True and int(p.dp_shard) > 1
+
+
+def _sharded_optimizer(cfg: PrimusConfig) -> bool:
+    """dp_shard > 1 (the default split of a multi-rank world) shards the optimizer state: megatron's distributed
+    optimizer, unless FSDP2 shards it (then the regular optimizer steps each rank's shards)."""
+    p = cfg.parallel
+    return not fully_sharded(cfg) and (p.distributed_optimizer or int(p.dp_shard) > 1)
 
 
 def _optimizer_instances(cfg: PrimusConfig) -> int:
@@ -161,10 +170,16 @@ class MegatronEngine:
                 ckpt.save_seed(seed_path, chunks, self.rank, ckpt.manifest(cfg, 0, self.layout))
 
         chunks_fp = [Float16Module(config, c) for c in chunks] if t.precision in ("bf16", "fp16") else chunks
-        self.model = model = [
-            DistributedDataParallel(config, _ddp_config(cfg), c, disable_bucketing=i > 0)
-            for i, c in enumerate(chunks_fp)
-        ]
+        if fully_sharded(cfg):
+            from primus.megatron.fsdp import FSDP2
+
+            per_token = t.objective == "sft"
+            self.model = model = [FSDP2(config, _ddp_config(cfg), c, per_token) for c in chunks_fp]
+        else:
+            self.model = model = [
+                DistributedDataParallel(config, _ddp_config(cfg), c, disable_bucketing=i > 0)
+                for i, c in enumerate(chunks_fp)
+            ]
         for m in model:  # every DP rank built the same weights (same seed); make sure
             m.broadcast_params()
         self.optimizer = get_megatron_optimizer(_optimizer_config(cfg), model)

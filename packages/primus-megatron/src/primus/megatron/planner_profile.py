@@ -8,10 +8,11 @@ from primus.core.planner.profile import EngineProfile
 
 
 def dp_modes(tp: int, pp: int, dp: int) -> list[str]:
-    """DDP; with more than one replica also DDP + the distributed optimizer. No FSDP: primus-megatron does not offer
-    Megatron FSDP (validate.py refuses backend.extra.fsdp), and ``parallel.dp_shard > 1`` asks it for the distributed
-    optimizer (ZeRO-1: parameters and gradients stay whole on every replica), which the planner counts as such."""
-    return ["ddp", "ddp_distopt"] if dp > 1 else ["ddp"]
+    """DDP; with more than one replica also DDP + the distributed optimizer (ZeRO-1: ``parallel.dp_shard > 1``, the
+    default) and FSDP2 (``parallel.fsdp: true``: parameters, gradients and optimizer state sharded). Megatron's own
+    FSDP is not offered (validate.py refuses backend.extra.fsdp); the backend's validation refuses the FSDP2 layouts
+    it cannot checkpoint (odd dp, rows that do not split evenly)."""
+    return ["ddp", "ddp_distopt", "fsdp"] if dp > 1 else ["ddp"]
 
 
 def first_layers(layers_per_stage: int) -> range:
@@ -32,7 +33,10 @@ PROFILE = EngineProfile(
     master_bytes=4,
     grad_bytes=4,
     grad_comm_bytes=2,  # the step-time model sends megatron's gradients in bf16
-    fsdp_reduce_buffer_bytes=0,  # (no FSDP: see dp_modes)
+    # FSDP2 (parallel.fsdp: true): no main-grad buffer; the bf16 model's gradients, sharded, and one layer's unsharded
+    # before the reduce-scatter
+    fsdp_grad_bytes=2,
+    fsdp_reduce_buffer_bytes=2,
     autocast=False,  # the model itself is bf16: no autocast copies
     activation_scale=1.0,
     # selective recomputes only core attention, and with flash/cuDNN attention (all our providers) that saves

@@ -65,17 +65,20 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
         )
     # Data parallelism is dp_replicate × dp_shard ranks; dp_shard > 1 shards the optimizer state over
     # each group of dp_shard ranks (megatron's distributed optimizer, ZeRO-1; with dp_replicate > 1 one
-    # optimizer instance per replica). Parameters and gradients stay replicated.
+    # optimizer instance per replica), parameters and gradients replicated; with parallel.fsdp: true, FSDP2
+    # shards all three (primus.megatron.fsdp).
     shard = p.shard_size(world_size)
     if "fsdp" in cfg.backend.extra:
         refuse(
             "backend.extra.fsdp",
-            "Megatron FSDP is not offered by primus-megatron: wired to megatron-core 0.16's "
-            "FullyShardedDataParallel it trained on an H200 but reported 8.8× the DDP gradient norm from step 1, "
-            "so it is held back until that is understood; dp_shard > 1 shards the optimizer state instead",
+            "megatron-core's own FullyShardedDataParallel is not offered by primus-megatron (on an H200 it reported "
+            "8.8× the DDP gradient norm from step 1; not yet explained); PyTorch FSDP2 under megatron is",
             cfg.backend.extra["fsdp"],
+            "parallel.fsdp: true with parallel.dp_shard > 1",
         )
-    if p.overlap_param_gather and not (p.distributed_optimizer or shard > 1):
+    if p.fsdp is True and shard > 1:
+        out.extend(_fsdp_issues(cfg, shard))
+    elif p.overlap_param_gather and not (p.distributed_optimizer or shard > 1):
         refuse(
             "parallel.overlap_param_gather",
             "needs parallel.distributed_optimizer: true (parameters are "
@@ -123,4 +126,67 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
             f"unknown keys for the megatron backend: {', '.join(sorted(unknown))}",
             allowed=", ".join(sorted(EXTRA_KEYS)),
         )
+    return out
+
+
+def _fsdp_issues(cfg: PrimusConfig, dp: int) -> list[ConfigIssue]:
+    """What FSDP2 under megatron-core 0.16 (TorchFullyShardedDataParallel) cannot run, and the checkpoint layout of
+    its shards (primus.megatron.checkpoint): every sharded weight's rows split evenly over the dp ranks."""
+    m, p = cfg.model, cfg.parallel
+    out: list[ConfigIssue] = []
+    if p.dp_replicate > 1:
+        out.append(
+            ConfigIssue(
+                "parallel.dp_replicate",
+                "megatron-core 0.16's FSDP2 wrapper shards over the whole data-parallel group: no replicas (HSDP)",
+                p.dp_replicate,
+                "1 with parallel.fsdp: true",
+            )
+        )
+    if p.overlap_param_gather:
+        out.append(
+            ConfigIssue(
+                "parallel.overlap_param_gather",
+                "belongs to the distributed optimizer; FSDP2 prefetches the next layer's parameters itself",
+                True,
+                "false with parallel.fsdp: true",
+            )
+        )
+    if cfg.kernels.fp8 != "off":
+        out.append(
+            ConfigIssue(
+                "kernels.fp8",
+                "FP8 linears on FSDP2-sharded megatron weights are not wired (their scales are per full weight)",
+                cfg.kernels.fp8,
+                "off with parallel.fsdp: true",
+            )
+        )
+    rows = {
+        "model.hidden_size": m.hidden_size,
+        "model.ffn_hidden_size (SwiGLU: 2 × ffn / tp)": 2 * m.ffn_hidden_size // p.tp,
+        "model.num_attention_heads (q, k, v rows / tp)": (m.num_attention_heads + 2 * m.num_kv_heads)
+        * m.kv_channels
+        // p.tp,
+    }
+    if dp % 2:
+        out.append(
+            ConfigIssue(
+                "parallel.dp_shard",
+                "FSDP2 on megatron needs an even dp_shard: a rank's rows of the SwiGLU weight must lie in one of its "
+                "two halves for the checkpoint to place them",
+                dp,
+                "an even number",
+            )
+        )
+    for path, n in rows.items():
+        if n % dp:
+            out.append(
+                ConfigIssue(
+                    path.split(" ")[0],
+                    f"FSDP2 splits each weight's {n} rows ({path}) over dp_shard = {dp} ranks; megatron's checkpoint "
+                    "needs equal shards",
+                    n,
+                    f"a size whose rows divide by {dp}",
+                )
+            )
     return out

@@ -100,6 +100,15 @@ def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
                 allowed="false, with parallel.dp_shard > 1 (or parallel.strategy: fsdp2) to shard the state",
             )
         )
+    if p.fsdp is False and dp_shard > 1:
+        out.append(
+            ConfigIssue(
+                "parallel.fsdp",
+                "torchtitan shards data parallelism only with FSDP2 (no optimizer-only sharding)",
+                value=False,
+                allowed="true or auto with parallel.dp_shard > 1, or parallel.dp_shard: 1",
+            )
+        )
     if p.dp_replicate > 1 and dp_shard == 1 and (p.tp > 1 or p.pp > 1 or p.cp > 1):
         out.append(
             ConfigIssue(

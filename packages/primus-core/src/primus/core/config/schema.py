@@ -132,6 +132,12 @@ class ParallelConfig(Section):
     )
     cp: int = Field(1, gt=0, description="context-parallel degree")
     distributed_optimizer: bool = Field(False, description="shard optimizer state across data-parallel ranks")
+    fsdp: bool | Auto = Field(
+        "auto",
+        description="dp_shard > 1 shards parameters, gradients and optimizer state (FSDP2: true) or the optimizer "
+        "state only (false: megatron's distributed optimizer); auto = the engine's default (torchtitan FSDP2, "
+        "megatron the distributed optimizer)",
+    )
     overlap_grad_reduce: bool = Field(False, description="overlap gradient reduce with backward")
     overlap_param_gather: bool = Field(False, description="overlap parameter all-gather with forward")
     reshard_after_forward: bool = Field(True, description="FSDP: free gathered params after forward")

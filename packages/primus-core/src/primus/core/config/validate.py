@@ -129,6 +129,15 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 allowed="off (with fp8)",
             )
         )
+    if p.fsdp is True and p.distributed_optimizer:
+        out.append(
+            ConfigIssue(
+                "parallel.distributed_optimizer",
+                "parallel.fsdp: true shards the optimizer state with the parameters and gradients already",
+                value=True,
+                allowed="false with parallel.fsdp: true",
+            )
+        )
     if p.sequence_parallel and p.tp == 1:
         out.append(ConfigIssue("parallel.sequence_parallel", "needs parallel.tp > 1", value=True))
     elif p.sequence_parallel and t.seq_len % p.tp:  # every engine splits the sequence over the tp ranks

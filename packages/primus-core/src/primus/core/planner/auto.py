@@ -46,6 +46,7 @@ def to_parallel(layout: Layout) -> dict[str, Any]:
         "dp_replicate": layout.dp if layout.dp_mode != "fsdp" else 1,
         "dp_shard": layout.dp if layout.dp_mode == "fsdp" else 1,
         "distributed_optimizer": layout.dp_mode == "ddp_distopt",
+        "fsdp": layout.dp_mode == "fsdp",
         "tp": layout.tp,
         "sequence_parallel": layout.tp > 1,
         "cp": layout.cp,

@@ -230,6 +230,8 @@ def estimate(
     n = layout.dp * layout.cp  # optimizer and FSDP state are sharded over dp × cp
     mixed = precision != "fp32"
     w, g = (engine.weight_bytes if mixed else 4), engine.grad_bytes
+    if layout.dp_mode == "fsdp" and mixed and engine.fsdp_grad_bytes is not None:
+        g = engine.fsdp_grad_bytes
     o = (engine.master_bytes if mixed else 0) + ADAM_BYTES
     shard_w = shard_g = layout.dp_mode == "fsdp"
     shard_o = layout.dp_mode == "fsdp" or (layout.dp_mode == "ddp_distopt" and engine.distributed_optimizer)

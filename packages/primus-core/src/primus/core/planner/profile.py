@@ -87,6 +87,7 @@ class EngineProfile:
     weight_bytes: int = 2  # the model's weights in a mixed run (fp32 runs: 4)
     master_bytes: int = 4  # an fp32 master copy the optimizer keeps in a mixed run, besides Adam's m, v
     grad_bytes: int = 4  # the gradients (or the main-grad buffer they accumulate in)
+    fsdp_grad_bytes: int | None = None  # a mixed-precision FSDP run's gradients where they differ (None: grad_bytes)
     grad_comm_bytes: int = 4  # bytes per gradient element a data-parallel reduction sends
     fsdp_reduce_buffer_bytes: int = 0  # per parameter of one layer: FSDP's reduce-scatter buffer (0: none apart)
     # mixed precision as torch.autocast over fp32 weights where FSDP does not cast them (no FSDP, or one shard):
