@@ -65,33 +65,41 @@ def test_every_recommended_layout_runs_on_its_backend(engine):
                 assert validate_with(spec, run, 8) == [], where
                 validate_config(run.model_dump(), world_size=8, registry=registry)  # core's checks and the backend's
                 assert c.memory.total <= cluster.budget, where
-                if engine == "megatron":  # what it runs: replicated weights, the optimizer sharded at most
-                    assert c.layout.dp_mode != "fsdp" and run.parallel.dp_shard == 1, where
-                    assert "FSDP" not in c.layout.describe(), where
+                if engine == "megatron":  # what it runs: FSDP2 where the label says FSDP, else whole weights
+                    fsdp = c.layout.dp_mode == "fsdp" and c.layout.dp > 1
+                    assert run.parallel.fsdp is fsdp or not fsdp and run.parallel.dp_shard == 1, where
+                    assert ("FSDP" in c.layout.describe()) is fsdp, where
     assert planned >= len(presets)  # not vacuous: most presets have layouts on most devices
 
 
-def test_megatron_is_not_planned_with_fsdp():
-    """The planner recommended "FSDP 4, TP 2+SP" on megatron, which refuses FSDP and runs dp_shard 4 as the
-    distributed optimizer with whole weights and gradients on every replica: a layout that did not fit."""
+def test_megatron_fsdp_layouts_are_fsdp2():
+    """The planner recommended "FSDP 4, TP 2+SP" on megatron when megatron refused FSDP and ran dp_shard 4 as the
+    distributed optimizer (whole weights and gradients on every replica: a layout that did not fit). With FSDP2 under
+    megatron (parallel.fsdp: true) 70B fits one 8-GPU node, and the FSDP it recommends is the FSDP the config asks for."""
     _engine("megatron")
     one = _plan("llama3.1-70b-fsdp-recompute", "--engine", "megatron", "--device", "MI300X")
-    assert "FSDP" not in one.output and "recommended" not in one.output  # 70B does not fit one node on megatron
-    two = _plan("llama3.1-70b-fsdp-recompute", "--engine", "megatron", "--device", "MI300X", "--nodes", "2")
-    assert two.exit_code == 0, two.output
-    assert "FSDP" not in two.output and _recommended(two.output).startswith("DDP+distopt ")
+    assert one.exit_code == 0, one.output
+    assert _recommended(one.output).startswith("FSDP ") and "full recompute" in _recommended(one.output)
+    registry = get_registry()
+    res, _ = resolve_on("llama3.1-70b-fsdp-recompute", ["backend.name=megatron"], 8, registry)
+    cluster = Cluster(device("MI300X"), 1, 8, HEADROOM)
+    best = next(c for c in rank(res.config, cluster, "megatron", registry, searched_micro_batches(res)) if c.runnable)
+    assert best.layout.describe() == _recommended(one.output)
+    assert layout_config(res.config, best.layout).parallel.fsdp is True
 
 
 def test_the_405b_recipe_is_planned_on_the_cluster():
     _engine("megatron")
     seven = _plan("llama3.1-405b-tp-pp-vpp", "--device", "MI300X", "--gpus", "8", "--nodes", "7")
     assert seven.exit_code == 0, seven.output
-    assert "note: the config's own layout" not in seven.output and "TP 8+SP, PP 7" in _recommended(seven.output)
+    assert "note: the config's own layout" not in seven.output and "PP 7" in _recommended(seven.output)
+    assert "DDP 1, TP 8+SP, PP 7" in seven.output  # the recipe's own layout, ranked below FSDP2 ones
     # 64 devices: its own layout (56) does not tile them, every layout is planned; megatron splits the 126 layers
-    # evenly only, which no pipeline of 64 devices that fits does
+    # evenly only (the pipelines of 4, 8 and 16 chunks are left out, named) and shards the rest with FSDP2
     eight = _plan("llama3.1-405b-tp-pp-vpp", "--device", "MI300X", "--gpus", "8", "--nodes", "8")
     assert "world size 1" not in eight.output and "56 does not divide the world size 64" in eight.output
-    assert eight.exit_code == 4 and "megatron refuses every layout that fits: model.num_layers" in eight.output
+    assert eight.exit_code == 0 and "megatron refuses them: model.num_layers" in eight.output
+    assert _recommended(eight.output).startswith("FSDP 4, TP 8+SP, PP 2")
 
 
 def test_a_layout_inside_the_error_band_is_not_recommended():

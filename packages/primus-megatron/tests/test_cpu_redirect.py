@@ -65,6 +65,7 @@ CHECK = textwrap.dedent("""
     assert torch.cuda.current_device() == "cpu"
     x = torch.zeros(3, device="cuda")
     assert x.device.type == "cpu" and x.cuda() is x and x.to("cuda").device.type == "cpu"
+    assert torch.tensor([1, 2], device="cpu", pin_memory=True).tolist() == [1, 2]
     assert torch.ones(2).type() == "torch.cuda.FloatTensor"
     assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
     with torch.cuda.stream(torch.cuda.Stream()):
@@ -101,3 +102,13 @@ def test_megatron_fsdp2_builds_a_cuda_mesh():
     from megatron.core.distributed import TorchFullyShardedDataParallel
 
     assert 'DeviceMesh.from_group(self.process_group, "cuda")' in inspect.getsource(TorchFullyShardedDataParallel)
+
+
+def test_megatron_pins_host_memory_for_cp_rope():
+    """megatron's context-parallel RoPE builds its chunk index in pinned host memory (the device_literals patch
+    drops pin_memory on a CPU-only machine)."""
+    import inspect
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    assert "pin_memory=True" in inspect.getsource(rope_utils.get_pos_emb_on_this_cp_rank)

@@ -51,8 +51,11 @@ LAYOUTS = {
         ["parallel.pp=2", "parallel.recompute=full", "parallel.recompute_method=block", "parallel.recompute_layers=1"],
     ),
     "pp2_vpp2_interleaved": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"]),
+    # context parallelism: primus-turbo's ring attention as megatron's core attention, the sequence in 2 x cp chunks
+    "cp2": (2, ["parallel.cp=2"]),
     # 4 ranks: optimizer state sharded within each dp_shard pair, replicated across dp_replicate
     "dp_replicate2_x_dp_shard2_4ranks": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+    "tp2_sp_x_cp2_4ranks": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2"]),
     "tp2_pp2_4ranks": (
         4,
         [

@@ -41,7 +41,8 @@ def test_profiling_health_and_fault_injection_are_accepted():
 @pytest.mark.parametrize(
     ("overrides", "world", "path", "needle"),
     [
-        (["parallel.cp=2"], 2, "parallel.cp", "TEDotProductAttention"),
+        (["parallel.cp=2", "kernels.attention=sdpa"], 2, "kernels.attention", "no context_parallel feature"),
+        (["parallel.cp=2", "parallel.fsdp=true", "train.global_batch_size=8"], 4, "parallel.cp", "FSDP2 with context"),
         (["parallel.pp=2", "parallel.pp_schedule=gpipe"], 2, "parallel.pp_schedule", "no gpipe schedule"),
         (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=1f1b"], 2, "parallel.pp_schedule", "interleaved"),
         (

@@ -146,7 +146,9 @@ def rank_context(
         import torch
 
         device_name = torch.cuda.get_device_name(local_rank)
-    kernels = select_kernels(cfg.kernels, registry, device, head_dim=cfg.model.kv_channels, dtype=cfg.train.precision)
+    kernels = select_kernels(
+        cfg.kernels, registry, device, head_dim=cfg.model.kv_channels, dtype=cfg.train.precision, cp=cfg.parallel.cp
+    )
     out = output_dir(cfg)
     if cfg.train.init_from:  # a checkpoint of the other engine becomes a Hugging Face folder, once
         from primus.core.health import collective_timeout

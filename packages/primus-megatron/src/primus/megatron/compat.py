@@ -89,7 +89,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu.redirect_to_cpu (cpu.PATCHES: current_device, device_mesh, rng, streams, device_literals)",
         "torch.cuda.current_device / set_device / device_count, DeviceMesh.from_group's 'cuda' (FSDP2's mesh), "
-        "the torch.cuda RNG functions, megatron's "
+        "the torch.cuda RNG functions, pin_memory=True, megatron's "
         "tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state, torch.cuda streams, events and "
         "synchronize, and a process-wide TorchFunctionMode for device='cuda' and CUDA tensor types (CPU only)",
         "megatron-core assumes CUDA throughout",
@@ -98,7 +98,8 @@ PATCHES: tuple[Patch, ...] = (
         "test_cpu_redirect.py::test_megatron_uses_streams_and_synchronize, "
         "test_cpu_redirect.py::test_megatron_asserts_cuda_tensor_types, "
         "test_cpu_redirect.py::test_patches_redirect_cuda_to_cpu, "
-        "test_cpu_redirect.py::test_megatron_fsdp2_builds_a_cuda_mesh",
+        "test_cpu_redirect.py::test_megatron_fsdp2_builds_a_cuda_mesh, "
+        "test_cpu_redirect.py::test_megatron_pins_host_memory_for_cp_rope",
     ),
     Patch(
         "gpt.FusedLossGPTModel._postprocess (gpt.fuse_loss)",

@@ -117,8 +117,8 @@ def _is_cuda(device) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` (and ``.cuda()``) to the CPU, and answers ``tensor.type()`` with the
-    CUDA type name the optimizer and grad clipping assert on."""
+    """Rewrites ``device="cuda"`` (and ``.cuda()``) to the CPU, drops ``pin_memory=True``, and answers
+    ``tensor.type()`` with the CUDA type name the optimizer and grad clipping assert on."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -129,6 +129,8 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # page-locked host memory needs an accelerator (megatron's CP RoPE index)
+            kwargs["pin_memory"] = False
         if func in (torch.Tensor.to,) and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

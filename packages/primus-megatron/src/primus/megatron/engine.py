@@ -202,7 +202,8 @@ class MegatronEngine:
         self.num_micro = grad_accumulation_steps(cfg)
         assert self.num_micro == self.batches.num_micro, (self.num_micro, self.batches.num_micro)
         last = [stage(i if p.vpp > 1 else None)[1] for i in range(p.vpp)]
-        self.reports_loss = any(last) and r["tp"] == 0 and r["cp"] == 0
+        # every context-parallel rank holds its own tokens' losses; tp ranks hold the same ones
+        self.reports_loss = any(last) and r["tp"] == 0
         self.fb = get_forward_backward_func()
 
     def _forward_step(self, step: int):
@@ -213,9 +214,15 @@ class MegatronEngine:
         # per-token loss mode (``calculate_per_token_loss``, set at build): each micro-batch returns its masked loss
         # sum and trainable-token count, and megatron scales the gradients by the global count.
         masked = self.cfg.train.objective == "sft"
+        cp = self.cfg.parallel.cp
+        if cp > 1:
+            from megatron.core.utils import get_batch_on_this_cp_rank
 
         def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
             tokens, labels = next(data_iterator)
+            if cp > 1:  # this rank's chunks r and 2·cp-1-r of 2·cp: causal work balanced over the ranks
+                batch = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels})
+                tokens, labels = batch["tokens"], batch["labels"]
             mask = labels != IGNORE_INDEX if masked else None
             target = labels if mask is None else torch.where(mask, labels, torch.zeros_like(labels))
             losses = model_chunk(tokens, None, None, labels=target)
@@ -226,12 +233,14 @@ class MegatronEngine:
                     n = mask.sum().to(torch.int)
                     return total, n, {"lm loss": torch.stack([total.detach(), n.to(total.dtype)])}
                 # Every micro-batch holds the same number of tokens (packed, unmasked), so megatron's
-                # mean over micro-batches and DP ranks of per-micro-batch means is the per-token mean
-                # of the global batch, without the extra gradient-scaling pass of per-token mode.
+                # mean over micro-batches and DP (x CP) ranks of per-micro-batch means is the per-token mean
+                # of the global batch, without the extra gradient-scaling pass of per-token mode. The three-value
+                # return has the schedule divide by the count (its two-value form also multiplies by the CP
+                # size, for a loss that is not the mean over this rank's tokens: twice the gradient at cp 2).
                 total = faults.poison_loss(step, output.float().sum())
-                n = float(output.numel())
                 # full_like, not new_tensor: a host scalar copied to the GPU would sync mid-step
-                return total / n, {"lm loss": torch.stack([total.detach(), torch.full_like(total.detach(), n)])}
+                n = torch.full_like(total.detach(), output.numel(), dtype=torch.int)
+                return total, n, {"lm loss": torch.stack([total.detach(), n.to(total.dtype)])}
 
             return losses, loss_func
 

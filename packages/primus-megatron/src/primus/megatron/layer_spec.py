@@ -38,6 +38,8 @@ class KernelCoreAttention(MegatronModule):
 
     megatron hands over q [s, b, h/tp, d] and k, v [s, b, h_kv/tp, d] and wants [s, b, h/tp · d];
     the provider contract is q [b, h, s, d], k/v [b, h_kv, s, d] (causal, GQA without repeating K/V).
+    Under context parallelism ``s`` is this rank's two chunks of the sequence, and the provider's
+    ``context_parallel`` entry point takes the context-parallel group.
     """
 
     def __init__(
@@ -54,14 +56,22 @@ class KernelCoreAttention(MegatronModule):
         kernel: Any = "",
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("KernelCoreAttention does not implement context parallelism")
         if (attention_dropout if attention_dropout is not None else config.attention_dropout) > 0:
             raise ValueError("attention dropout is not supported by the kernel attention providers")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"only causal attention is supported, got {attn_mask_type}")
         self.attn = load_ref(kernel)
         self.softmax_scale = softmax_scale
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            # the sequence is split over the context-parallel ranks (megatron's 2 x cp chunks, see engine.py): the
+            # provider's context-parallel entry point (its "context_parallel" feature) exchanges K/V between them
+            self.attn = getattr(self.attn, "context_parallel", None)
+            if self.attn is None:
+                raise ValueError(f"attention provider {kernel} has no context-parallel entry point (cp > 1)")
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group()
 
     def forward(
         self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None
@@ -70,7 +80,8 @@ class KernelCoreAttention(MegatronModule):
             raise ValueError("packed sequences and attention bias are not supported by KernelCoreAttention")
         s, b = query.shape[0], query.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
-        out = self.attn(q, k, v, causal=True, scale=self.softmax_scale)
+        cp = {} if self.cp_group is None else {"group": self.cp_group}
+        out = self.attn(q, k, v, causal=True, scale=self.softmax_scale, **cp)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 

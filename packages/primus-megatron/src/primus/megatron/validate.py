@@ -19,13 +19,36 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     def refuse(path: str, message: str, value: object = None, allowed: str | None = None) -> None:
         out.append(ConfigIssue(path, message, value, allowed))
 
+    # Context parallelism: megatron-core 0.16 implements it only inside TEDotProductAttention (Transformer Engine);
+    # here the attention provider's context-parallel entry point does (kernel selection refuses a provider without
+    # it), over megatron's 2 × cp chunks of the sequence (core checks that seq_len splits into them).
     if p.cp > 1:
+        from primus.core.plugins import get_registry
+
+        cp_capable = [a.name for a in get_registry().providers("attention") if "context_parallel" in a.features]
+        if not cp_capable:
+            refuse(
+                "parallel.cp",
+                "needs an attention provider with the context_parallel feature (primus-turbo's ring attention); "
+                "none is installed",
+                p.cp,
+                "1, or install primus-turbo",
+            )
+        elif cfg.kernels.attention not in ("auto", *cp_capable):
+            refuse(
+                "kernels.attention",
+                f"parallel.cp = {p.cp} splits the sequence; this provider attends over the whole sequence on one "
+                "device (it has no context_parallel feature)",
+                cfg.kernels.attention,
+                ", ".join(["auto", *cp_capable]),
+            )
+    if p.cp > 1 and p.fsdp is True:
         refuse(
             "parallel.cp",
-            "megatron-core 0.16 implements context parallelism only inside TEDotProductAttention "
-            "(transformer-engine); the kernel attention of this backend does not split the sequence",
+            "FSDP2 with context parallelism is not wired on this backend (its checkpoint "
+            "layout shards over data-parallel ranks only)",
             p.cp,
-            "1",
+            "1 with parallel.fsdp: true",
         )
     if p.pp_schedule in ("gpipe", "zero_bubble"):
         refuse(
@@ -71,8 +94,10 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     if "fsdp" in cfg.backend.extra:
         refuse(
             "backend.extra.fsdp",
-            "megatron-core's own FullyShardedDataParallel is not offered by primus-megatron (on an H200 it reported "
-            "8.8× the DDP gradient norm from step 1; not yet explained); PyTorch FSDP2 under megatron is",
+            "megatron-core 0.16.1's own FullyShardedDataParallel is not offered by primus-megatron: with one rank in "
+            "its group it adds each micro-batch's reduced gradient back onto itself (2^M too large after M "
+            "micro-batches: the 8.8× grad norm seen on an H200; Megatron-LM issue 6660, fixed upstream after 0.16; "
+            "benchmarks/results/megatron_fsdp_gradnorm.json). PyTorch FSDP2 under megatron is offered",
             cfg.backend.extra["fsdp"],
             "parallel.fsdp: true with parallel.dp_shard > 1",
         )
