@@ -177,3 +177,50 @@ def breakdown(trace: Path | None) -> dict[str, Any] | None:
             {"name": n[:120], "category": categorize(n), "ms": round(t / 1e3, 3), "calls": c} for n, t, c in report.top
         ],
     }
+
+
+def plain_gpt_parts(gpu: bool, bf16: bool, **dims: Any) -> tuple[Any, Any]:
+    """megatron-core's own TransformerConfig (a Llama-style model: RMSNorm, SwiGLU, no biases, no dropout; ``dims``
+    gives the sizes) and local layer spec with torch SDPA as core attention (megatron's local one materialises the
+    [b, h, s, s] scores): the plain megatron-core model of the benchmarks that compare with it."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+
+    class SDPACoreAttention(MegatronModule):
+        """Core attention through torch SDPA: [s, b, h, d] in, [s, b, h·d] out; causal, GQA."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None):  # fmt: skip
+            super().__init__(config=config)
+            self.scale = softmax_scale
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):  # fmt: skip
+            s, b = query.shape[:2]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1]
+            )
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        init_method_std=0.02,
+        **({} if gpu else {"batch_p2p_comm": False}),
+        **dims,
+    )
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return config, spec

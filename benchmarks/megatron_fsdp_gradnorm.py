@@ -81,7 +81,6 @@ def free_port() -> int:
 def run_variant(name: str, steps: int) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     wrapper, strategy, num_micro, precision, tied, halved = VARIANTS[name]
     t_start = time.time()
@@ -103,27 +102,10 @@ def run_variant(name: str, steps: int) -> dict:
         finalize_model_grads,
     )
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module, MegatronModule
-
-    class SDPACoreAttention(MegatronModule):
-        """Core attention through torch SDPA: [s, b, h, d] in, [s, b, h*d] out; causal."""
-
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, cp_comm_type=None, pg_collection=None):  # fmt: skip
-            super().__init__(config=config)
-            self.scale = softmax_scale
-
-        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):  # fmt: skip
-            s, b = query.shape[:2]
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+    from megatron.core.transformer.module import Float16Module
 
     if halved:
         from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import GradReducePipeline
@@ -150,26 +132,17 @@ def run_variant(name: str, steps: int) -> dict:
     parallel_state.initialize_model_parallel()
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(
+    from _common import plain_gpt_parts
+
+    config, spec = plain_gpt_parts(
+        gpu,
+        bf16,
         num_layers=LAYERS,
         hidden_size=HIDDEN,
         num_attention_heads=HEADS,
         kv_channels=HIDDEN // HEADS,
         ffn_hidden_size=FFN,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=bf16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        init_method_std=0.02,
-        **({} if gpu else {"batch_p2p_comm": False}),
     )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied,
                      position_embedding_type="rope").to(dev)  # fmt: skip
     if bf16:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import LastStepsProfiler, free_port, overhead_args, steady  # noqa: E402
+from _common import LastStepsProfiler, free_port, overhead_args, plain_gpt_parts, steady  # noqa: E402
 
 # plain megatron-core's argument -> the preset's ModelConfig field it takes
 PLAIN_FROM_PRESET = {"num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
@@ -70,7 +70,6 @@ def run_plain(args: argparse.Namespace) -> dict:
     """megatron-core's public API only, the way its own examples train a GPTModel."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     gpu = torch.cuda.is_available()
     if not gpu:  # the CPU smoke test borrows Primus's CUDA-to-CPU redirection (megatron assumes CUDA)
@@ -83,74 +82,27 @@ def run_plain(args: argparse.Namespace) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module, MegatronModule
-
-    class SDPACoreAttention(MegatronModule):
-        """Core attention through torch SDPA: [s, b, h, d] in, [s, b, h·d] out; causal, GQA."""
-
-        def __init__(
-            self,
-            config,
-            layer_number,
-            attn_mask_type,
-            attention_type,
-            attention_dropout=None,
-            softmax_scale=None,
-            cp_comm_type=None,
-            pg_collection=None,
-        ):
-            super().__init__(config=config)
-            self.scale = softmax_scale
-
-        def forward(
-            self,
-            query,
-            key,
-            value,
-            attention_mask=None,
-            attn_mask_type=None,
-            attention_bias=None,
-            packed_seq_params=None,
-        ):
-            s, b = query.shape[:2]
-            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale, enable_gqa=k.shape[1] != q.shape[1]
-            )
-            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+    from megatron.core.transformer.module import Float16Module
 
     shape = MODELS[args.model][1]
     bf16 = gpu
     dtype = torch.bfloat16 if bf16 else torch.float32
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(
+    config, spec = plain_gpt_parts(
+        gpu,
+        bf16,
         num_layers=shape["num_layers"],
         hidden_size=shape["hidden_size"],
         num_attention_heads=shape["num_attention_heads"],
         num_query_groups=shape["num_query_groups"],
         kv_channels=shape["kv_channels"],
         ffn_hidden_size=shape["ffn_hidden_size"],
-        normalization="RMSNorm",
         layernorm_epsilon=shape["eps"],
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=bf16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        init_method_std=0.02,
-        **({} if gpu else {"batch_p2p_comm": False}),
     )
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     scaling = shape["rope_scaling_factor"]
     model = GPTModel(
         config,
