@@ -34,14 +34,24 @@ def test_refusals_name_the_reason():
     assert any("hidden_size" in i.message and "136" in i.message for i in issues(odd))
 
 
+BF16 = ("train.precision=bf16", "kernels.fp8_recipe.bf16_last_layers=1")
+
+
+@pytest.fixture(scope="module")
+def bf16_losses(tmp_path_factory):
+    """The bf16 run both FP8 modes are compared with (one run for the two)."""
+    out = tmp_path_factory.mktemp("fp8_ref") / "bf16"
+    ref = primus("train", TINY, out, 1, *BF16)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return losses(read_metrics(out))
+
+
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
-def test_tiny_run_fp8_tracks_bf16(mode, tmp_path):
-    common = ("train.precision=bf16", "kernels.fp8_recipe.bf16_last_layers=1")
-    ref = primus("train", TINY, tmp_path / "bf16", 1, *common)
-    fp8 = primus("train", TINY, tmp_path / "fp8", 1, *common, f"kernels.fp8={mode}")
-    assert ref.returncode == 0 and fp8.returncode == 0, fp8.stderr[-3000:]
+def test_tiny_run_fp8_tracks_bf16(mode, tmp_path, bf16_losses):
+    fp8 = primus("train", TINY, tmp_path / "fp8", 1, *BF16, f"kernels.fp8={mode}")
+    assert fp8.returncode == 0, fp8.stderr[-3000:]
     assert f"fp8 ({mode}): FP8 linears in blocks [0, 1, 2] of 0-3" in " ".join(fp8.stderr.split())
-    a, b = losses(read_metrics(tmp_path / "fp8")), losses(read_metrics(tmp_path / "bf16"))
+    a, b = losses(read_metrics(tmp_path / "fp8")), bf16_losses
     assert a[-1] < a[0] - 0.15
     assert max(abs(x - y) / y for x, y in zip(a, b, strict=True)) < 0.01
     assert a != b  # FP8 really ran

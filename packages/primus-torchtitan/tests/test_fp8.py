@@ -51,14 +51,23 @@ def test_refusals_name_the_reason():
     assert any("leaves none" in i.message for i in issues(none_left))
 
 
+BF16 = ("train.precision=bf16", "checkpoint.enabled=false")
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    """The bf16 run both FP8 modes are compared with (one run for the two)."""
+    out = tmp_path_factory.mktemp("fp8_ref") / "bf16"
+    return out, primus_train(TINY, out, *BF16)
+
+
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
-def test_tiny_run_fp8_tracks_bf16(mode, tmp_path):
-    common = ("train.precision=bf16", "checkpoint.enabled=false")
-    ref = primus_train(TINY, tmp_path / "bf16", *common)
-    fp8 = primus_train(TINY, tmp_path / "fp8", *common, f"kernels.fp8={mode}")
+def test_tiny_run_fp8_tracks_bf16(mode, tmp_path, bf16_run):
+    ref_out, ref = bf16_run
+    fp8 = primus_train(TINY, tmp_path / "fp8", *BF16, f"kernels.fp8={mode}")
     assert f"fp8 (fp8, {mode}): 14 linears swapped" in " ".join(fp8.stderr.split())  # 2 blocks × 7
     assert summary(fp8)["kernels"]["fp8"] == "fp8" and "fp8" not in summary(ref)["kernels"]
-    a, b = losses(tmp_path / "fp8"), losses(tmp_path / "bf16")
+    a, b = losses(tmp_path / "fp8"), losses(ref_out)
     assert a[-1] < a[0] - 0.15
     assert max(abs(x - y) / y for x, y in zip(a, b, strict=True)) < 0.01
     assert a != b  # FP8 really ran: the GEMMs round differently
