@@ -31,7 +31,14 @@ PUBLISHED = {
     "qwen3-14b": 14.8,
     "qwen3-32b": 32.8,
     "mistral-7b-v0.3": 7.25,
+    "qwen3-30b-a3b": 30.5,
+    "qwen3-235b-a22b": 235.0,
+    "mixtral-8x7b": 46.7,
 }
+# Mixture-of-experts: the parameters a token runs through, as the model cards quote them ("A3B", "A22B"; Mixtral's
+# 12.9B), embeddings included, with half a unit of the rounding they are quoted at (Qwen3-30B-A3B's card says 3.3B
+# for the 3.353B its config gives: truncated, not rounded).
+PUBLISHED_ACTIVE = {"qwen3-30b-a3b": (3.3, 0.06), "qwen3-235b-a22b": (22, 0.5), "mixtral-8x7b": (12.9, 0.05)}
 # Non-embedding counts the Qwen cards also quote.
 PUBLISHED_NON_EMBEDDING = {"qwen2.5-7b": 6.53, "qwen2.5-0.5b": 0.36, "qwen3-0.6b": 0.44, "qwen3-8b": 6.95}
 
@@ -47,6 +54,61 @@ def test_param_count_matches_published(registry, name, billions):
     # the card rounds to `digits` decimals; allow half a unit of that rounding (and Qwen3's coarse 0.6/1.7)
     tol = 0.5 * 10**-digits + (0.05 if name.startswith("qwen3") else 0)
     assert abs(total - billions) <= tol, f"{name}: {total:.3f}B vs published {billions}B"
+
+
+@pytest.mark.parametrize("name,published", sorted(PUBLISHED_ACTIVE.items()))
+def test_active_params_match_published(registry, name, published):
+    billions, tol = published
+    p = count_params(_model(registry, name))
+    assert abs(p.active / 1e9 - billions) <= tol, f"{name}: {p.active / 1e9:.3f}B active vs published {billions}B"
+    assert p.moe_layers == _model(registry, name).num_layers  # every layer of these three is MoE
+
+
+def test_moe_count_and_flops_formula(registry):
+    """tiny-qwen3-moe by hand: each layer's MLP is 8 experts of 3·d·64 and a d×8 router; a token runs 2 experts;
+    the FLOPs count what a token runs."""
+    m = _model(registry, "tiny-qwen3-moe")
+    d, expert = 128, 3 * 128 * 64
+    attn = d * 4 * 64 + 2 * d * 2 * 64 + 4 * 64 * d
+    norms = 2 * d + 2 * 64
+    p = count_params(m)
+    assert p.moe_layer == attn + norms + d * 8 + 8 * expert and p.moe_layer_active == attn + norms + d * 8 + 2 * expert
+    assert p.total == 2 * 2048 * d + 2 * p.moe_layer + d
+    assert p.active == p.total - 2 * 6 * expert
+    assert flops_per_token(m, 64) == pytest.approx(6 * (p.active - 2048 * d) + 12 * 2 * 4 * 64 * 64)
+
+
+def test_moe_layer_pattern():
+    from primus.core.config.schema import MoEConfig
+
+    moe = MoEConfig(first_dense_layers=3, layer_frequency=2)
+    assert [i for i in range(10) if moe.is_moe_layer(i)] == [3, 5, 7, 9]
+    m = ModelConfig(num_layers=10, moe={"first_dense_layers": 3, "layer_frequency": 2})
+    dense = count_params(ModelConfig(num_layers=10))
+    assert count_params(m).moe_layers == 4 and count_params(m).per_layer == dense.per_layer
+
+
+@pytest.mark.parametrize(
+    ("moe", "key", "needle"),
+    [
+        ({"num_experts": 4, "experts_per_token": 5}, "model.moe.experts_per_token", "exceeds model.moe.num_experts 4"),
+        ({"first_dense_layers": 2}, "model.moe.first_dense_layers", "leaves no MoE layer"),
+    ],
+)
+def test_moe_refusals(moe, key, needle):
+    from primus.core.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        validate_config({"model": {"num_layers": 2, "moe": moe}})
+    assert key in str(info.value) and needle in str(info.value)
+
+
+def test_planner_refuses_moe_by_name(registry):
+    from primus.core.errors import UserError
+    from primus.core.planner import Cluster, candidates, device
+
+    with pytest.raises(UserError, match="model.moe: the planner does not model mixture-of-experts"):
+        candidates(_model(registry, "qwen3-30b-a3b"), Cluster(device("H100"), 1, 8), 4096)
 
 
 @pytest.mark.parametrize("name,billions", sorted(PUBLISHED_NON_EMBEDDING.items()))

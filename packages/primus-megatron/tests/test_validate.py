@@ -67,6 +67,7 @@ def test_profiling_health_and_fault_injection_are_accepted():
             "exceeds",
         ),
         (["train.precision=fp16"], 1, "train.precision", "loss scaling"),
+        (["model.moe.num_experts=4"], 1, "model.moe", "mixture-of-experts layers are not built"),
         (["train.compile=true"], 1, "train.compile", "torch.compile"),
         (["backend.extra.bogus=1"], 1, "backend.extra", "bogus"),
         (["data.format=megatron"], 1, "data.source", ".bin/.idx"),

@@ -27,6 +27,7 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
         ),
         (["model.family=qwen3", "model.qkv_bias=true"], 1, "model.qkv_bias", "qwen3 model has no qkv bias"),
         (["parallel.fsdp=false"], 2, "parallel.fsdp", "only with FSDP2"),
+        (["model.moe.num_experts=4"], 1, "model.moe", "mixture-of-experts layers are not built"),
         (["model.head_dim=64"], 1, "model.head_dim", "hidden_size / heads"),
         (["model.qk_norm=true"], 1, "model.qk_norm", "llama3 model has no qk_norm"),
         (["train.precision=fp16"], 1, "train.precision", "no fp16 loss scaling"),

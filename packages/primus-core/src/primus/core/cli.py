@@ -134,28 +134,30 @@ def presets_list() -> None:
     reg = get_registry()
     cat = catalog(reg)
     models = Table(
-        "name", "params", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "from", title="models", box=None
-    )
+        "name", "params", "active", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "from",
+        title="models", box=None,
+    )  # fmt: skip
     recipes = Table("name", "model", "backend", "description", "from", title="recipes", box=None)
     rows = []
     for p in cat.values():
         data = load_layers(str(p.path), resolve_preset=resolver(reg)).data
         m = ModelConfig.model_validate(data.get("model", {}))
         if p.kind == "model":
-            rows.append((m.name.startswith("tiny") is False, count_params(m).total, p, m))
+            rows.append((m.name.startswith("tiny") is False, count_params(m), p, m))
         else:
             recipes.add_row(
                 p.name, m.name, data.get("backend", {}).get("name", "torchtitan"), data.get("description", ""), p.dist
             )
-    for _, n, p, m in sorted(rows, key=lambda r: (r[0], r[1])):  # tiny presets first, then by size
+    for _, n, p, m in sorted(rows, key=lambda r: (r[0], r[1].total)):  # tiny presets first, then by size
         models.add_row(
             p.name,
-            human(n),
+            human(n.total),
+            human(n.active),
             str(m.num_layers),
             str(m.hidden_size),
             str(m.num_attention_heads),
             str(m.num_kv_heads),
-            str(m.ffn_hidden_size),
+            str(m.ffn_hidden_size) if m.moe is None else f"{m.moe.num_experts}×{m.moe.expert_ffn_hidden_size}",
             str(m.vocab_size),
             p.dist,
         )

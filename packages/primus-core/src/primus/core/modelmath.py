@@ -10,6 +10,10 @@ Training FLOPs per token (forward + backward = 3 × forward; a matmul of n weigh
 where N_matmul = total − V·d (the input embedding is a lookup) + [tied: V·d] (the head GEMM runs
 either way; norm weights are counted too, as the usual 6·N does, < 0.01%), and 12·L·h·c·S counts QKᵀ and AV over a sequence of S tokens (no causal
 discount, as PaLM/TorchTitan/Megatron count it). MFU = achieved FLOP/s ÷ peak FLOP/s.
+
+Mixture of experts (``model.moe``, E experts of width e, top-k, S shared): an MoE layer's MLP is E·3·d·e + S·3·d·e
++ d·E (the router) instead of 3·d·f; a token runs k·3·d·e + S·3·d·e + d·E of it, so the *active* parameters (what
+the FLOPs and MFU count) are the total less the (E − k) unused experts of every MoE layer.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ from primus.core.config.schema import ModelConfig
 @dataclass(frozen=True)
 class ParamCount:
     embedding: int
-    per_layer: int
-    layers: int
+    per_layer: int  # a dense layer (attention + norms + the dense SwiGLU MLP)
+    layers: int  # every layer, dense and MoE
     final_norm: int
     output_head: int  # 0 when tied
     norms: int  # all RMSNorm weights (per-layer, qk-norm and final)
+    moe_layers: int = 0  # how many layers have routed experts
+    moe_layer: int = 0  # one MoE layer (attention + norms + router + all experts)
+    moe_layer_active: int = 0  # of it, what one token runs (attention + norms + router + its top-k and shared experts)
 
     @property
     def total(self) -> int:
@@ -35,6 +42,11 @@ class ParamCount:
     @property
     def non_embedding(self) -> int:
         return self.total - self.embedding
+
+    @property
+    def active(self) -> int:
+        """Parameters one token runs through (the total for a dense model)."""
+        return self.total - self.moe_layers * (self.moe_layer - self.moe_layer_active)
 
 
 def count_params(m: ModelConfig) -> ParamCount:
@@ -45,20 +57,31 @@ def count_params(m: ModelConfig) -> ParamCount:
     layer_norms = 2 * d + (2 * c if m.qk_norm else 0)
     per_layer = attn + 3 * d * f + layer_norms
     emb = m.vocab_size * d
+    moe_n = moe_layer = moe_active = 0
+    if m.moe is not None:
+        e = m.moe
+        moe_n = sum(e.is_moe_layer(i) for i in range(m.num_layers))
+        expert, always = 3 * d * e.expert_ffn_hidden_size, attn + layer_norms + d * e.num_experts  # + router
+        always += e.shared_experts * expert
+        moe_layer, moe_active = always + e.num_experts * expert, always + e.experts_per_token * expert
     return ParamCount(
         embedding=emb,
         per_layer=per_layer,
-        layers=m.num_layers * per_layer,
+        layers=(m.num_layers - moe_n) * per_layer + moe_n * moe_layer,
         final_norm=d,
         output_head=0 if m.tie_word_embeddings else emb,
         norms=m.num_layers * layer_norms + d,
+        moe_layers=moe_n,
+        moe_layer=moe_layer,
+        moe_layer_active=moe_active,
     )
 
 
 def matmul_params(m: ModelConfig) -> int:
-    """Weights that take part in a GEMM per token (the output head counted even when tied)."""
+    """Weights that take part in a GEMM per token (the output head counted even when tied; of the experts, those a
+    token is routed to)."""
     p = count_params(m)
-    return p.total - p.embedding + (p.embedding if m.tie_word_embeddings else 0)
+    return p.active - p.embedding + (p.embedding if m.tie_word_embeddings else 0)
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:

@@ -50,6 +50,14 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
             p.cp,
             "1 with parallel.fsdp: true",
         )
+    if m.moe is not None:
+        refuse(
+            "model.moe",
+            "mixture-of-experts layers are not built by the megatron backend yet (megatron-core's MoE layer, router "
+            "and token dispatchers are the next step); the presets, parameter counts and validation exist",
+            f"{m.moe.num_experts} experts",
+            "null (a dense model)",
+        )
     if p.pp_schedule in ("gpipe", "zero_bubble"):
         refuse(
             "parallel.pp_schedule",

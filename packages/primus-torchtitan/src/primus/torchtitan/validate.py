@@ -91,6 +91,16 @@ def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
                     allowed="interleaved_1f1b or zero_bubble",
                 )
             )
+    if m.moe is not None:
+        out.append(
+            ConfigIssue(
+                "model.moe",
+                "mixture-of-experts layers are not built by the torchtitan backend yet (torchtitan 0.2.2's MoE module "
+                "is the next step); the presets, parameter counts and validation exist",
+                value=f"{m.moe.num_experts} experts",
+                allowed="null (a dense model)",
+            )
+        )
     if p.distributed_optimizer:
         out.append(
             ConfigIssue(

@@ -27,6 +27,37 @@ class RopeScaling(Section):
     original_max_position_embeddings: int = Field(8192, gt=0, description="context the base model was trained at")
 
 
+class MoEConfig(Section):
+    """Mixture-of-experts MLPs: each token goes to ``experts_per_token`` of ``num_experts`` SwiGLU experts (plus any
+    shared experts every token takes), picked by a linear router. Layers before ``first_dense_layers``, and those off
+    the ``layer_frequency`` rhythm, keep the dense MLP of ``model.ffn_hidden_size``."""
+
+    num_experts: int = Field(8, gt=1, description="routed experts per MoE layer")
+    experts_per_token: int = Field(2, gt=0, description="experts each token is routed to (top-k)")
+    expert_ffn_hidden_size: int = Field(64, gt=0, description="SwiGLU inner width of one expert")
+    shared_experts: int = Field(0, ge=0, description="experts every token also takes (DeepSeek / Qwen2-MoE style)")
+    first_dense_layers: int = Field(0, ge=0, description="leading layers with the dense MLP (DeepSeek-V3: 3)")
+    layer_frequency: int = Field(1, gt=0, description="every N-th layer after the dense ones is MoE (1: all)")
+    router: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="router score before top-k: softmax over experts (Qwen3, Mixtral) or sigmoid (DeepSeek-V3)",
+    )
+    normalize_topk: bool = Field(True, description="renormalise the top-k scores to sum to 1 (Qwen3, Mixtral)")
+    balancing: Literal["aux_loss", "loss_free", "none"] = Field(
+        "aux_loss",
+        description="load balancing: an auxiliary loss (Switch / GShard), DeepSeek's bias-only loss-free balancing, "
+        "or none",
+    )
+    aux_loss_coeff: float = Field(1e-3, ge=0, description="aux_loss: its weight in the loss (Qwen3 1e-3, Mixtral 2e-2)")
+    capacity_factor: float | None = Field(
+        None, gt=0, description="tokens an expert takes, × the even share; beyond it tokens are dropped (null: none)"
+    )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether 0-based ``layer`` has routed experts."""
+        return layer >= self.first_dense_layers and (layer - self.first_dense_layers) % self.layer_frequency == 0
+
+
 class ModelConfig(Section):
     name: str = Field("tiny-llama", description="preset name or a label for this architecture")
     family: Literal["llama", "qwen2", "qwen3", "mistral"] = Field(
@@ -47,6 +78,7 @@ class ModelConfig(Section):
     qkv_bias: bool = Field(False, description="bias on q/k/v projections (Qwen2.5)")
     qk_norm: bool = Field(False, description="RMSNorm on per-head q and k (Qwen3)")
     init_std: float = Field(0.02, gt=0, description="std of the normal weight init")
+    moe: MoEConfig | None = Field(None, description="mixture-of-experts MLPs (null: a dense model)")
 
     @property
     def kv_channels(self) -> int:

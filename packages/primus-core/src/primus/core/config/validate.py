@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from primus.core.config.errors import ConfigError
 from primus.core.config.fields import _model_in, suggest
-from primus.core.config.schema import PrimusConfig
+from primus.core.config.schema import ModelConfig, PrimusConfig
 from primus.core.protocols import KERNEL_OPS, ConfigIssue, validate_with
 
 if TYPE_CHECKING:
@@ -85,6 +85,8 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 allowed="a divisor of num_attention_heads",
             )
         )
+    if m.moe is not None:
+        out.extend(_moe_issues(m))
     if m.rope_scaling is not None and m.rope_scaling.high_freq_factor <= m.rope_scaling.low_freq_factor:
         out.append(
             ConfigIssue(
@@ -189,6 +191,29 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         out.append(
             ConfigIssue(
                 "train.seq_len", f"{t.seq_len} is not divisible by 2 × parallel.cp ({2 * p.cp})", value=t.seq_len
+            )
+        )
+    return out
+
+
+def _moe_issues(m: ModelConfig) -> list[ConfigIssue]:
+    moe, out = m.moe, []
+    if moe.experts_per_token > moe.num_experts:
+        out.append(
+            ConfigIssue(
+                "model.moe.experts_per_token",
+                f"{moe.experts_per_token} exceeds model.moe.num_experts {moe.num_experts}",
+                value=moe.experts_per_token,
+                allowed=f"1..{moe.num_experts}",
+            )
+        )
+    if moe.first_dense_layers >= m.num_layers:
+        out.append(
+            ConfigIssue(
+                "model.moe.first_dense_layers",
+                f"leaves no MoE layer among model.num_layers {m.num_layers}",
+                value=moe.first_dense_layers,
+                allowed=f"0..{m.num_layers - 1}",
             )
         )
     return out

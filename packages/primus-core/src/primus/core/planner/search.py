@@ -162,6 +162,13 @@ def candidates(
     preference (each layout then comes once, with the fastest; of equally fast ones the first). ``check(layout)``:
     the backend's refusals of a layout (None: none checked), kept in :attr:`Candidate.refused`; a layout it refuses is
     never ranked above one it accepts."""
+    if model.moe is not None:
+        from primus.core.errors import UserError
+
+        raise UserError(
+            "model.moe: the planner does not model mixture-of-experts layouts yet (expert weights sharded by "
+            "expert parallelism, all-to-all token dispatch); plan the layout by hand"
+        )
     profile = profile_of(engine, registry)
     name = engine if isinstance(engine, str) else profile.name
     gbs = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq_len)
