@@ -93,13 +93,19 @@ def test_moe_layer_pattern():
     [
         ({"num_experts": 4, "experts_per_token": 5}, "model.moe.experts_per_token", "exceeds model.moe.num_experts 4"),
         ({"first_dense_layers": 2}, "model.moe.first_dense_layers", "leaves no MoE layer"),
+        ({"num_experts": 8, "ep": 3}, "parallel.ep", "do not split model.moe.num_experts 8"),
+        ({"num_experts": 8, "ep": 4}, "parallel.ep", "4 does not divide them"),  # 2 data-parallel ranks
+        ({"ep": 2, "dense": True}, "parallel.ep", "the model has none"),
     ],
 )
 def test_moe_refusals(moe, key, needle):
     from primus.core.config.errors import ConfigError
 
+    moe = dict(moe)
+    ep, dense = moe.pop("ep", 1), moe.pop("dense", False)
+    model = {"num_layers": 2, **({} if dense else {"moe": moe})}
     with pytest.raises(ConfigError) as info:
-        validate_config({"model": {"num_layers": 2, "moe": moe}})
+        validate_config({"model": model, "parallel": {"ep": ep}, "train": {"global_batch_size": 8}}, world_size=2)
     assert key in str(info.value) and needle in str(info.value)
 
 

@@ -429,3 +429,14 @@ def test_fsdp2_optimizer_ids_still_by_to_local():
     assert "id(param)" in inspect.getsource(optim_ckpt.get_optim_param_to_id_map)
     assert "to_local_if_dtensor(param)" in inspect.getsource(optim_ckpt.get_optim_param_to_id_map)
     assert "result.view_as(result)" in inspect.getsource(DTensor.to_local)
+
+
+def test_moe_utils_misses_te_general_gemm_without_te():
+    """compat.moe_without_te: megatron's router gating linear reads te_general_gemm, which moe_utils defines only
+    when Transformer Engine imports (it is not installed here)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    assert not moe_utils.HAVE_TE
+    assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
+    had = hasattr(moe_utils, "te_general_gemm")
+    assert mc.moe_without_te() is not had and moe_utils.te_general_gemm is None

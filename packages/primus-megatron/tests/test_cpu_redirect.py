@@ -56,7 +56,10 @@ def test_megatron_asserts_cuda_tensor_types():
 CHECK = textwrap.dedent("""
     import torch
     from primus.megatron.cpu import redirect_to_cpu
-    assert redirect_to_cpu() == ["current_device", "device_mesh", "rng", "streams", "device_literals"]
+    assert redirect_to_cpu() == ["current_device", "device_mesh", "moe_splits", "rng", "streams", "device_literals"]
+    from megatron.core.transformer.moe import token_dispatcher
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 4]), as_numpy=True)
+    assert type(splits).__name__ == "ndarray" and splits.tolist() == [3, 4]
     from torch.distributed.device_mesh import DeviceMesh
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -112,3 +115,15 @@ def test_megatron_pins_host_memory_for_cp_rope():
     from megatron.core.models.common.embeddings import rope_utils
 
     assert "pin_memory=True" in inspect.getsource(rope_utils.get_pos_emb_on_this_cp_rank)
+
+
+def test_megatron_moe_splits_become_numpy_only_off_a_gpu():
+    """cpu.PATCHES["moe_splits"]: megatron's MoE dispatcher gets its all-to-all split sizes as numpy arrays from
+    maybe_move_tensor_to_cpu, which converts only CUDA tensors."""
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    assert "tensor.is_cuda" in inspect.getsource(moe_utils.maybe_move_tensor_to_cpu)
+    source = " ".join(inspect.getsource(token_dispatcher).split())
+    assert "self.input_splits = maybe_move_tensor_to_cpu( self.input_splits, as_numpy=True" in source

@@ -117,10 +117,31 @@ def write(folder: Path, chunks: list[Any], optimizer: Any) -> None:
 def optimizer_sharded(folder: Path) -> bool | None:
     """Whether ``folder`` holds the distributed optimizer's state (sharded over data-parallel ranks) rather than the
     regular optimizer's (from the checkpoint's own index); None where it holds no optimizer state."""
+    keys = _optimizer_keys(folder)
+    return any(k.startswith("optimizer.distributed.") or ".optimizer.distributed." in k for k in keys) if keys else None
+
+
+def _optimizer_keys(folder: Path) -> list[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
-    keys = [k for k in FileSystemReader(str(folder)).read_metadata().state_dict_metadata if k.startswith("optimizer.")]
-    return any(k.startswith("optimizer.distributed.") for k in keys) if keys else None
+    # "optimizer.…" for one optimizer, "chained_<i>.optimizer.…" for megatron's chain of them
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return [k for k in metadata if k.startswith(("optimizer.", "chained_"))]
+
+
+def experts_mismatch(folder: Path, chained: bool, ep: int) -> str | None:
+    """Why a mixture-of-experts run cannot load ``folder``'s optimizer state: megatron-core 0.16 keeps the expert-
+    parallel parameters in an optimizer of their own when ep > 1 (a chain of two), one optimizer at ep 1, and loads
+    neither format as the other."""
+    keys = _optimizer_keys(folder)
+    if not keys or any(k.startswith("chained_") for k in keys) == chained:
+        return None
+    return (
+        f"checkpoint {folder} was written by a mixture-of-experts run with "
+        f"{'parallel.ep > 1' if not chained else 'parallel.ep = 1'}, this run has parallel.ep = {ep}: megatron-core "
+        "0.16 keeps the experts' optimizer state apart only when ep > 1 and does not convert between the two; resume "
+        f"with {'parallel.ep = 1' if chained else 'parallel.ep > 1'}"
+    )
 
 
 def optimizer_mismatch(folder: Path, sharded: bool, dp: int) -> str | None:

@@ -80,6 +80,13 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_fsdp2_wrapper_gaps_still_there",
     ),
     Patch(
+        "compat.moe_without_te",
+        "the module global megatron.core.transformer.moe.moe_utils.te_general_gemm, set to None where it is missing",
+        "0.16.1's router gating linear tests `te_general_gemm is not None` but defines the name only when Transformer "
+        "Engine imports: without TE every MoE forward raises NameError",
+        "test_compat.py::test_moe_utils_misses_te_general_gemm_without_te",
+    ),
+    Patch(
         "fsdp.optimizer_param_ids",
         "the module global megatron.core.dist_checkpointing.optimizer.get_optim_param_to_id_map",
         "megatron matches optimizer parameters to the model's sharded tensors by id(to_local()); torch 2.13's "
@@ -87,8 +94,9 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_fsdp2_optimizer_ids_still_by_to_local",
     ),
     Patch(
-        "cpu.redirect_to_cpu (cpu.PATCHES: current_device, device_mesh, rng, streams, device_literals)",
+        "cpu.redirect_to_cpu (cpu.PATCHES: current_device, device_mesh, moe_splits, rng, streams, device_literals)",
         "torch.cuda.current_device / set_device / device_count, DeviceMesh.from_group's 'cuda' (FSDP2's mesh), "
+        "the MoE token dispatcher's maybe_move_tensor_to_cpu (split sizes as numpy), "
         "the torch.cuda RNG functions, pin_memory=True, megatron's "
         "tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state, torch.cuda streams, events and "
         "synchronize, and a process-wide TorchFunctionMode for device='cuda' and CUDA tensor types (CPU only)",
@@ -99,7 +107,8 @@ PATCHES: tuple[Patch, ...] = (
         "test_cpu_redirect.py::test_megatron_asserts_cuda_tensor_types, "
         "test_cpu_redirect.py::test_patches_redirect_cuda_to_cpu, "
         "test_cpu_redirect.py::test_megatron_fsdp2_builds_a_cuda_mesh, "
-        "test_cpu_redirect.py::test_megatron_pins_host_memory_for_cp_rope",
+        "test_cpu_redirect.py::test_megatron_pins_host_memory_for_cp_rope, "
+        "test_cpu_redirect.py::test_megatron_moe_splits_become_numpy_only_off_a_gpu",
     ),
     Patch(
         "gpt.FusedLossGPTModel._postprocess (gpt.fuse_loss)",
@@ -347,3 +356,14 @@ def checkpoint_writer_dies_with_rank() -> None:
     manager.start(initializer=die_with_parent)
     filesystem_async._results_queue = manager.Queue()
     _writer_manager = manager
+
+
+def moe_without_te() -> bool:
+    """Give megatron's MoE utilities the ``te_general_gemm = None`` they test for (see :data:`PATCHES`); True when it
+    was missing."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return False
+    moe_utils.te_general_gemm = None
+    return True

@@ -157,9 +157,26 @@ def _device_mesh() -> None:
     DeviceMesh.from_group = staticmethod(cpu_from_group)
 
 
+def _moe_splits() -> None:
+    # megatron's MoE token dispatcher turns its all-to-all split sizes into numpy arrays while moving them off the
+    # GPU (maybe_move_tensor_to_cpu converts CUDA tensors only); on a CPU they stay tensors, which gloo's
+    # all_to_all_single does not take.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
 PATCHES = {
     "current_device": _current_device,
     "device_mesh": _device_mesh,
+    "moe_splits": _moe_splits,
     "rng": _rng,
     "streams": _streams,
     "device_literals": _device_literals,

@@ -54,7 +54,7 @@ def init_distributed(timeout: timedelta) -> tuple[int, int, str]:
 
 
 def init_parallel(
-    tp: int, pp: int, vpp: int, cp: int, optimizer_instances: int = 1, timeout_s: float | None = None
+    tp: int, pp: int, vpp: int, cp: int, optimizer_instances: int = 1, timeout_s: float | None = None, ep: int = 1
 ) -> None:
     """megatron's parallel state. ``optimizer_instances`` > 1: the distributed optimizer shards within groups of
     DP / instances ranks and is replicated across the instances (HSDP-like: dp_replicate × dp_shard).
@@ -66,6 +66,10 @@ def init_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        # experts whole on each rank (not split over tp): their tokens are already split over the ep ranks, and
+        # megatron's expert-TP dispatch all-gathers uneven token counts, which gloo cannot
+        expert_tensor_parallel_size=1,
         num_distributed_optimizer_instances=optimizer_instances,
         **({"distributed_timeout_minutes": timeout_s / 60} if timeout_s else {}),
     )

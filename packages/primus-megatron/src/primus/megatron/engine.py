@@ -133,7 +133,7 @@ class MegatronEngine:
         p, t = cfg.parallel, cfg.train
         if cfg.logging.level != "debug":  # megatron logs every config object at INFO
             logging.getLogger("megatron.core").setLevel(logging.WARNING)
-        init_parallel(p.tp, p.pp, p.vpp, p.cp, _optimizer_instances(cfg), timeout_s)
+        init_parallel(p.tp, p.pp, p.vpp, p.cp, _optimizer_instances(cfg), timeout_s, ep=p.ep)
         seed(t.seed)
         # what RoPE and the output layer + loss run (megatron's own, or a provider's), with the reason
         swapped = {"rope": rope_impl(ctx.kernels)[1], "output_loss": fused_loss(ctx.kernels, p.tp)[1]}
@@ -324,7 +324,12 @@ class MegatronEngine:
         from primus.megatron import checkpoint as ckpt
         from primus.megatron.dist import ranks
 
-        if why := ckpt.optimizer_mismatch(folder, _sharded_optimizer(self.cfg), ranks()["dp_size"]):
+        why = None
+        if self.cfg.model.moe is not None:
+            chained = len(getattr(self.optimizer, "chained_optimizers", [])) > 1
+            why = ckpt.experts_mismatch(folder, chained, self.cfg.parallel.ep)
+        why = why or ckpt.optimizer_mismatch(folder, _sharded_optimizer(self.cfg), ranks()["dp_size"])
+        if why:
             raise UserError(why)  # before anything is read: the same decision on every rank
         ckpt.read(folder, self.chunks, self.optimizer)
 

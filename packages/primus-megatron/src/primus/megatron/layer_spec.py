@@ -135,8 +135,32 @@ def _impl(kernels: dict[str, KernelProvider], op: str) -> Any:
     return kernels[op].impl
 
 
-def layer_spec(kernels: dict[str, KernelProvider], *, qk_norm: bool, fp8: Any = None) -> ModuleSpec:
-    """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its four linears FP8 ones."""
+def moe_spec(kernels: dict[str, KernelProvider], shared: bool) -> ModuleSpec:
+    """megatron-core's MoE layer (router, token dispatcher, experts as a loop of local MLPs: SequentialMLP) with the
+    ``swiglu`` provider as each expert's activation; shared experts (when the model has them) the same MLP."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    mlp = MLPSubmodules(
+        linear_fc1=ColumnParallelLinear,
+        linear_fc2=RowParallelLinear,
+        activation_func=ModuleSpec(module=KernelSwiGLU, params={"kernel": _impl(kernels, "swiglu")}),
+    )
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp) if shared else None,
+        ),
+    )
+
+
+def layer_spec(
+    kernels: dict[str, KernelProvider], *, qk_norm: bool, fp8: Any = None, moe: ModuleSpec | None = None
+) -> ModuleSpec:
+    """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its four linears FP8 ones; ``moe`` (a
+    :func:`moe_spec`) replaces its dense MLP."""
     lin = {
         "linear_qkv": ColumnParallelLinear,
         "linear_proj": RowParallelLinear,
@@ -167,7 +191,8 @@ def layer_spec(kernels: dict[str, KernelProvider], *, qk_norm: bool, fp8: Any = 
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(
+            mlp=moe
+            or ModuleSpec(
                 module=MLP,
                 submodules=MLPSubmodules(
                     linear_fc1=lin["linear_fc1"],
@@ -194,7 +219,15 @@ def block_spec(
 
 def _layer_specs(config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bool, vp_stage: Any, n: int, fp8: Any):
     """This chunk's n block specs; with ``fp8`` (KernelsConfig, fp8 on) the blocks the recipe keeps in FP8
-    (global layer numbers: pipeline offset included) get FP8 linears."""
+    (global layer numbers: pipeline offset included) get FP8 linears; with experts (``config.moe_layer_freq``, one
+    flag per global layer) the MoE layers get megatron's MoE layer."""
+    if config.num_moe_experts:
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        moe = moe_spec(kernels, shared=bool(config.moe_shared_expert_intermediate_size))
+        flags = config.moe_layer_freq[offset : offset + n]
+        return [layer_spec(kernels, qk_norm=qk_norm, moe=moe if on else None) for on in flags]
     if fp8 is None or fp8.fp8 == "off":
         return [layer_spec(kernels, qk_norm=qk_norm)] * n
     from primus.megatron.fp8 import chunk_fp8_flags

@@ -85,10 +85,41 @@ def transformer_config(cfg: PrimusConfig) -> TransformerConfig:
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
         calculate_per_token_loss=cfg.train.objective == "sft",  # masked labels: megatron's per-token mode
+        **moe_fields(cfg),
         **{compat.PLUGGABLE_ACTIVATION_FLAG: True},
         **UNFUSED,
         **recompute,
         **extra,
+    )
+
+
+def moe_fields(cfg: PrimusConfig) -> dict[str, Any]:
+    """model.moe as megatron-core's MoE settings: a router over ``num_experts`` local SwiGLU experts (a loop of
+    MLPs, no grouped GEMM), all-to-all token dispatch over the expert-parallel ranks, no token dropping unless a
+    capacity is set."""
+    m = cfg.model
+    if m.moe is None:
+        return {}
+    compat.moe_without_te()
+    e = m.moe
+    return dict(
+        num_moe_experts=e.num_experts,
+        moe_router_topk=e.experts_per_token,
+        moe_ffn_hidden_size=e.expert_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=e.shared_experts * e.expert_ffn_hidden_size or None,
+        moe_layer_freq=[int(e.is_moe_layer(i)) for i in range(m.num_layers)],
+        moe_router_score_function=e.router,
+        # softmax: top-k of the logits then a softmax over them is the renormalised top-k of the softmax
+        moe_router_pre_softmax=not e.normalize_topk,
+        moe_router_load_balancing_type="aux_loss" if e.balancing == "aux_loss" else "none",
+        moe_router_enable_expert_bias=e.balancing == "loss_free",
+        moe_aux_loss_coeff=e.aux_loss_coeff if e.balancing == "aux_loss" else 0.0,
+        moe_expert_capacity_factor=e.capacity_factor,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=cfg.parallel.ep,
+        expert_tensor_parallel_size=1,  # as dist.init_parallel builds the groups
     )
 
 

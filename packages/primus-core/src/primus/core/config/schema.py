@@ -163,6 +163,7 @@ class ParallelConfig(Section):
         "1f1b", description="pipeline schedule"
     )
     cp: int = Field(1, gt=0, description="context-parallel degree")
+    ep: int = Field(1, gt=0, description="expert-parallel degree: each MoE layer's experts split over ep ranks")
     distributed_optimizer: bool = Field(False, description="shard optimizer state across data-parallel ranks")
     fsdp: bool | Auto = Field(
         "auto",

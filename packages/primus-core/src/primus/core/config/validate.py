@@ -87,6 +87,17 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         )
     if m.moe is not None:
         out.extend(_moe_issues(m))
+        if m.moe.num_experts % p.ep:
+            out.append(
+                ConfigIssue(
+                    "parallel.ep",
+                    f"{p.ep} expert-parallel ranks do not split model.moe.num_experts {m.moe.num_experts} evenly",
+                    value=p.ep,
+                    allowed=f"a divisor of {m.moe.num_experts}",
+                )
+            )
+    elif p.ep > 1:
+        out.append(ConfigIssue("parallel.ep", "splits experts, and the model has none (model.moe)", value=p.ep))
     if m.rope_scaling is not None and m.rope_scaling.high_freq_factor <= m.rope_scaling.low_freq_factor:
         out.append(
             ConfigIssue(
@@ -286,6 +297,16 @@ def world_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
             )
         ]
     dp = data_parallel_size(cfg, world_size)
+    if (dp * p.cp) % p.ep:
+        return [
+            ConfigIssue(
+                "parallel.ep",
+                f"expert parallelism splits the data-parallel × context-parallel ranks ({dp} × {p.cp}); "
+                f"{p.ep} does not divide them",
+                value=p.ep,
+                allowed=f"a divisor of {dp * p.cp}",
+            )
+        ]
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp):
         return [
             ConfigIssue(
