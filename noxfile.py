@@ -88,11 +88,12 @@ def test_deps(name: str) -> list[str]:
 
 
 def install(session: nox.Session, *requirements: str) -> None:
-    """pip install under a constraints file that pins torch. ``--no-compile``: pip byte-compiles every module it
-    installs (torch alone is thousands: 122 s to install it, 22 s without); Python compiles what a test imports, once."""
+    """pip install under a constraints file that pins torch. pip byte-compiles what it installs (torch: ~100 s of a
+    122 s install); ``--no-compile`` is no saving here: with PYTHONDONTWRITEBYTECODE=1, as on these machines, every
+    process would then compile each module it imports, every time."""
     constraints = Path(session.create_tmp()) / "constraints.txt"
     constraints.write_text(TORCH + "\n")
-    session.install("--no-compile", "--constraint", str(constraints), *requirements)
+    session.install("--constraint", str(constraints), *requirements)
 
 
 def install_packages(
