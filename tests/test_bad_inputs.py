@@ -74,7 +74,7 @@ CONFIG_CASES = [
         1,
         ["model.qkv_bias"],
     ),
-    ("mg-context-parallel", None, [MG, "parallel.cp=2", "train.seq_len=64"], 2, ["parallel.cp"]),
+    ("mg-cp-whole-sequence-attention", None, [MG, "parallel.cp=2", "kernels.attention=sdpa"], 2, ["kernels.attention"]),
     ("mg-fp16", None, [MG, "train.precision=fp16"], 1, ["train.precision"]),
     ("recipe-for-other-engine", None, ["qwen2.5-7b-ddp", TT], 8, ["parallel.distributed_optimizer"]),
 ]
