@@ -81,7 +81,7 @@ def time_autograd(fn, inputs, dout, warmup: int, iters: int) -> dict[str, Any]:
     return {
         "fwd_ms": statistics.median(fwd),
         "fwd_bwd_ms": statistics.median(both),
-        "bwd_ms": statistics.median(b - f for f, b in zip(fwd, both)),
+        "bwd_ms": statistics.median(b - f for f, b in zip(fwd, both, strict=True)),
         "fwd_bwd_ms_all": [round(x, 3) for x in both],
     }
 
@@ -206,7 +206,7 @@ def time_emulated(q, k, v, dout, cp, variant, scale, warmup, iters) -> dict[str,
     return {
         "fwd_bwd_ms": statistics.median(total),  # all ranks' work, summed
         "fwd_ms": statistics.median(fwd_sum),
-        "bwd_ms": statistics.median(t - f for t, f in zip(total, fwd_sum)),
+        "bwd_ms": statistics.median(t - f for t, f in zip(total, fwd_sum, strict=True)),
         "per_rank_fwd_bwd_ms": [round(x, 3) for x in med_rank],
         "max_rank_fwd_bwd_ms": max(med_rank),
         "fwd_bwd_ms_all": [round(x, 3) for x in total],
@@ -255,7 +255,7 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def all_errors(results, refs) -> dict[str, Any]:
-    return {name: errors(x, r) for name, x, r in zip(("out", "dq", "dk", "dv"), results, refs)}
+    return {name: errors(x, r) for name, x, r in zip(("out", "dq", "dk", "dv"), results, refs, strict=True)}
 
 
 # --- cases ---------------------------------------------------------------------------------------------------------
@@ -336,7 +336,7 @@ def run_seq(seq: int, args, group, record) -> None:
     cases: dict[str, Any] = {}
     res["cases"] = cases
 
-    def case(name, fn, note=None, profile_it=False):
+    def case(name, fn, note=None, profile_it=False, inputs=inputs, dout=dout, refs=refs):  # bound here: deleted below
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -361,7 +361,9 @@ def run_seq(seq: int, args, group, record) -> None:
         except Exception as exc:  # record and go on
             entry = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-3000:]}
         cases[name] = entry
-        print(f"[{seq}] {name}: " + json.dumps({k: entry.get(k) for k in ("fwd_bwd_ms", "fwd_ms", "error")}), flush=True)
+        print(
+            f"[{seq}] {name}: " + json.dumps({k: entry.get(k) for k in ("fwd_bwd_ms", "fwd_ms", "error")}), flush=True
+        )
 
     from torch.nn.attention import SDPBackend
 
@@ -371,8 +373,13 @@ def run_seq(seq: int, args, group, record) -> None:
             grads_of(fn, inputs, dout)
             case(name, fn, note="enable_gqa=True", profile_it=True)
         except Exception as exc:
-            case(name, sdpa_fn(backend, gqa=False), note=f"enable_gqa refused ({type(exc).__name__}: "
-                 f"{str(exc)[:300]}); K/V repeat_interleave'd inside the timed region", profile_it=True)
+            case(
+                name,
+                sdpa_fn(backend, gqa=False),
+                note=f"enable_gqa refused ({type(exc).__name__}: "
+                f"{str(exc)[:300]}); K/V repeat_interleave'd inside the timed region",
+                profile_it=True,
+            )
 
     case("turbo_attention_cp1", lambda a, b_, c: tcp.attention(a, b_, c, causal=True), profile_it=True)
     if group is not None:
@@ -403,10 +410,7 @@ def run_seq(seq: int, args, group, record) -> None:
                 entry["tflops"] = round(flops / (entry["fwd_bwd_ms"] * 1e-3) / 1e12, 1)
                 entry["blocks_per_rank"] = {
                     r: (
-                        [
-                            (step, len(tcp._ring_blocks(r, (r - step) % cp, True, 1)))
-                            for step in range(cp)
-                        ]
+                        [(step, len(tcp._ring_blocks(r, (r - step) % cp, True, 1))) for step in range(cp)]
                         if variant == "ring"
                         else len(tcp._gathered_blocks(r, cp, True, 1))
                     )
@@ -458,8 +462,12 @@ def main() -> None:
             "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(),
             "flash_sdp_enabled": torch.backends.cuda.flash_sdp_enabled(),
         },
-        "settings": {"warmup": args.warmup, "iters": args.iters, "timing": "median over iters, CUDA events, "
-                     "synchronize after each iteration; grads set to None before each", "cps": args.cps},
+        "settings": {
+            "warmup": args.warmup,
+            "iters": args.iters,
+            "timing": "median over iters, CUDA events, synchronize after each iteration; grads set to None before each",
+            "cps": args.cps,
+        },
     }
     group = None
     if args.group:
