@@ -336,7 +336,7 @@ def run_seq(seq: int, args, group, record) -> None:
     cases: dict[str, Any] = {}
     res["cases"] = cases
 
-    def case(name, fn, note=None, profile_it=False, inputs=inputs, dout=dout, refs=refs):  # bound here: deleted below
+    def case(name, fn, note=None, profile_it=False, inputs=inputs, dout=dout, refs=refs):  # bound at definition
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
