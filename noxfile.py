@@ -88,12 +88,14 @@ def test_deps(name: str) -> list[str]:
 
 
 def install(session: nox.Session, *requirements: str) -> None:
-    """pip install under a constraints file that pins torch. pip byte-compiles what it installs (torch: ~100 s of a
-    122 s install); ``--no-compile`` is no saving here: with PYTHONDONTWRITEBYTECODE=1, as on these machines, every
-    process would then compile each module it imports, every time."""
+    """pip install under a constraints file that pins torch, without byte-compiling: pip would compile every module
+    of every wheel (torch alone: ~110 s of a ~120 s install, in each session). The session's processes write the
+    bytecode of what they import instead, once (PYTHONDONTWRITEBYTECODE, set on these machines, is cleared for the
+    session: with it and no compiled files every process would compile each module it imports, every time)."""
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: Python writes bytecode
     constraints = Path(session.create_tmp()) / "constraints.txt"
     constraints.write_text(TORCH + "\n")
-    session.install("--constraint", str(constraints), *requirements)
+    session.install("--no-compile", "--constraint", str(constraints), *requirements)
 
 
 def install_packages(

@@ -138,6 +138,9 @@ def rank_context(
     cfg, registry = res.config, res.registry
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = detect_device()
+    from primus.core.lazy_compile import defer_torch_compile
+
+    defer_torch_compile()  # before the engine's import: its compiled functions cost nothing until they run
     device_name = None
     if device != "cpu":
         from primus.core.planner.auto import check_fits
