@@ -12,7 +12,7 @@ primus-core, as a user would, and runs the commands its pyproject lists under `[
 then it adds what its tests need (its extras, its `[dependency-groups] test`, else pytest) and runs them.
 
 torch is always `torch==2.13.0`, the CPU build on this machine's disk: every install runs under a constraints
-file that pins it, so no dependency can pull another build.
+file that pins it (and triton, to the release on disk), so no dependency can pull another build.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ nox.options.error_on_missing_interpreters = True  # no Python 3.11 must fail the
 ROOT = Path(__file__).parent
 PYTHON = "3.11"  # the torch wheel on disk is built for CPython 3.11
 TORCH = "torch==2.13.0"
+# Triton (primus-turbo[triton], run by the Triton interpreter on CPU): the newest release this machine's package
+# index holds on disk. Unpinned, pip takes a newer one from PyPI, a 286 MB download in each of four sessions (and a
+# failed CI run when the connection drops).
+TRITON = "triton==3.8.0"
 RUFF = "ruff==0.17.6"
 LINT_PATHS = ("packages", "tests", "benchmarks", "noxfile.py")
 # The root tests build and install tests/fixtures/primus-example-plugin without build isolation (works offline).
@@ -88,13 +92,13 @@ def test_deps(name: str) -> list[str]:
 
 
 def install(session: nox.Session, *requirements: str) -> None:
-    """pip install under a constraints file that pins torch, without byte-compiling: pip would compile every module
-    of every wheel (torch alone: ~110 s of a ~120 s install, in each session). The session's processes write the
+    """pip install under a constraints file that pins torch and triton, without byte-compiling: pip would compile
+    every module of every wheel (torch alone: ~110 s of a ~120 s install, in each session). The session's processes write the
     bytecode of what they import instead, once (PYTHONDONTWRITEBYTECODE, set on these machines, is cleared for the
     session: with it and no compiled files every process would compile each module it imports, every time)."""
     session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: Python writes bytecode
     constraints = Path(session.create_tmp()) / "constraints.txt"
-    constraints.write_text(TORCH + "\n")
+    constraints.write_text(f"{TORCH}\n{TRITON}\n")
     session.install("--no-compile", "--constraint", str(constraints), *requirements)
 
 
