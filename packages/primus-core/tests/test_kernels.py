@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from primus.core import hookimpl  # noqa: E402
 from primus.core.config.schema import KernelsConfig  # noqa: E402
 from primus.core.kernels import KernelUnavailable, select_kernels  # noqa: E402
 from primus.core.kernels import reference as ref  # noqa: E402
@@ -57,3 +58,47 @@ def test_auto_selects_core_providers_on_cpu(registry, caplog):
 def test_unknown_provider_by_name_is_an_error(registry):
     with pytest.raises(KernelUnavailable, match="kernels.attention: no provider named 'nope'"):
         select_kernels(KernelsConfig(attention="nope"), registry, "cpu")
+
+
+def test_document_attention_is_causal_attention_within_each_document():
+    """data.document_mask: documents end at EOS (the EOS belongs to the one it ends); attention over a packed sample
+    equals causal attention over each document alone."""
+    from primus.core.kernels.documents import document_ids
+
+    eos = 0
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 4], [0, 3, 3, 3, 3, 0, 0, 2]])
+    docs = document_ids(tokens, eos)
+    assert docs.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 2, 3]]
+    g = torch.Generator().manual_seed(2)
+    b, h, hkv, s, d = 2, 4, 2, 8, 16
+    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (h, hkv, hkv))
+    out = ref.attention(q, k, v, documents=docs)
+    for i in range(b):
+        for doc in docs[i].unique():
+            at = (docs[i] == doc).nonzero().flatten()
+            alone = ref.attention(q[i : i + 1, :, at], k[i : i + 1, :, at], v[i : i + 1, :, at])
+            torch.testing.assert_close(out[i : i + 1, :, at], alone, rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(out, ref.attention(q, k, v))  # the mask changed something
+
+
+class _FastAttention:
+    """An attention provider above core's that cannot mask by document."""
+
+    @staticmethod
+    @hookimpl
+    def primus_kernels():
+        from primus.core.protocols import KernelProvider
+
+        fast = KernelProvider(op="attention", name="fast", impl=ref.attention, available=ref.always, priority=10)
+        return [fast]
+
+
+def test_document_mask_selects_only_providers_that_mask_by_document(monkeypatch):
+    from primus.core.plugins import DISABLE_ENV, Registry, build_plugin_manager
+
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    registry = Registry(build_plugin_manager(extra_plugins=[("fast", _FastAttention)]))
+    assert select_kernels(KernelsConfig(), registry, "cpu")["attention"].name == "fast"
+    assert select_kernels(KernelsConfig(), registry, "cpu", documents=True)["attention"].name == "sdpa"
+    with pytest.raises(KernelUnavailable, match=r"provider 'fast' .* cannot mask attention by document"):
+        select_kernels(KernelsConfig(attention="fast"), registry, "cpu", documents=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from primus.core import hookimpl
-from primus.core.protocols import KernelProvider
+from primus.core.protocols import DOCUMENTS, KernelProvider
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -33,6 +33,7 @@ def primus_kernels() -> list[KernelProvider]:
             available=f"{_REF}:always",
             priority=0,
             description=desc.get(op, "plain PyTorch reference"),
+            features=frozenset({DOCUMENTS}) if op == "attention" else frozenset(),
         )
         for op in ("attention", "rms_norm", "swiglu", "cross_entropy", "rope")
     ]

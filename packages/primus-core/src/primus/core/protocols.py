@@ -88,6 +88,11 @@ class Availability:
         return self.ok
 
 
+#: KernelProvider.features entry of an attention provider whose impl takes ``documents=[b, s]`` (document-aware
+#: attention in packed samples, ``data.document_mask``: :mod:`primus.core.kernels.documents`)
+DOCUMENTS = "documents"
+
+
 @dataclass(frozen=True)
 class KernelProvider:
     """One implementation of one op.

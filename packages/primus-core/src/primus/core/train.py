@@ -150,7 +150,13 @@ def rank_context(
 
         device_name = torch.cuda.get_device_name(local_rank)
     kernels = select_kernels(
-        cfg.kernels, registry, device, head_dim=cfg.model.kv_channels, dtype=cfg.train.precision, cp=cfg.parallel.cp
+        cfg.kernels,
+        registry,
+        device,
+        documents=cfg.data.document_mask,
+        head_dim=cfg.model.kv_channels,
+        dtype=cfg.train.precision,
+        cp=cfg.parallel.cp,
     )
     out = output_dir(cfg)
     if cfg.train.init_from:  # a checkpoint of the other engine becomes a Hugging Face folder, once

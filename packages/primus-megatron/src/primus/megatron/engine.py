@@ -21,6 +21,7 @@ import torch.distributed as dist
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import grad_accumulation_steps
 from primus.core.health import collective_timeout
+from primus.core.kernels.documents import document_eos, document_ids
 from primus.core.loop import StepResult
 from primus.core.protocols import RunContext
 from primus.megatron.dist import init_distributed, teardown
@@ -205,6 +206,7 @@ class MegatronEngine:
         # every context-parallel rank holds its own tokens' losses; tp ranks hold the same ones
         self.reports_loss = any(last) and r["tp"] == 0
         self.fb = get_forward_backward_func()
+        self.document_eos = document_eos(cfg)
 
     def _forward_step(self, step: int):
         from primus.core.data.sft import IGNORE_INDEX
@@ -215,6 +217,7 @@ class MegatronEngine:
         # sum and trainable-token count, and megatron scales the gradients by the global count.
         masked = self.cfg.train.objective == "sft"
         cp = self.cfg.parallel.cp
+        eos = self.document_eos
         if cp > 1:
             from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -225,7 +228,10 @@ class MegatronEngine:
                 tokens, labels = batch["tokens"], batch["labels"]
             mask = labels != IGNORE_INDEX if masked else None
             target = labels if mask is None else torch.where(mask, labels, torch.zeros_like(labels))
-            losses = model_chunk(tokens, None, None, labels=target)
+            # data.document_mask: each position's document rides in megatron's attention_mask slot, which hands it
+            # unchanged to the core attention (KernelCoreAttention); every pipeline stage reads its own tokens
+            documents = None if eos is None else document_ids(tokens, eos)
+            losses = model_chunk(tokens, None, documents, labels=target)
 
             def loss_func(output: torch.Tensor) -> tuple:
                 if mask is not None:

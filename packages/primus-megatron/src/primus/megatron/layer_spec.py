@@ -80,8 +80,10 @@ class KernelCoreAttention(MegatronModule):
             raise ValueError("packed sequences and attention bias are not supported by KernelCoreAttention")
         s, b = query.shape[0], query.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
-        cp = {} if self.cp_group is None else {"group": self.cp_group}
-        out = self.attn(q, k, v, causal=True, scale=self.softmax_scale, **cp)
+        kw: dict[str, Any] = {} if self.cp_group is None else {"group": self.cp_group}
+        if attention_mask is not None:  # data.document_mask: [b, s] document ids (the engine's forward step)
+            kw["documents"] = attention_mask
+        out = self.attn(q, k, v, causal=True, scale=self.softmax_scale, **kw)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 

@@ -80,6 +80,7 @@ def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         pp=p.pp,
         loss_parallel=loss_parallel,
         fp8_head=fp8_output_head(cfg.kernels),
+        documents=cfg.data.document_mask,
     )
     if "fp8" in ctx.kernels:
         from primus.torchtitan import fp8
@@ -89,6 +90,7 @@ def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
 
 
 def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | None = None) -> Any:
+    from primus.core.kernels.documents import document_eos
     from primus.torchtitan import compat
     from primus.torchtitan import job_config as jc
 
@@ -118,7 +120,9 @@ def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | 
         checkpoint_dir=str(checkpoint_dir(cfg)),
         gpu=device != "cpu",
     )
-    return PrimusTrainer(job_config)
+    trainer = PrimusTrainer(job_config)
+    trainer.document_eos = document_eos(cfg)
+    return trainer
 
 
 class TorchTitanEngine:

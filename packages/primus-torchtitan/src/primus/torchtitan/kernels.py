@@ -63,6 +63,7 @@ class Choice:
     provider: str
     fn: Callable[..., Any] | None
     note: str
+    documents: bool = False  # attention: masks by document (data.document_mask)
 
     def describe(self) -> str:
         return f"{self.op}: {self.provider} → {'swapped in' if self.fn else 'torchtitan module'} ({self.note})"
@@ -78,12 +79,14 @@ def plan(
     pp: int = 1,
     swap_reference: bool = False,
     fp8_head: bool = False,
+    documents: bool = False,
 ) -> dict[str, Choice]:
     """Decide per op whether the selected provider replaces torchtitan's module (``providers``: op →
     :class:`~primus.core.protocols.KernelProvider`). ``swap_reference`` swaps core's reference providers
     too (tests of the mechanism); normally torchtitan's modules already compute them. ``fp8_head``: the output
     head becomes an FP8 linear (``kernels.fp8_recipe.bf16_output_head: false``), so it is not fused with the loss
-    (the fused kernel would run it in bf16 and leave the FP8 module unused)."""
+    (the fused kernel would run it in bf16 and leave the FP8 module unused). ``documents`` (``data.document_mask``):
+    the attention provider is swapped in whatever it is (torchtitan's SDPA module cannot mask by document)."""
     out: dict[str, Choice] = {}
     dtensor = {
         "rms_norm": "norms run on DTensors under tensor parallelism (sequence parallel)" if tp > 1 else "",
@@ -109,7 +112,9 @@ def plan(
         if op not in SWAPPED_OPS:
             continue
         fn = prov.load()
-        if fn is REFERENCE[op] and not swap_reference:
+        if op == "attention" and documents and not dtensor[op]:
+            out[op] = Choice(op, prov.name, fn, "masks by document (data.document_mask)", documents=True)
+        elif fn is REFERENCE[op] and not swap_reference:
             out[op] = Choice(op, prov.name, None, "core's reference: torchtitan's module computes the same")
         elif dtensor[op]:
             out[op] = Choice(op, prov.name, None, dtensor[op])
@@ -147,6 +152,8 @@ class ProviderAttention(ScaledDotProductAttentionWrapper):
 
     kernel: Callable[..., torch.Tensor]
 
+    documents: torch.Tensor | None = None  # [b, s], set by the enclosing attention module for its forward
+
     def forward(
         self,
         q: torch.Tensor,
@@ -157,7 +164,26 @@ class ProviderAttention(ScaledDotProductAttentionWrapper):
         enable_gqa: bool = False,
         is_causal: bool = True,
     ) -> torch.Tensor:
+        if self.documents is not None:
+            return self.kernel(q, k, v, causal=is_causal, scale=scale, documents=self.documents)
         return self.kernel(q, k, v, causal=is_causal, scale=scale)
+
+
+@functools.cache
+def _document_attention_class(base: type) -> type:
+    """A subclass of torchtitan's Attention (llama3's or qwen3's) that takes ``attention_masks`` = ``[b, s]``
+    document ids (:meth:`PrimusTrainer.post_dataloading_process <primus.torchtitan.trainer.PrimusTrainer>`) with
+    its SDPA path: torchtitan's forward runs unchanged (it accepts masks only for flex / varlen attention, which need
+    a GPU), while its provider attention module masks by them."""
+
+    def forward(self, x, freqs_cis, attention_masks=None, positions=None):  # noqa: ANN001, ANN202
+        self.inner_attention.documents = attention_masks
+        try:
+            return base.forward(self, x, freqs_cis, None, positions)
+        finally:
+            self.inner_attention.documents = None
+
+    return type(f"Document{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
 
 
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +210,7 @@ def _is_feed_forward(module: nn.Module) -> bool:
 def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]:
     """Retype the modules of ``model`` for the choices that carry a provider; returns op → modules swapped."""
     fns = {op: c.fn for op, c in choices.items() if c.fn is not None and op in MODULE_OPS}
+    documents = "attention" in choices and choices["attention"].documents
     counts = dict.fromkeys(fns, 0)
     head = choices.get("linear_cross_entropy")
     if head is not None and head.fn is not None:
@@ -195,6 +222,8 @@ def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]
         elif "attention" in fns and type(module) is ScaledDotProductAttentionWrapper:
             _retype(module, ProviderAttention, fns["attention"])
             counts["attention"] += 1
+        elif documents and isinstance(getattr(module, "inner_attention", None), ScaledDotProductAttentionWrapper):
+            module.__class__ = _document_attention_class(type(module))
         elif "swiglu" in fns and _is_feed_forward(module) and type(module).forward is not _swiglu_forward:
             _retype(module, _swiglu_class(type(module)), fns["swiglu"])
             counts["swiglu"] += 1

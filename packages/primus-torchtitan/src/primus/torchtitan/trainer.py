@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from primus.core.kernels.documents import document_ids
 from primus.torchtitan import compat
 from primus.torchtitan.loss import head_targets
 
@@ -57,6 +58,7 @@ class PrimusTrainer(Trainer):
         self._step_losses: list[torch.Tensor] = []
         self.gate: Any = None  # core's health gate of the running step: gate(loss, grad_norm) -> apply?
         self.last_loss, self.last_grad_norm, self.skipped = math.nan, None, False
+        self.document_eos: int | None = None  # data.document_mask: the EOS id that ends a document (the engine sets it)
         exempt_from_weight_decay(self.optimizers)
         # a step the health gate refuses: the optimizer does not step; core's loop owns the learning rate
         optimizer_step = self.optimizers.step
@@ -107,6 +109,17 @@ class PrimusTrainer(Trainer):
         if dims.dp_replicate_enabled and not dims.fsdp_enabled:
             return compat.ddp_grad_scale(dims.dp_replicate)
         return 1.0
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        """torchtitan's, plus (``data.document_mask``) each position's document as the model's ``attention_masks``:
+        a plain ``[b, s]`` tensor, which the pipeline schedules split by micro-batch and hand to every stage, and
+        which the document-masking attention modules (:func:`primus.torchtitan.kernels.swap_modules`) read."""
+        inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+        if self.document_eos is not None:
+            extra_kwargs["attention_masks"] = document_ids(inputs, self.document_eos)
+        return inputs, labels, extra_inputs, extra_kwargs
 
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor

@@ -231,6 +231,15 @@ def _dtensor_reason(cfg: PrimusConfig, op: str) -> str:
 
 def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     out = []
+    if cfg.data.document_mask and (reason := _dtensor_reason(cfg, "attention")):
+        out.append(
+            ConfigIssue(
+                "data.document_mask",
+                f"{reason}, which cannot mask by document",
+                value=True,
+                allowed="false, or parallel.tp 1",
+            )
+        )
     for op, ref in REFERENCE_KERNELS.items():
         choice = getattr(cfg.kernels, op)
         if choice in ("auto", ref):

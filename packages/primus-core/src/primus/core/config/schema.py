@@ -271,6 +271,11 @@ class DataConfig(Section):
     text_key: str = Field("text", description="field holding the text in .jsonl/.parquet")
     tokenizer: str = Field("bundled", description="'bundled' or a folder / tokenizer.json path")
     num_workers: int = Field(0, ge=0, description="data loader worker processes")
+    document_mask: bool = Field(
+        False,
+        description="packed samples: each token attends only to earlier tokens of its own document (documents end "
+        "at the tokenizer's EOS token); needs an attention provider that masks by document",
+    )
 
     @field_validator("blend", mode="before")
     @classmethod

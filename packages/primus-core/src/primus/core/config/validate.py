@@ -198,6 +198,15 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         out.append(
             ConfigIssue(key, "data.blend names the training sources", value=d.paths or d.source, allowed="unset")
         )
+    if d.document_mask and p.cp > 1:
+        out.append(
+            ConfigIssue(
+                "data.document_mask",
+                f"with parallel.cp={p.cp}: context-parallel attention does not mask by document yet",
+                value=True,
+                allowed="false, or parallel.cp 1",
+            )
+        )
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         out.append(
             ConfigIssue(

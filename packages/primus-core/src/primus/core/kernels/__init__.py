@@ -3,7 +3,9 @@
 The call contract of each op (what ``provider.load()`` returns), shared by every provider:
 
 - ``attention(q, k, v, *, causal=True, scale=None) -> out``: q ``[b, h, s, d]``, k/v ``[b, h_kv, s, d]``
-  with ``h % h_kv == 0`` (GQA, never materialising repeated K/V where the kernel allows).
+  with ``h % h_kv == 0`` (GQA, never materialising repeated K/V where the kernel allows). A provider with the
+  ``documents`` feature also takes ``documents=[b, s]`` (each position's document in a packed sample: attention
+  stays causal within each document; :mod:`primus.core.kernels.documents`).
 - ``rms_norm(x, weight, eps) -> y`` over the last dim.
 - ``swiglu(gate, up) -> silu(gate) * up``. A provider may also offer ``swiglu.packed(x) -> swiglu(*x.chunk(2, -1))``
   (gate and up as the halves of one projection's output, the gradient returned in ``x``'s layout).
@@ -23,7 +25,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from primus.core.errors import UserError
-from primus.core.protocols import KERNEL_OPS, KernelProvider
+from primus.core.protocols import DOCUMENTS, KERNEL_OPS, Availability, KernelProvider
 
 if TYPE_CHECKING:
     from primus.core.config.schema import KernelsConfig
@@ -68,11 +70,18 @@ def detect_device() -> str:
     return "cpu"
 
 
+def _check(prov: KernelProvider, device: str, documents: bool, constraints: dict[str, object]) -> Availability:
+    if documents and prov.op == "attention" and DOCUMENTS not in prov.features:
+        return Availability(False, "cannot mask attention by document (data.document_mask)")
+    return prov.check(device, **constraints)
+
+
 def select_kernels(
-    kernels: KernelsConfig, registry: Registry, device: str, **constraints: object
+    kernels: KernelsConfig, registry: Registry, device: str, *, documents: bool = False, **constraints: object
 ) -> dict[str, KernelProvider]:
     """Pick a provider per op; log each choice once. A provider asked for by name that cannot run
-    here raises :class:`KernelUnavailable` with its reason."""
+    here raises :class:`KernelUnavailable` with its reason. ``documents``: the attention masks by document
+    (``data.document_mask``), which only providers with the :data:`~primus.core.protocols.DOCUMENTS` feature do."""
     chosen: dict[str, KernelProvider] = {}
     for op in SELECTABLE_OPS:
         want = getattr(kernels, op)
@@ -84,7 +93,7 @@ def select_kernels(
                     f"kernels.{op}: no provider named {want!r} is installed "
                     f"(installed: {', '.join(p.name for p in providers) or 'none'})"
                 )
-            ok = prov.check(device, **constraints)
+            ok = _check(prov, device, documents, constraints)
             if not ok:
                 raise KernelUnavailable(
                     f"kernels.{op}: provider {want!r} ({prov.dist}) is not available on {device}: {ok.reason}"
@@ -94,7 +103,7 @@ def select_kernels(
             continue
         reasons = []
         for prov in providers:
-            ok = prov.check(device, **constraints)
+            ok = _check(prov, device, documents, constraints)
             if ok:
                 chosen[op] = prov
                 log.info("%s: %s (auto)", op, prov.name)

@@ -11,15 +11,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from primus.core.kernels.documents import document_causal_mask
 from primus.core.protocols import Availability
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q [b, h, s, d]; k, v [b, h_kv, s, d]: enable_gqa broadcasts kv heads without a copy where the
-    # backend supports it (flash / cuDNN on CUDA, math on CPU).
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    # backend supports it (flash / cuDNN on CUDA, math on CPU). documents [b, s] (data.document_mask): a boolean
+    # mask, causal within each document (the memory-efficient kernel on GPUs; flash and cuDNN take no mask).
+    gqa = k.shape[1] != q.shape[1]
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if not causal:
+        raise ValueError("document masking is causal within each document")
+    mask = document_causal_mask(documents)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
