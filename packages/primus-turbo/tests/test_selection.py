@@ -13,9 +13,10 @@ from primus.core.kernels import KernelUnavailable, select_kernels
 
 def test_providers_are_registered_with_their_priorities(registry):
     by_name = {p.name: p for p in registry.providers("attention")}
-    assert [p.name for p in registry.providers("attention")] == ["aiter", "cudnn", "flash", "ring", "sdpa"]
-    assert {n: by_name[n].priority for n in by_name} == {"aiter": 30, "cudnn": 20, "flash": 10, "ring": 5, "sdpa": 0}
-    assert {by_name[n].dist for n in ("aiter", "cudnn", "flash", "ring")} == {"primus-turbo"}
+    assert [p.name for p in registry.providers("attention")] == ["aiter", "cudnn", "flash", "flex", "ring", "sdpa"]
+    want = {"aiter": 30, "cudnn": 20, "flash": 10, "flex": 8, "ring": 5, "sdpa": 0}
+    assert {n: by_name[n].priority for n in by_name} == want
+    assert {by_name[n].dist for n in ("aiter", "cudnn", "flash", "flex", "ring")} == {"primus-turbo"}
     assert by_name["sdpa"].dist == "primus-core"
 
 

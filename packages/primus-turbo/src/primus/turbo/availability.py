@@ -121,6 +121,28 @@ def aiter(
     return _verdict(shape_reason(dtype, head_dim))
 
 
+def flex(
+    device: str, *, head_dim: int | None = None, cp: int | None = None, documents: bool = False, **_: Any
+) -> Availability:
+    """primus.turbo.attention_flex: FlexAttention compiled to Triton kernels (any dtype), on a CUDA or ROCm GPU, for
+    document masking (``documents``): plain causal attention has its faster kernels."""
+    if not documents:
+        return Availability(
+            False, "offered for document masking (data.document_mask); cuDNN, flash or SDPA serve causal attention"
+        )
+    if device not in ("cuda", "rocm"):
+        return Availability(False, "FlexAttention has no backward on CPU (CUDA and ROCm only)")
+    if why := cp_reason(cp):
+        return Availability(False, why)
+    if head_dim is not None and (head_dim < 16 or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1)):
+        return Availability(False, f"head_dim must be a power of two in 16..{MAX_HEAD_DIM} (got {head_dim})")
+    try:
+        import triton  # noqa: F401 - the import is the check (FlexAttention compiles through it)
+    except ImportError as exc:
+        return Availability(False, f"triton is not installed ({exc})")
+    return Availability(True)
+
+
 def triton_kernels(device: str, **_: Any) -> Availability:
     """The Triton kernels (primus.turbo.triton): any dtype and head size, on a CUDA or ROCm GPU."""
     if device not in ("cuda", "rocm"):

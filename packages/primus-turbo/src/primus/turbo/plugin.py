@@ -1,7 +1,9 @@
 """The ``turbo`` entry point: the kernel providers primus-turbo registers.
 
 Priorities order ``auto`` selection (highest available wins): AITER (ROCm) 30, cuDNN (CUDA) 20,
-flash 10, ring 5, core's plain SDPA 0. ``ring`` (context-parallel attention, :mod:`primus.turbo.context_parallel`)
+flash 10, flex 8, ring 5, core's plain SDPA 0. ``flex`` (FlexAttention, :mod:`primus.turbo.attention_flex`) alone of
+them masks by document (the ``"documents"`` feature): with ``data.document_mask`` selection skips the others, so
+``auto`` takes it on a GPU and core's SDPA on CPU. ``ring`` (context-parallel attention, :mod:`primus.turbo.context_parallel`)
 declares the ``"context_parallel"`` feature and is available only under the constraint ``cp > 1``, which the other
 attention providers refuse: with ``cp`` passed at selection, ``auto`` picks it exactly when the sequence is split. The Triton kernels (rms_norm, swiglu, rope, cross_entropy) are 20, above
 core's plain-PyTorch ones (0), on any CUDA or ROCm device with ``triton`` installed.
@@ -17,7 +19,7 @@ Their impl is the model swap ``convert_to_fp8(model, recipe, skip) -> names swap
 from __future__ import annotations
 
 from primus.core import hookimpl
-from primus.core.protocols import KernelProvider
+from primus.core.protocols import DOCUMENTS, KernelProvider
 
 _CHECK = "primus.turbo.availability"
 
@@ -56,6 +58,15 @@ def primus_kernels() -> list[KernelProvider]:
             available=f"{_CHECK}:flash",
             priority=10,
             description="torch SDPA forced to the flash backend (CUDA, ROCm)",
+        ),
+        KernelProvider(
+            op="attention",
+            name="flex",
+            impl="primus.turbo.attention_flex:attention",
+            available=f"{_CHECK}:flex",
+            priority=8,
+            description="FlexAttention (Triton): causal, or within each document of a packed sample",
+            features=frozenset({DOCUMENTS}),
         ),
         KernelProvider(
             op="attention",

@@ -71,9 +71,11 @@ def detect_device() -> str:
 
 
 def _check(prov: KernelProvider, device: str, documents: bool, constraints: dict[str, object]) -> Availability:
-    if documents and prov.op == "attention" and DOCUMENTS not in prov.features:
+    if prov.op != "attention":
+        return prov.check(device, **constraints)
+    if documents and DOCUMENTS not in prov.features:
         return Availability(False, "cannot mask attention by document (data.document_mask)")
-    return prov.check(device, **constraints)
+    return prov.check(device, documents=documents, **constraints)
 
 
 def select_kernels(
@@ -81,7 +83,8 @@ def select_kernels(
 ) -> dict[str, KernelProvider]:
     """Pick a provider per op; log each choice once. A provider asked for by name that cannot run
     here raises :class:`KernelUnavailable` with its reason. ``documents``: the attention masks by document
-    (``data.document_mask``), which only providers with the :data:`~primus.core.protocols.DOCUMENTS` feature do."""
+    (``data.document_mask``), which only providers with the :data:`~primus.core.protocols.DOCUMENTS` feature do
+    (attention checks get it as a constraint too)."""
     chosen: dict[str, KernelProvider] = {}
     for op in SELECTABLE_OPS:
         want = getattr(kernels, op)
