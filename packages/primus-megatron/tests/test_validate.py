@@ -67,7 +67,7 @@ def test_profiling_health_and_fault_injection_are_accepted():
             "exceeds",
         ),
         (["train.precision=fp16"], 1, "train.precision", "loss scaling"),
-        (["model.moe.num_experts=4"], 1, "train.init", "the experts have no mapping yet"),
+        (["model.moe.num_experts=4", "train.init=canonical"], 1, "train.init", "the experts have no mapping yet"),
         (["model.moe.num_experts=4", "train.init=engine", "kernels.fp8=tensorwise"], 1, "kernels.fp8", "expert"),
         (["train.compile=true"], 1, "train.compile", "torch.compile"),
         (["backend.extra.bogus=1"], 1, "backend.extra", "bogus"),

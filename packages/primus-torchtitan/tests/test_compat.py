@@ -68,6 +68,29 @@ def test_moe_kernels_still_import_triton():
             standin.generate_permute_indices()
 
 
+def test_moe_router_still_counts_integer_indices_with_histc():
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+    assert "torch.histc(" in inspect.getsource(TokenChoiceTopKRouter.forward)
+    indices = torch.tensor([3, 0, 3, 1, 7, 3])
+    assert getattr(torch.histc, "_primus_integer", False)  # applied by the CPU import
+    counts = torch.histc(indices, bins=8, min=0, max=8)
+    assert counts.dtype == torch.int64 and counts.tolist() == torch.bincount(indices, minlength=8).tolist()
+    assert torch.histc(torch.tensor([0.5, 1.5]), bins=2, min=0, max=2).tolist() == [1.0, 1.0]
+    unpatched = torch.histc.__closure__[0].cell_contents
+    with pytest.raises(NotImplementedError):  # torch's CPU kernel still takes no integers: the patch is needed
+        unpatched(indices, bins=8, min=0, max=8)
+
+
+def test_moe_permute_still_has_a_cpu_path():
+    from torchtitan.models.moe import kernels
+    from torchtitan.models.moe import utils as moe_utils
+
+    assert "use_cpu" in inspect.signature(kernels.generate_permute_indices).parameters
+    assert "generate_permute_indices(" in inspect.getsource(moe_utils._permute)
+    assert moe_utils.generate_permute_indices.keywords == {"use_cpu": True}  # applied by the CPU import
+
+
 def test_fsdp_without_divide_factor_uses_premul_sum_unless_forced():
     from torch.distributed import ReduceOp
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from conftest import TINY
+from conftest import CONFIGS, TINY
 
 from primus.core.config.errors import ConfigError
 from primus.core.train import resolve
+
+MOE = ["model.family=qwen3", "model.qk_norm=true", "model.head_dim=64", "model.moe.num_experts=4"]
+MOE += ["model.moe.balancing=loss_free", "train.init=engine"]
+QWEN3 = ["model.family=qwen3", "model.qk_norm=true", "model.head_dim=64"]
 
 
 def issues(config: str, *overrides: str, world_size: int = 1) -> str:
@@ -27,7 +31,13 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
         ),
         (["model.family=qwen3", "model.qkv_bias=true"], 1, "model.qkv_bias", "qwen3 model has no qkv bias"),
         (["parallel.fsdp=false"], 2, "parallel.fsdp", "only with FSDP2"),
-        (["model.moe.num_experts=4"], 1, "model.moe", "mixture-of-experts layers are not built"),
+        (["model.moe.num_experts=4", "train.init=engine"], 1, "model.family", "builds mixture-of-experts layers in"),
+        (MOE + ["model.moe.balancing=aux_loss"], 1, "model.moe.balancing", "has no auxiliary loss"),
+        (MOE + ["model.moe.first_dense_layers=1"], 1, "model.moe.first_dense_layers", "every layer"),
+        (MOE + ["model.moe.capacity_factor=1.5"], 1, "model.moe.capacity_factor", "drops no tokens"),
+        (MOE + ["parallel.tp=2"], 2, "parallel.tp", "not wired for mixture-of-experts"),
+        (MOE + ["train.init=canonical"], 1, "train.init", "the experts have no mapping"),
+        (["data.document_mask=true", *QWEN3, "parallel.tp=2"], 2, "data.document_mask", "cannot mask by document"),
         (["model.head_dim=64"], 1, "model.head_dim", "hidden_size / heads"),
         (["model.qk_norm=true"], 1, "model.qk_norm", "llama3 model has no qk_norm"),
         (["train.precision=fp16"], 1, "train.precision", "no fp16 loss scaling"),
@@ -82,6 +92,7 @@ def test_refused_with_reason(overrides, world_size, key, why):
         ("llama3.1-8b-fsdp", 8),
         ("llama3.1-70b-fsdp-recompute", 8),
         ("tiny-qwen2", 2),
+        (str(CONFIGS / "tiny_moe.yaml"), 2),
         ("llama3.2-1b-h200", 8),  # primus-tune's recipe, when installed
     ],
 )

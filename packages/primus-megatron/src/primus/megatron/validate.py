@@ -222,20 +222,8 @@ def _fsdp_issues(cfg: PrimusConfig, dp: int) -> list[ConfigIssue]:
 def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     """What this backend's mixture-of-experts model (megatron-core's MoE layer: router, all-to-all dispatch over
     parallel.ep, experts as a loop of local MLPs) does not cover yet."""
-    p, t = cfg.parallel, cfg.train
+    p = cfg.parallel
     out: list[ConfigIssue] = []
-    if t.init == "canonical":
-        out.append(
-            ConfigIssue(
-                "train.init",
-                "core's canonical initial weights name every tensor by its Hugging Face name, and the experts have no "
-                "mapping yet: a mixture-of-experts model starts from megatron's own initialisation",
-                "canonical",
-                "engine",
-            )
-        )
-    if t.init_from:
-        out.append(ConfigIssue("train.init_from", "Hugging Face MoE weights are not mapped yet", t.init_from, "null"))
     if p.fsdp is True and p.shard_size(1) > 1:
         out.append(ConfigIssue("parallel.fsdp", "FSDP2 of expert weights is not wired", True, "false or auto"))
     if cfg.kernels.fp8 != "off":

@@ -49,6 +49,20 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_moe_kernels_still_import_triton",
     ),
     Patch(
+        "compat.integer_histc_on_cpu",
+        "torch.histc, on CPU for integer inputs (applied by import_torchtitan on CPU)",
+        "the MoE router counts tokens per expert with torch.histc of the expert indices (int64); CUDA counts "
+        "integers, torch's CPU kernel only floating types",
+        "test_compat.py::test_moe_router_still_counts_integer_indices_with_histc",
+    ),
+    Patch(
+        "compat.moe_permute_on_cpu",
+        "torchtitan.models.moe.utils.generate_permute_indices (CPU only): its own use_cpu=True path",
+        "expert parallelism orders the received tokens by expert with a Triton kernel unless told use_cpu; "
+        "torchtitan never tells it on a CPU device",
+        "test_compat.py::test_moe_permute_still_has_a_cpu_path",
+    ),
+    Patch(
         "compat.gloo_parallelize (force_sum_reduction)",
         "the TrainSpec's parallelize_fn, wrapped on CPU: FSDP modules reduce with SUM",
         "torchtitan sets FSDP's gradient divide factor to 1, which torch reduces with PREMUL_SUM; gloo has none",
@@ -231,6 +245,34 @@ def install_triton_standin() -> bool:
     return True
 
 
+def integer_histc_on_cpu() -> None:
+    """``torch.histc`` of an integer CPU tensor, counted through float64 (exact below 2**53) and returned in the
+    input's dtype, as CUDA's kernel does; everything else goes to torch's own. Idempotent."""
+    if getattr(torch.histc, "_primus_integer", False):
+        return
+    histc = torch.histc
+
+    def patched(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0, **kw: Any) -> torch.Tensor:
+        if input.is_floating_point() or input.device.type != "cpu" or kw:
+            return histc(input, bins=bins, min=min, max=max, **kw)
+        return histc(input.double(), bins=bins, min=min, max=max).to(input.dtype)
+
+    patched._primus_integer = True  # type: ignore[attr-defined]
+    torch.histc = patched
+
+
+def moe_permute_on_cpu() -> None:
+    """Expert parallelism on CPU: torchtitan's token permutation with its CPU implementation (``use_cpu=True``)
+    instead of the Triton kernel it calls by default."""
+    import functools
+
+    from torchtitan.models.moe import kernels
+    from torchtitan.models.moe import utils as moe_utils
+
+    if not isinstance(moe_utils.generate_permute_indices, functools.partial):
+        moe_utils.generate_permute_indices = functools.partial(kernels.generate_permute_indices, use_cpu=True)
+
+
 @contextmanager
 def cpu_device_detection() -> Iterator[CpuDeviceModule]:
     """torchtitan 0.2.2 decides its device once, in ``torchtitan.tools.utils`` at import
@@ -262,6 +304,7 @@ def import_torchtitan(device: str | None = None) -> str:
 
         return tt_utils.device_type
     install_triton_standin()
+    integer_histc_on_cpu()
     if "torchtitan.tools.utils" in sys.modules:
         import torchtitan.tools.utils as tt_utils
 
@@ -274,6 +317,7 @@ def import_torchtitan(device: str | None = None) -> str:
     with cpu_device_detection():
         import torchtitan.tools.utils as tt_utils
         import torchtitan.train  # noqa: F401  (imports every module that copies the device name)
+    moe_permute_on_cpu()
     return tt_utils.device_type
 
 

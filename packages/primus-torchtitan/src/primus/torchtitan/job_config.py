@@ -156,6 +156,7 @@ def build_job_config(cfg: Any, *, model_name: str, flavor: str, output_dir: str,
     par.fsdp_reshard_after_forward = "default" if p.reshard_after_forward else "never"
     par.tensor_parallel_degree, par.context_parallel_degree = p.tp, p.cp
     par.pipeline_parallel_degree = p.pp
+    par.expert_parallel_degree = p.ep
     if p.pp > 1:
         par.pipeline_parallel_schedule = PP_SCHEDULES[p.pp_schedule]
         par.pipeline_parallel_microbatch_size = t.micro_batch_size

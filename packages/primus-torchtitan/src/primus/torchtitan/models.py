@@ -77,10 +77,39 @@ def dense_args(m: ModelConfig, seq_len: int) -> Any:
     return llama3_args(m, seq_len, DenseModelArgs, qkv_bias=m.qkv_bias, tie_word_embeddings=m.tie_word_embeddings)
 
 
+def moe_args(m: ModelConfig) -> dict[str, Any]:
+    """model.moe as torchtitan 0.2.2's qwen3 MoE (every layer: a router, ``num_experts`` SwiGLU experts, shared
+    experts as one FeedForward of their summed width), the router weight applied to each expert's output as in
+    Megatron-Core; loss-free balancing is torchtitan's expert-bias update (rate 1e-3, Megatron's default). The
+    experts run as grouped GEMMs on a GPU and as a loop on CPU (``torch._grouped_mm`` is CUDA's)."""
+    if m.moe is None:
+        return {}
+    import torch
+    from torchtitan.models.moe import MoEArgs
+
+    e = m.moe
+    return {
+        "moe_enabled": True,
+        "moe_inter_dim": e.expert_ffn_hidden_size,
+        "moe_args": MoEArgs(
+            num_experts=e.num_experts,
+            num_shared_experts=e.shared_experts,
+            score_func=e.router,
+            route_norm=e.normalize_topk,
+            route_scale=1.0,
+            score_before_experts=False,
+            top_k=e.experts_per_token,
+            use_grouped_mm=torch.cuda.is_available(),
+            load_balance_coeff=1e-3 if e.balancing == "loss_free" else None,
+        ),
+    }
+
+
 def qwen3_args(m: ModelConfig, seq_len: int) -> Any:
     from torchtitan.models.qwen3 import Qwen3ModelArgs
 
     return Qwen3ModelArgs(
+        **moe_args(m),
         dim=m.hidden_size,
         n_layers=m.num_layers,
         n_heads=m.num_attention_heads,

@@ -92,15 +92,7 @@ def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
                 )
             )
     if m.moe is not None:
-        out.append(
-            ConfigIssue(
-                "model.moe",
-                "mixture-of-experts layers are not built by the torchtitan backend yet (torchtitan 0.2.2's MoE module "
-                "is the next step); the presets, parameter counts and validation exist",
-                value=f"{m.moe.num_experts} experts",
-                allowed="null (a dense model)",
-            )
-        )
+        out += _moe_issues(cfg)
     if p.distributed_optimizer:
         out.append(
             ConfigIssue(
@@ -168,6 +160,35 @@ def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
                 allowed="1, or parallel.pp: 1",
             )
         )
+    return out
+
+
+def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    """What torchtitan 0.2.2's MoE (in its qwen3 model: every layer, no auxiliary loss, no token dropping) and this
+    backend's wiring of it do not cover."""
+    m, p, e = cfg.model, cfg.parallel, cfg.model.moe
+    out: list[ConfigIssue] = []
+    if m.family != "qwen3":
+        why = "torchtitan 0.2.2 builds mixture-of-experts layers in its qwen3 model (Primus maps no other)"
+        out.append(ConfigIssue("model.family", why, value=m.family, allowed="qwen3"))
+    if e.first_dense_layers or e.layer_frequency != 1:
+        key = "model.moe.first_dense_layers" if e.first_dense_layers else "model.moe.layer_frequency"
+        value = e.first_dense_layers or e.layer_frequency
+        why = "torchtitan's qwen3 model makes every layer a mixture-of-experts layer"
+        out.append(ConfigIssue(key, why, value=value, allowed="0" if e.first_dense_layers else "1"))
+    if e.balancing == "aux_loss":
+        why = "torchtitan 0.2.2's MoE has no auxiliary loss; it balances by an expert-bias update (loss_free)"
+        out.append(ConfigIssue("model.moe.balancing", why, value="aux_loss", allowed="loss_free, none"))
+    if e.capacity_factor is not None:
+        why = "torchtitan 0.2.2's MoE drops no tokens (no expert capacity)"
+        out.append(ConfigIssue("model.moe.capacity_factor", why, value=e.capacity_factor, allowed="null"))
+    for key, value, ok in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.cp", p.cp, 1)):
+        if value != ok:
+            why = "not wired for mixture-of-experts models on the torchtitan backend yet"
+            out.append(ConfigIssue(key, why, value=value, allowed=str(ok)))
+    if cfg.kernels.fp8 != "off":
+        why = "FP8 expert linears are not wired"
+        out.append(ConfigIssue("kernels.fp8", why, value=cfg.kernels.fp8, allowed="off"))
     return out
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Auto = Literal["auto"]
 
@@ -141,7 +141,8 @@ class TrainConfig(Section):
     init: Literal["canonical", "engine"] = Field(
         "canonical",
         description="initial weights: canonical = each tensor drawn from train.seed by its Hugging Face name, the "
-        "same on every engine and layout (primus.core.init); engine = the engine's own init",
+        "same on every engine and layout (primus.core.init); engine = the engine's own init (a mixture-of-experts "
+        "model's default)",
     )
     health: HealthConfig = Field(default_factory=HealthConfig)
     max_minutes: float | None = Field(
@@ -357,3 +358,11 @@ class PrimusConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
+
+    @model_validator(mode="after")
+    def _moe_starts_from_engine_init(self) -> PrimusConfig:
+        # canonical initial weights have no mapping for experts yet: unless train.init is set (and then refused,
+        # config/validate.py), a mixture-of-experts model starts from its engine's own initialisation
+        if self.model.moe is not None and "init" not in self.train.model_fields_set:
+            self.train.init = "engine"
+        return self
