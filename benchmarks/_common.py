@@ -86,6 +86,40 @@ def bench_ms(fn: Any, grads: list[Any], rep: int) -> float:
     return sorted(times)[1]
 
 
+def clear_grads(inputs: list[Any]) -> None:
+    for x in inputs:
+        x.grad = None
+
+
+def time_autograd(fn: Any, inputs: list[Any], dout: Any, warmup: int, iters: int) -> dict[str, Any]:
+    """Median fwd and fwd+bwd (ms) of ``fn(*inputs)`` with ``out.backward(dout)``, CUDA events, grads cleared."""
+    import torch
+
+    for _ in range(warmup):
+        clear_grads(inputs)
+        fn(*inputs).backward(dout)
+    torch.cuda.synchronize()
+    fwd, both = [], []
+    for _ in range(iters):
+        clear_grads(inputs)
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        e0.record()
+        out = fn(*inputs)
+        e1.record()
+        out.backward(dout)
+        e2.record()
+        torch.cuda.synchronize()
+        fwd.append(e0.elapsed_time(e1))
+        both.append(e0.elapsed_time(e2))
+        del out
+    return {
+        "fwd_ms": statistics.median(fwd),
+        "fwd_bwd_ms": statistics.median(both),
+        "bwd_ms": statistics.median(b - f for f, b in zip(fwd, both, strict=True)),
+        "fwd_bwd_ms_all": [round(x, 3) for x in both],
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

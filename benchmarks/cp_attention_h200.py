@@ -47,43 +47,12 @@ import torch.nn.functional as F
 
 from primus.turbo import context_parallel as tcp
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import clear_grads as _clear  # noqa: E402
+from _common import time_autograd  # noqa: E402
+
 B, HQ, HKV, D = 1, 32, 8, 128
 DTYPE = torch.bfloat16
-
-
-# --- timing ---------------------------------------------------------------------------------------------------
-
-
-def _clear(inputs: list[torch.Tensor]) -> None:
-    for x in inputs:
-        x.grad = None
-
-
-def time_autograd(fn, inputs, dout, warmup: int, iters: int) -> dict[str, Any]:
-    """Median fwd and fwd+bwd (ms) of ``fn(*inputs)`` with ``out.backward(dout)``, CUDA events, grads cleared."""
-    for _ in range(warmup):
-        _clear(inputs)
-        fn(*inputs).backward(dout)
-    torch.cuda.synchronize()
-    fwd, both = [], []
-    for _ in range(iters):
-        _clear(inputs)
-        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        e0.record()
-        out = fn(*inputs)
-        e1.record()
-        out.backward(dout)
-        e2.record()
-        torch.cuda.synchronize()
-        fwd.append(e0.elapsed_time(e1))
-        both.append(e0.elapsed_time(e2))
-        del out
-    return {
-        "fwd_ms": statistics.median(fwd),
-        "fwd_bwd_ms": statistics.median(both),
-        "bwd_ms": statistics.median(b - f for f, b in zip(fwd, both, strict=True)),
-        "fwd_bwd_ms_all": [round(x, 3) for x in both],
-    }
 
 
 # --- cp > 1 emulated on one device with the module's own block functions ------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -42,36 +43,13 @@ from primus.core.kernels import reference
 from primus.core.kernels.documents import document_ids
 from primus.turbo import attention_flex
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import clear_grads as _clear  # noqa: E402
+from _common import time_autograd  # noqa: E402
+
 B, HQ, HKV, D = 1, 32, 8, 128
 DTYPE = torch.bfloat16
 EOS = 0
-
-
-def _clear(inputs: list[torch.Tensor]) -> None:
-    for x in inputs:
-        x.grad = None
-
-
-def time_autograd(fn, inputs, dout, warmup: int, iters: int) -> dict[str, Any]:
-    """Median fwd and fwd+bwd (ms) of ``fn(*inputs)`` with ``out.backward(dout)``, CUDA events."""
-    for _ in range(warmup):
-        _clear(inputs)
-        fn(*inputs).backward(dout)
-    torch.cuda.synchronize()
-    fwd, both = [], []
-    for _ in range(iters):
-        _clear(inputs)
-        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        e0.record()
-        out = fn(*inputs)
-        e1.record()
-        out.backward(dout)
-        e2.record()
-        torch.cuda.synchronize()
-        fwd.append(e0.elapsed_time(e1))
-        both.append(e0.elapsed_time(e2))
-        del out
-    return {"fwd_ms": statistics.median(fwd), "fwd_bwd_ms": statistics.median(both)}
 
 
 def tokens_with_documents(s: int, mean: float, gen: torch.Generator) -> tuple[torch.Tensor, list[int]]:
