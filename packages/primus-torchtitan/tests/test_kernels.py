@@ -105,7 +105,35 @@ def test_dtensor_ops_are_left_to_torchtitan_under_tp():
     assert tp["attention"].fn is not None and tp["swiglu"].fn is not None  # local tensors under TP
     assert plan(fake, family="llama", tp=2, cp=1, loss_parallel=False)["cross_entropy"].fn is not None
     assert plan(fake, family="qwen3", tp=2, cp=1, loss_parallel=True)["attention"].fn is None
-    assert "context parallelism" in plan(fake, family="llama", tp=1, cp=2, loss_parallel=True)["attention"].note
+
+
+def test_context_parallel_attention_is_the_providers_entry_point():
+    """Under cp > 1 a provider with a context-parallel entry point is swapped in as ContextParallelAttention (on
+    torchtitan's sequence shards); one without leaves torchtitan's module to torch's context-parallel SDPA."""
+    from primus.torchtitan.kernels import ContextParallelAttention
+
+    fake = counting(Counter())
+    plain = plan(fake, family="llama", tp=1, cp=2, loss_parallel=True)["attention"]
+    assert plain.fn is None and "torch's context-parallel SDPA" in plain.note
+
+    def attention(q, k, v, *, causal=True, scale=None):
+        raise AssertionError("the whole-sequence entry point must not run under cp > 1")
+
+    def entry(q, k, v, *, group, causal=True, scale=None):
+        return q
+
+    attention.context_parallel = entry
+    ring = dict(fake, attention=provider("attention", "ring", attention))
+    choices = plan(ring, family="llama", tp=1, cp=2, loss_parallel=True)
+    assert choices["attention"].fn is entry and choices["attention"].context_parallel
+    model = tiny_model()
+    counts = swap_modules(model, choices)
+    inner = [m for m in model.modules() if type(m) is ContextParallelAttention]
+    assert counts["attention"] == len(inner) == 2
+    with pytest.raises(RuntimeError, match="DTensors sharded over the cp mesh"):
+        inner[0](torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))
+    # qwen3 under TP hands DTensors of the TP mesh to its attention: torchtitan's module stays
+    assert plan(ring, family="qwen3", tp=2, cp=2, loss_parallel=True)["attention"].fn is None
 
 
 def test_provider_loss_is_torchtitans_token_sum():

@@ -47,6 +47,11 @@ LAYOUTS = {
     "qwen2_tp2": (2, ["parallel.tp=2"], QWEN2),
     "qwen3_fsdp2": (2, ["parallel.dp_shard=2"], QWEN3),
     "qwen3_pp2": (2, ["parallel.pp=2"], QWEN3),
+    # context parallelism: primus-turbo's ring attention on torchtitan's head-tail sequence shards (RoPE positions
+    # sharded alike): llama's interleaved RoPE, qwen3's rotate-half, and TP × CP on 4 ranks
+    "cp2": (2, ["parallel.cp=2"], ()),
+    "qwen3_cp2": (2, ["parallel.cp=2"], QWEN3),
+    "tp2_cp2": (4, ["parallel.tp=2", "parallel.cp=2"], ()),
 }
 
 

@@ -74,6 +74,12 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
         (["kernels.rms_norm=triton", "parallel.tp=2"], 2, "kernels.rms_norm", "norms on DTensors"),
         (["kernels.cross_entropy=triton", "parallel.tp=2"], 2, "kernels.cross_entropy", "loss parallelism"),
         (["kernels.attention=flash", "parallel.cp=2"], 2, "kernels.attention", "context parallelism"),
+        (
+            ["parallel.cp=2", "backend.extra.parallelism.context_parallel_load_balancer=ptrr"],
+            2,
+            "backend.extra.parallelism.context_parallel_load_balancer",
+            "head-tail shards",
+        ),
         (["backend.extra.trainer.steps=3"], 1, "backend.extra.trainer", "not a section of torchtitan's JobConfig"),
     ],
 )
@@ -123,3 +129,15 @@ def test_kernel_providers_and_profiling_pass(overrides, world_size):
 def test_megatron_recipe_is_refused_naming_the_distributed_optimizer():
     text = issues("qwen2.5-7b-ddp", "backend.name=torchtitan", world_size=8)
     assert "parallel.distributed_optimizer" in text and "no distributed optimizer" in text
+
+
+def test_context_parallel_runs_on_cpu_only_with_a_context_parallel_provider():
+    """torch's own context-parallel SDPA needs a GPU; primus-turbo's ring attention (the provider's
+    context-parallel entry point) runs on local shards, so the CPU takes cp > 1 with it."""
+    from primus.torchtitan.validate import cpu_refusal
+
+    cfg = resolve(TINY, ["parallel.cp=2"], 2).config
+    assert "primus-turbo" in cpu_refusal(cfg, cp_attention=False)
+    assert cpu_refusal(cfg, cp_attention=True) is None
+    resolve(TINY, ["parallel.cp=2", "kernels.attention=ring"], 2)  # accepted
+    resolve(TINY, ["parallel.cp=2", "kernels.attention=sdpa"], 2)  # torchtitan's module under torch's CP (GPU)

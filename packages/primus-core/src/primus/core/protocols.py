@@ -92,6 +92,11 @@ class Availability:
 #: attention in packed samples, ``data.document_mask``: :mod:`primus.core.kernels.documents`)
 DOCUMENTS = "documents"
 
+#: KernelProvider.features entry of an attention provider whose impl has ``impl.context_parallel(q, k, v, *, group,
+#: causal=True, scale=None)``: attention over a sequence split across ``group`` (``parallel.cp``), each rank holding
+#: chunks ``r`` and ``2·cp-1-r`` of ``2·cp``, q ``[b, h, s_local, d]``
+CONTEXT_PARALLEL = "context_parallel"
+
 
 @dataclass(frozen=True)
 class KernelProvider:

@@ -23,9 +23,10 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     # here the attention provider's context-parallel entry point does (kernel selection refuses a provider without
     # it), over megatron's 2 × cp chunks of the sequence (core checks that seq_len splits into them).
     if p.cp > 1:
+        from primus.core.kernels import context_parallel_attention
         from primus.core.plugins import get_registry
 
-        cp_capable = [a.name for a in get_registry().providers("attention") if "context_parallel" in a.features]
+        cp_capable = context_parallel_attention(get_registry())
         if not cp_capable:
             refuse(
                 "parallel.cp",

@@ -24,7 +24,7 @@ from primus.core.config.schema import PrimusConfig
 from primus.core.kernels.fp8_recipe import fp8_output_head
 from primus.core.launch_env import free_port
 from primus.core.loop import StepResult
-from primus.core.protocols import RunContext
+from primus.core.protocols import CONTEXT_PARALLEL, RunContext
 from primus.core.rundir import checkpoint_root
 
 log = logging.getLogger("primus.torchtitan")
@@ -129,7 +129,9 @@ class TorchTitanEngine:
     def __init__(self, cfg: PrimusConfig, ctx: RunContext) -> None:
         from primus.torchtitan import compat, job_config, validate
 
-        if ctx.info.device == "cpu" and (why := validate.cpu_refusal(cfg)):
+        attention = ctx.kernels.get("attention")
+        cp_attention = attention is not None and CONTEXT_PARALLEL in attention.features
+        if ctx.info.device == "cpu" and (why := validate.cpu_refusal(cfg, cp_attention)):
             raise RuntimeError(f"the torchtitan backend cannot run this on a CPU: {why}")
         seed_only = bool(job_config.extra_value(cfg.backend.extra, "checkpoint.create_seed_checkpoint", False))
         if seed_only and ctx.info.world_size > 1:

@@ -7,7 +7,8 @@ and activation checkpointing see the same model:
 - ``rms_norm``: every ``nn.RMSNorm`` (block norms, final norm, qwen3's q/k norms) → ``ProviderRMSNorm``.
 - ``swiglu``: the FeedForward's ``silu(w1 x) * w3 x`` → ``provider(w1 x, w3 x)``.
 - ``attention``: ``attention.inner_attention`` (torchtitan's SDPA wrapper) → ``ProviderAttention``
-  (q, k, v ``[b, h, s, d]``, the core contract).
+  (q, k, v ``[b, h, s, d]``, the core contract); under context parallelism → ``ContextParallelAttention``, the
+  provider's context-parallel entry point (primus-turbo's ring attention) on torchtitan's sequence shards.
 - ``cross_entropy``: the TrainSpec's loss (token-sum, as torchtitan's) → provider mean × valid tokens.
 - ``linear_cross_entropy`` (when the cross_entropy provider offers it): the model's ``output`` projection
   and the loss become one fused call that never materialises the logits (:mod:`primus.torchtitan.loss`);
@@ -18,7 +19,8 @@ and activation checkpointing see the same model:
 Not swapped (torchtitan's own modules stay, with the reason logged): core's reference providers
 (torchtitan's modules compute the same math, with torch's fused kernels), ops that see DTensors under
 tensor parallelism (norms; the loss with loss parallelism; qwen3's attention), attention under context
-parallelism (torchtitan's CP wraps its SDPA wrapper).
+parallelism when the provider has no context-parallel entry point (torch's own context-parallel SDPA runs, GPU
+only).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from primus.core.kernels import fused_loss_refusal, reference
 from primus.torchtitan import compat
@@ -64,6 +67,7 @@ class Choice:
     fn: Callable[..., Any] | None
     note: str
     documents: bool = False  # attention: masks by document (data.document_mask)
+    context_parallel: bool = False  # attention: the provider's context-parallel entry point (parallel.cp > 1)
 
     def describe(self) -> str:
         return f"{self.op}: {self.provider} → {'swapped in' if self.fn else 'torchtitan module'} ({self.note})"
@@ -91,13 +95,9 @@ def plan(
     dtensor = {
         "rms_norm": "norms run on DTensors under tensor parallelism (sequence parallel)" if tp > 1 else "",
         "cross_entropy": "the loss runs on DTensors under loss parallelism" if tp > 1 and loss_parallel else "",
-        "attention": (
-            "qwen3's attention runs on DTensors under tensor parallelism"
-            if tp > 1 and family == "qwen3"
-            else "torchtitan's context parallelism wraps its SDPA module"
-            if cp > 1
-            else ""
-        ),
+        "attention": "qwen3's attention runs on DTensors under tensor parallelism"
+        if tp > 1 and family == "qwen3"
+        else "",
         "swiglu": "",
     }
     for op, prov in providers.items():
@@ -112,7 +112,9 @@ def plan(
         if op not in SWAPPED_OPS:
             continue
         fn = prov.load()
-        if op == "attention" and documents and not dtensor[op]:
+        if op == "attention" and cp > 1 and not dtensor[op]:
+            out[op] = _context_parallel_choice(prov.name, fn)
+        elif op == "attention" and documents and not dtensor[op]:
             out[op] = Choice(op, prov.name, fn, "masks by document (data.document_mask)", documents=True)
         elif fn is REFERENCE[op] and not swap_reference:
             out[op] = Choice(op, prov.name, None, "core's reference: torchtitan's module computes the same")
@@ -126,6 +128,18 @@ def plan(
         why = fused_head_refusal(tp=tp, pp=pp, cp=cp, fp8_head=fp8_head)
         out["linear_cross_entropy"] = Choice("linear_cross_entropy", name, None if why else fused, why or "provider")
     return out
+
+
+def _context_parallel_choice(name: str, fn: Callable[..., Any]) -> Choice:
+    """Attention over a sequence split by ``parallel.cp``: the provider's context-parallel entry point (its
+    ``context_parallel`` feature) on the shards torchtitan hands in, else torch's own context-parallel SDPA on
+    torchtitan's module (which needs a GPU: torch has no DTensor rule for CPU flash attention)."""
+    entry = getattr(fn, "context_parallel", None)
+    if entry is None:
+        return Choice("attention", name, None, "torch's context-parallel SDPA wraps torchtitan's module")
+    return Choice(
+        "attention", name, entry, "context-parallel attention on torchtitan's sequence shards", context_parallel=True
+    )
 
 
 def fused_head_refusal(*, tp: int, pp: int, cp: int, fp8_head: bool = False) -> str:
@@ -164,9 +178,33 @@ class ProviderAttention(ScaledDotProductAttentionWrapper):
         enable_gqa: bool = False,
         is_causal: bool = True,
     ) -> torch.Tensor:
+        return self.attend(q, k, v, causal=is_causal, scale=scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
         if self.documents is not None:
-            return self.kernel(q, k, v, causal=is_causal, scale=scale, documents=self.documents)
-        return self.kernel(q, k, v, causal=is_causal, scale=scale)
+            return self.kernel(q, k, v, documents=self.documents, **options)
+        return self.kernel(q, k, v, **options)
+
+
+class ContextParallelAttention(ProviderAttention):
+    """torchtitan's SDPA wrapper under context parallelism, computed by the provider's context-parallel entry
+    point (``fn(q, k, v, group=, causal=, scale=)`` on local shards, core's ``[b, h, s_local, d]`` layout).
+
+    torchtitan applies torch's context-parallel plan to this module (``apply_cp_to_attention_module``): its hooks
+    hand q, k, v in as DTensors sharded on the sequence over the cp mesh and take the result back as a plain
+    tensor. Each rank's shard is in torch's head-tail order, chunks ``r`` and ``2·cp-1-r`` of ``2·cp``
+    (``_HeadTailLoadBalancer``, torchtitan's default ``context_parallel_load_balancer``), which is megatron's
+    layout and the one the provider expects; RoPE positions are sharded the same way by torchtitan."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
+        if not isinstance(q, DTensor):
+            raise RuntimeError(
+                "context-parallel attention expects q, k, v as DTensors sharded over the cp mesh "
+                "(torchtitan's context-parallel plan on this module); got a plain tensor"
+            )
+        group = q.device_mesh.get_group()
+        q, k, v = (x.to_local() for x in (q, k, v))
+        return self.kernel(q, k, v, group=group, **options)
 
 
 @functools.cache
@@ -220,7 +258,8 @@ def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]
             _retype(module, ProviderRMSNorm, fns["rms_norm"])
             counts["rms_norm"] += 1
         elif "attention" in fns and type(module) is ScaledDotProductAttentionWrapper:
-            _retype(module, ProviderAttention, fns["attention"])
+            cls = ContextParallelAttention if choices["attention"].context_parallel else ProviderAttention
+            _retype(module, cls, fns["attention"])
             counts["attention"] += 1
         elif documents and isinstance(getattr(module, "inner_attention", None), ScaledDotProductAttentionWrapper):
             module.__class__ = _document_attention_class(type(module))

@@ -245,9 +245,24 @@ def _dtensor_reason(cfg: PrimusConfig, op: str) -> str:
         )
     if op == "attention" and p.tp > 1 and cfg.model.family == "qwen3":
         return "torchtitan's qwen3 attention runs on DTensors under tensor parallelism"
-    if op == "attention" and p.cp > 1:
-        return "torchtitan's context parallelism wraps its own SDPA module"
     return ""
+
+
+def _cp_attention_issue(cfg: PrimusConfig, choice: str, ref: str) -> ConfigIssue | None:
+    """Under ``parallel.cp > 1`` the attention is a provider's context-parallel entry point (primus-turbo's ring
+    attention) or torchtitan's own module under torch's context-parallel SDPA (``ref``; GPU only): a provider
+    that attends over the whole sequence on one device is refused."""
+    from primus.core.kernels import context_parallel_attention
+    from primus.core.plugins import get_registry
+
+    allowed = ["auto", ref, *context_parallel_attention(get_registry())]
+    if choice in allowed:
+        return None
+    why = (
+        f"parallel.cp = {cfg.parallel.cp} splits the sequence (context parallelism); provider {choice!r} attends "
+        "over the whole sequence on one device (it has no context_parallel feature)"
+    )
+    return ConfigIssue("kernels.attention", why, value=choice, allowed=", ".join(allowed))
 
 
 def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
@@ -263,6 +278,9 @@ def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         )
     for op, ref in REFERENCE_KERNELS.items():
         choice = getattr(cfg.kernels, op)
+        if op == "attention" and cfg.parallel.cp > 1 and (issue := _cp_attention_issue(cfg, choice, ref)):
+            out.append(issue)
+            continue
         if choice in ("auto", ref):
             continue  # auto: a provider the layout cannot take is left out at run time, with the reason logged
         if op == "rope":
@@ -285,6 +303,19 @@ def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 )
             )
     return out
+
+
+# torchtitan fields Primus depends on: field -> (the one value allowed, why)
+PINNED_EXTRA = {
+    "parallelism.context_parallel_load_balancer": (
+        "headtail",
+        "Primus's context-parallel attention and RoPE expect torch's head-tail shards (chunks r and 2·cp-1-r)",
+    ),
+    "checkpoint.async_mode": (
+        "disabled",
+        "Primus commits a checkpoint (manifest, rename) once its save is on disk: saves must be synchronous",
+    ),
+}
 
 
 def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
@@ -318,28 +349,26 @@ def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
             out.append(
                 ConfigIssue(f"backend.extra.{key}", "must be a mapping of torchtitan config fields", value=value)
             )
-    async_mode = extra_value(extra, "checkpoint.async_mode")
-    if async_mode not in (None, "disabled"):
-        out.append(
-            ConfigIssue(
-                "backend.extra.checkpoint.async_mode",
-                "Primus commits a checkpoint (manifest, rename) once its save is on disk: saves must be synchronous",
-                value=async_mode,
-                allowed="disabled",
-            )
-        )
+    for key, (allowed, why) in PINNED_EXTRA.items():
+        if (value := extra_value(extra, key)) not in (None, allowed):
+            out.append(ConfigIssue(f"backend.extra.{key}", why, value=value, allowed=allowed))
     return out
 
 
-def cpu_refusal(cfg: PrimusConfig) -> str | None:
+def cpu_refusal(cfg: PrimusConfig, cp_attention: bool = False) -> str | None:
     """What cannot run on a CPU (gloo) with torch 2.13, though it runs on GPUs: torch registers no DTensor
-    sharding rule for the CPU flash-attention op that SDPA picks, which context parallelism and qwen3's
-    tensor parallelism (its attention runs on DTensors) reach. Asked by the engine adapter, which knows the device."""
+    sharding rule for the CPU flash-attention op that SDPA picks, which torch's own context parallelism and qwen3's
+    tensor parallelism (its attention runs on DTensors) reach. ``cp_attention``: the attention provider has a
+    context-parallel entry point (primus-turbo's ring attention), which runs on local shards instead. Asked by the
+    engine adapter, which knows the device and the provider."""
     p = cfg.parallel
-    if p.cp > 1:
-        return "parallel.cp > 1 needs a GPU: no DTensor sharding rule for CPU flash attention"
     if cfg.model.family == "qwen3" and p.tp > 1:
         return "qwen3 with parallel.tp > 1 needs a GPU: no DTensor sharding rule for CPU flash attention"
+    if p.cp > 1 and not cp_attention:
+        return (
+            "parallel.cp > 1 with torch's own context-parallel attention needs a GPU (no DTensor sharding rule for "
+            "CPU flash attention): install primus-turbo for its ring attention (kernels.attention: ring or auto)"
+        )
     return None
 
 

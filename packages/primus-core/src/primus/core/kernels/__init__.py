@@ -6,6 +6,8 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
   with ``h % h_kv == 0`` (GQA, never materialising repeated K/V where the kernel allows). A provider with the
   ``documents`` feature also takes ``documents=[b, s]`` (each position's document in a packed sample: attention
   stays causal within each document; :mod:`primus.core.kernels.documents`).
+  A provider with the ``context_parallel`` feature also offers ``attention.context_parallel(q, k, v, *, group,
+  causal=True, scale=None)`` over a sequence split across ``group`` (:data:`~primus.core.protocols.CONTEXT_PARALLEL`).
 - ``rms_norm(x, weight, eps) -> y`` over the last dim.
 - ``swiglu(gate, up) -> silu(gate) * up``. A provider may also offer ``swiglu.packed(x) -> swiglu(*x.chunk(2, -1))``
   (gate and up as the halves of one projection's output, the gradient returned in ``x``'s layout).
@@ -25,7 +27,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from primus.core.errors import UserError
-from primus.core.protocols import DOCUMENTS, KERNEL_OPS, Availability, KernelProvider
+from primus.core.protocols import CONTEXT_PARALLEL, DOCUMENTS, KERNEL_OPS, Availability, KernelProvider
 
 if TYPE_CHECKING:
     from primus.core.config.schema import KernelsConfig
@@ -59,6 +61,12 @@ def fused_loss_refusal(
     from primus.core.planner.profile import profile_of
 
     return profile_of(engine, registry).fused_loss_refusal(tp=tp, pp=pp, cp=cp, fp8_head=fp8_head)
+
+
+def context_parallel_attention(registry: Registry) -> list[str]:
+    """The installed attention providers that attend over a sequence split by ``parallel.cp`` (their
+    :data:`~primus.core.protocols.CONTEXT_PARALLEL` feature), by name."""
+    return [p.name for p in registry.providers("attention") if CONTEXT_PARALLEL in p.features]
 
 
 def detect_device() -> str:
