@@ -26,12 +26,29 @@ SHAPES = {
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 
-def make_hf(folder: Path, family: str, *, tied: bool = False, llama3_rope: bool = False, seed: int = 0) -> Path:
-    """A randomly initialised 2-layer HF model (norm weights and biases randomised too), saved to ``folder``."""
+# mixture-of-experts versions of a family: HF config class and its expert fields (the tiny-qwen3-moe and
+# tiny-mixtral presets' shapes)
+MOE = {
+    "qwen3": (
+        "Qwen3MoeConfig",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
+    ),
+    "mistral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=176)),
+}
+
+
+def make_hf(
+    folder: Path, family: str, *, tied: bool = False, llama3_rope: bool = False, moe: bool = False, seed: int = 0
+) -> Path:
+    """A randomly initialised 2-layer HF model (norm weights and biases randomised too), saved to ``folder``;
+    ``moe``: its mixture-of-experts version (Qwen3-MoE, Mixtral)."""
     import transformers
 
     cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
     kw = dict(SHAPES[family], hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4)
+    if moe:
+        cls[family], expert_fields = MOE[family]
+        kw |= expert_fields
     kw |= dict(num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=tied)
     if llama3_rope:  # long-context scaling; the original context is short so that it changes frequencies
         kw["rope_scaling"] = {**LLAMA3_ROPE, "original_max_position_embeddings": 64, "rope_theta": kw["rope_theta"]}

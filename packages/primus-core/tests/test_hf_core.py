@@ -64,6 +64,65 @@ def test_families(cls, family, qkv_bias, qk_norm):
 
 
 @pytest.mark.parametrize(
+    ("cls", "family", "fields"),
+    [
+        # a dense first layer (mlp_only_layers), then routed ones; top-k renormalised
+        (
+            transformers.Qwen3MoeConfig,
+            "qwen3",
+            dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)
+            | dict(mlp_only_layers=[0]),
+        ),
+        (transformers.MixtralConfig, "mistral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    ],
+)
+def test_moe_families(tmp_path, cls, family, fields):
+    hf = cls(**SMALL, **fields, vocab_size=256)
+    m = model_config_from_hf(hf.to_dict())
+    e = m.moe
+    assert (m.family, e.num_experts, e.experts_per_token, e.normalize_topk) == (family, 4, 2, True)
+    assert e.expert_ffn_hidden_size == (48 if family == "qwen3" else 96)  # Mixtral's intermediate_size
+    assert e.first_dense_layers == (1 if family == "qwen3" else 0)
+    back = transformers.AutoConfig.for_model(**hf_config(m))
+    assert type(back) is cls
+    assert model_config_from_hf(back.to_dict()) == m
+    check_matches(m, back.to_dict(), "here")
+    # the tensors save_pretrained writes (one per expert, as the Hub checkpoints hold them) are hf_names
+    transformers.AutoModelForCausalLM.from_config(back).save_pretrained(tmp_path)
+    assert sorted(hf_names(m)) == sorted(HFReader(tmp_path).weight_map)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ({"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ],
+)
+def test_unsupported_moe_configs_name_the_key(change, key):
+    hf = transformers.Qwen3MoeConfig(**SMALL, num_experts=4).to_dict() | change
+    with pytest.raises(HFConfigError, match=key):
+        model_config_from_hf(hf)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [({"shared_experts": 1}, "model.moe.shared_experts"), ({"router": "sigmoid"}, "model.moe.router")],
+)
+def test_unwritable_moe_models_name_the_key(change, key):
+    m = model_config_from_hf(transformers.Qwen3MoeConfig(**SMALL, num_experts=4, head_dim=16).to_dict())
+    with pytest.raises(HFConfigError, match=key):
+        hf_config(m.model_copy(update={"moe": m.moe.model_copy(update=change)}))
+
+
+def test_a_moe_model_does_not_match_its_dense_twin():
+    hf = transformers.Qwen3MoeConfig(**SMALL, num_experts=4, head_dim=16).to_dict()
+    m = model_config_from_hf(hf).model_copy(update={"moe": None})
+    with pytest.raises(HFConfigError, match="model.moe None vs"):
+        check_matches(m, hf, "here")
+
+
+@pytest.mark.parametrize(
     ("change", "key"),
     [
         ({"model_type": "gpt2"}, "model_type"),

@@ -99,3 +99,36 @@ def test_canonical_weights_are_a_function_of_seed_and_name():
     assert down.std().item() == pytest.approx(m.init_std / (2 * m.num_layers) ** 0.5, rel=0.1)
     assert (init.tensor("model.norm.weight", m, seed=7) == 1).all()
     assert set(init.shapes(m)) == set(hf_names(m))
+
+
+@pytest.mark.parametrize(
+    ("preset", "router", "expert"),
+    [
+        ("tiny-qwen3-moe", "mlp.gate.weight", "mlp.experts.{j}.{role}_proj.weight"),
+        ("tiny-mixtral", "block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.{role}.weight"),
+    ],
+)
+def test_canonical_init_names_every_routed_expert(preset, router, expert):
+    """A MoE layer's tensors are its router and one gate / up / down per expert, by the Hub checkpoints' names
+    (Qwen3-MoE's or Mixtral's); each expert is drawn on its own (experts differ), its down projection scaled."""
+    import torch
+
+    from primus.core.plugins import get_registry
+    from primus.core.presets import model_config
+
+    m = model_config(preset, get_registry())
+    e, names = m.moe, hf_names(m)
+    roles = (
+        {"gate": "gate", "up": "up", "down": "down"} if "qwen" in preset else {"gate": "w1", "up": "w3", "down": "w2"}
+    )
+    p = "model.layers.1."
+    assert p + router in names and init.shapes(m)[p + router][0] == (e.num_experts, m.hidden_size)
+    for j in range(e.num_experts):
+        for name in roles.values():
+            assert p + expert.format(j=j, role=name) in names
+    assert not any("mlp.gate_proj" in n or "mlp.down_proj" in n for n in names)  # no dense MLP is left
+    assert set(init.shapes(m)) == set(names)
+    down0 = init.tensor(p + expert.format(j=0, role=roles["down"]), m, seed=3)
+    down1 = init.tensor(p + expert.format(j=1, role=roles["down"]), m, seed=3)
+    assert down0.shape == (m.hidden_size, e.expert_ffn_hidden_size) and not torch.equal(down0, down1)
+    assert down0.std().item() == pytest.approx(m.init_std / (2 * m.num_layers) ** 0.5, rel=0.1)

@@ -1,7 +1,7 @@
 """Mixture-of-experts on Megatron-Core: megatron's MoE layer (top-k router with its aux loss, all-to-all token
 dispatch over parallel.ep, experts as a loop of local SwiGLU MLPs with the swiglu provider) from ``model.moe``.
 
-From one seed checkpoint (megatron's own initialisation: MoE has no canonical one yet), a tiny Qwen3-MoE trains, and
+From one seed checkpoint (megatron's own initialisation, ``train.init: engine``), a tiny Qwen3-MoE trains, and
 EP 2 (2 ranks, the distributed optimizer) and TP 2 + SP × EP 2 (4 ranks) train the same loss curve and gradient norms
 as world size 1. EP 2's step-3 checkpoint resumes under EP 2 as its straight run, and a resume at EP 1 is refused
 before anything is read (megatron-core 0.16 keeps the experts' optimizer state apart only when ep > 1). A tiny

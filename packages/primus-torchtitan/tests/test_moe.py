@@ -2,7 +2,7 @@
 expert's output, as Megatron-Core does; loss-free balancing by its expert-bias update; experts as a loop on CPU) from
 ``model.moe``.
 
-From one seed checkpoint (torchtitan's own initialisation: MoE has no canonical one yet), a tiny Qwen3-MoE trains;
+From core's canonical initial weights (routers and experts by their Hugging Face names), a tiny Qwen3-MoE trains;
 2 ranks with FSDP2 and expert parallelism 2 (each rank holds half the experts, the tokens exchanged all-to-all)
 train world size 1's loss curve and gradient norms (measured: FSDP2 alone equals it too); world size 1's step-3 checkpoint resumed under expert parallelism 2 continues its curve.
 """
@@ -21,10 +21,8 @@ LOSS_RTOL, GNORM_RTOL = 1e-5, 1e-4  # fp32; measured: 1e-7 and 3e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchtitan_moe")
-    primus_train(MOE, root / "seed", "backend.extra.checkpoint.create_seed_checkpoint=true", "checkpoint.enabled=true")
-    seed = f"backend.extra.checkpoint.initial_load_path={root / 'seed' / 'checkpoints' / 'step_00000000'}"
-    primus_train(MOE, root / "ws1", seed, "checkpoint.enabled=true", "checkpoint.interval=3")
-    primus_train(MOE, root / "ep2", seed, "parallel.dp_shard=2", "parallel.ep=2", nproc=2)
+    primus_train(MOE, root / "ws1", "checkpoint.enabled=true", "checkpoint.interval=3")
+    primus_train(MOE, root / "ep2", "parallel.dp_shard=2", "parallel.ep=2", nproc=2)
     ckpt = root / "ckpt"
     ckpt.mkdir()
     shutil.copytree(root / "ws1" / "checkpoints" / "step_00000003", ckpt / "step_00000003")

@@ -36,7 +36,7 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
         (MOE + ["model.moe.first_dense_layers=1"], 1, "model.moe.first_dense_layers", "every layer"),
         (MOE + ["model.moe.capacity_factor=1.5"], 1, "model.moe.capacity_factor", "drops no tokens"),
         (MOE + ["parallel.tp=2"], 2, "parallel.tp", "not wired for mixture-of-experts"),
-        (MOE + ["train.init=canonical"], 1, "train.init", "the experts have no mapping"),
+        (MOE + ["model.moe.shared_experts=1", "train.init=canonical"], 1, "train.init", "shared experts have no"),
         (["data.document_mask=true", *QWEN3, "parallel.tp=2"], 2, "data.document_mask", "cannot mask by document"),
         (["model.head_dim=64"], 1, "model.head_dim", "hidden_size / heads"),
         (["model.qk_norm=true"], 1, "model.qk_norm", "llama3 model has no qk_norm"),

@@ -46,6 +46,8 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
     changed = [k for k, v in fields.items() if data["model"].get(k) != v and k != "name"]
     if changed:
         log.info("model from %s: %s", hf_json, ", ".join(f"{k}={fields[k]!r}" for k in changed))
+    if isinstance(fields.get("moe"), dict) and isinstance(data["model"].get("moe"), dict):
+        fields["moe"] = {**data["model"]["moe"], **fields["moe"]}  # the run's balancing / capacity stay
     data["model"] = {**data["model"], **fields}
     cfg = validate_config(data, world_size=res.world_size, registry=res.registry)
     return resolve_parallel(cfg, res.world_size)

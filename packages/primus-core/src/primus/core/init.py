@@ -5,8 +5,8 @@ maps to and from) and drawn in that canonical, unsharded layout; a backend conve
 QKV, permuted RoPE halves, ...) and keeps its shard, exactly as when it imports a Hugging Face folder. So a
 tensor-parallel, pipelined or FSDP run starts from the weights of the single-device run, on either engine.
 
-The scheme is Megatron-Core's: weights ~ N(0, init_std); the two output projections of each block
-(``o_proj``, ``down_proj``) ~ N(0, init_std / sqrt(2 · num_layers)); norms 1; biases 0.
+The scheme is Megatron-Core's: weights ~ N(0, init_std) (routers too); the output projections of each block
+(``o_proj``, ``down_proj``, each expert's down projection) ~ N(0, init_std / sqrt(2 · num_layers)); norms 1; biases 0.
 
 Rows are drawn in blocks of :data:`ROWS_PER_BLOCK`, each from a generator seeded by (seed, name, block), so a
 rank can draw just the rows it holds (``rows=``) and no rank ever needs the whole model, or even a whole large
@@ -50,11 +50,17 @@ def shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
         "q_norm": (c,),
         "k_norm": (c,),
     }
+    if m.moe is not None:  # each routed expert is a SwiGLU MLP of its own width; the router maps h to expert logits
+        ef = m.moe.expert_ffn_hidden_size
+        role_shape |= {"router": (m.moe.num_experts, h), "expert.gate": (ef, h), "expert.up": (ef, h)}
+        role_shape |= {"expert.down": (h, ef)}
     out = {EMBED: ((v, h), "normal")}
     for i in range(m.num_layers):
         for role, name in layer_names(m, i).items():
             kind = "ones" if role.endswith("norm") else "zeros" if role.endswith("bias") else "normal"
-            out[name] = (role_shape[role], "scaled" if role in SCALED else kind)
+            base = role.rsplit(".", 1)[-1]  # experts.{j}.down -> down
+            shape = role_shape["expert." + base] if role.startswith("experts.") else role_shape[role]
+            out[name] = (shape, "scaled" if base in SCALED else kind)
     out[FINAL_NORM] = ((h,), "ones")
     if not m.tie_word_embeddings:
         out[LM_HEAD] = ((v, h), "normal")

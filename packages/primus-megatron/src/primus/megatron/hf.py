@@ -5,6 +5,9 @@ Layout (the local spec: norms are their own modules, not fused into the linears)
 - ``self_attention.linear_qkv`` is q, k and v fused along the output dim, grouped per KV head:
   ``[group 0: its q heads, k, v | group 1: ... ]`` (the same for the qkv bias);
 - ``mlp.linear_fc1`` is ``[gate; up]`` (megatron's SwiGLU halves: gate first);
+- a mixture-of-experts layer has ``mlp.router`` (HF's ``mlp.gate``) and, per routed expert,
+  ``mlp.experts.experts.linear_fc1`` ``[gate; up]`` and ``linear_fc2`` (SequentialMLP's local MLPs; in the sharded
+  state dict a model with experts has one key per layer, ``decoder.layers.{i}.…``, the expert its prepended axis);
 - ``input_layernorm``, ``pre_mlp_layernorm``, ``q_layernorm`` / ``k_layernorm`` (per head),
   ``decoder.final_layernorm``, ``embedding.word_embeddings``, ``output_layer`` (absent when tied).
 
@@ -19,6 +22,7 @@ Checkpoints are ``dist_checkpointing`` folders, loadable under any layout.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -27,11 +31,12 @@ from typing import Any
 import torch
 
 from primus.core.config.schema import ModelConfig, PrimusConfig
-from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, layer_names
+from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, expert_role, layer_names
 
 log = logging.getLogger("primus.megatron.hf")
 
 _LAYER = "decoder.layers."
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")  # a per-layer key (models with experts)
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) -> torch.Tensor:
@@ -62,27 +67,47 @@ _LAYER_ROLES = {
     "self_attention.k_layernorm.weight": ("k_norm",),
     "mlp.linear_fc1.weight": ("gate", "up"),
     "mlp.linear_fc2.weight": ("down",),
+    "mlp.router.weight": ("router",),
+}
+# loss-free balancing's routing bias: training state with no HF tensor (Qwen3-MoE and Mixtral have none): left at
+# megatron's zeros on import, not exported
+_NOT_IN_HF = frozenset({"mlp.router.expert_bias"})
+# megatron expert key suffix -> (the expert's HF roles it is made of)
+_EXPERT_ROLES = {
+    "mlp.experts.experts.linear_fc1.weight": ("gate", "up"),
+    "mlp.experts.experts.linear_fc2.weight": ("down",),
 }
 _GLOBAL = {"embedding.word_embeddings.weight": EMBED, "decoder.final_layernorm.weight": FINAL_NORM}
 
 
-def megatron_tensor(key: str, layer: int | None, get: Callable[[str], torch.Tensor], m: ModelConfig) -> torch.Tensor:
-    """The whole (unsharded) megatron tensor ``key`` (of ``layer``, for layer keys) from HF tensors."""
+def _roles(suffix: str, expert: int | None) -> tuple[str, ...]:
+    if expert is None:
+        return _LAYER_ROLES[suffix]
+    return tuple(expert_role(expert, r) for r in _EXPERT_ROLES[suffix])
+
+
+def megatron_tensor(
+    key: str, layer: int | None, get: Callable[[str], torch.Tensor], m: ModelConfig, expert: int | None = None
+) -> torch.Tensor:
+    """The whole (unsharded) megatron tensor ``key`` (of ``layer``, for layer keys; of routed ``expert``, for
+    expert keys) from HF tensors."""
     if key in _GLOBAL:
         return get(_GLOBAL[key])
     if key == "output_layer.weight":
         return get(EMBED if m.tie_word_embeddings else LM_HEAD)
     suffix = key.removeprefix(_LAYER)
-    if suffix not in _LAYER_ROLES or layer is None:
+    if suffix not in (_EXPERT_ROLES if expert is not None else _LAYER_ROLES) or layer is None:
         raise KeyError(f"no HF counterpart of megatron tensor {key!r}")
     names = layer_names(m, layer)
-    parts = [get(names[role]) for role in _LAYER_ROLES[suffix]]
+    parts = [get(names[role]) for role in _roles(suffix, expert)]
     if len(parts) == 3:
         return fuse_qkv(*parts, m)
     return torch.cat(parts, dim=0) if len(parts) == 2 else parts[0]
 
 
-def hf_tensors(key: str, layer: int | None, full: torch.Tensor, m: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_tensors(
+    key: str, layer: int | None, full: torch.Tensor, m: ModelConfig, expert: int | None = None
+) -> dict[str, torch.Tensor]:
     """The HF tensors a whole megatron tensor holds (the inverse of :func:`megatron_tensor`)."""
     if key in _GLOBAL:
         return {_GLOBAL[key]: full}
@@ -90,7 +115,7 @@ def hf_tensors(key: str, layer: int | None, full: torch.Tensor, m: ModelConfig) 
         return {} if m.tie_word_embeddings else {LM_HEAD: full}
     suffix = key.removeprefix(_LAYER)
     names = layer_names(m, layer)
-    roles = _LAYER_ROLES[suffix]
+    roles = _roles(suffix, expert)
     if len(roles) == 3:
         parts = split_qkv(full, m)
     elif len(roles) == 2:
@@ -120,25 +145,35 @@ def _sharded_tensors(chunk: Any) -> Iterator[Any]:
         yield from walk(value)
 
 
-def _place(st: Any) -> tuple[int | None, tuple[slice, ...]]:
-    """(global layer, slices of the whole per-layer tensor) that a ShardedTensor's local data covers."""
+def _place(st: Any) -> tuple[str, int | None, int | None, tuple[slice, ...]]:
+    """(key without a layer number, global layer, global expert, slices of the whole per-layer / per-expert tensor)
+    that a ShardedTensor's local data covers. Its prepended axes are the layer's (unless the key names the layer)
+    and then the expert's."""
     n = st.prepend_axis_num
-    layer = int(st.global_offset[0]) if n else None
-    offsets = st.global_offset[n:]
-    return layer, tuple(slice(o, o + s) for o, s in zip(offsets, st.data.shape, strict=True))
+    axes = [int(o) for o in st.global_offset[:n]]
+    key, layer = st.key, None
+    if match := _LAYER_KEY.match(key):
+        key, layer = _LAYER + match.group(2), int(match.group(1))
+    elif axes:
+        layer = axes.pop(0)
+    expert = axes.pop(0) if axes else None
+    where = tuple(slice(o, o + s) for o, s in zip(st.global_offset[n:], st.data.shape, strict=True))
+    return key, layer, expert, where
 
 
 @torch.no_grad()
 def fill_from_hf(chunks: list[Any], get: Callable[[str], torch.Tensor], m: ModelConfig) -> int:
     """Copy HF weights into this rank's model chunks (any TP/PP/VPP layout); returns tensors filled."""
-    cache: dict[tuple[str, int | None], torch.Tensor] = {}
+    cache: dict[tuple[str, int | None, int | None], torch.Tensor] = {}
     filled = 0
     for chunk in chunks:
         for st in _sharded_tensors(chunk):
-            layer, where = _place(st)
-            if (st.key, layer) not in cache:
-                cache[(st.key, layer)] = megatron_tensor(st.key, layer, get, m)
-            full = cache[(st.key, layer)]
+            key, layer, expert, where = _place(st)
+            if key.removeprefix(_LAYER) in _NOT_IN_HF:
+                continue
+            if (key, layer, expert) not in cache:
+                cache[(key, layer, expert)] = megatron_tensor(key, layer, get, m, expert)
+            full = cache[(key, layer, expert)]
             if full.dim() != len(where):
                 raise ValueError(f"{st.key}: HF gives shape {tuple(full.shape)}, megatron slices {where}")
             st.data.copy_(full[where].to(st.data.dtype))
@@ -149,16 +184,18 @@ def fill_from_hf(chunks: list[Any], get: Callable[[str], torch.Tensor], m: Model
 @torch.no_grad()
 def gather_to_hf(chunks: list[Any], m: ModelConfig) -> dict[str, torch.Tensor]:
     """The whole model as HF tensors, from chunks that hold all of it (one rank, tp = pp = 1)."""
-    whole: dict[tuple[str, int | None], torch.Tensor] = {}
+    whole: dict[tuple[str, int | None, int | None], torch.Tensor] = {}
     for chunk in chunks:
         for st in _sharded_tensors(chunk):
-            layer, where = _place(st)
+            key, layer, expert, where = _place(st)
+            if key.removeprefix(_LAYER) in _NOT_IN_HF:
+                continue
             shape = st.global_shape[st.prepend_axis_num :]
-            buf = whole.setdefault((st.key, layer), torch.zeros(shape, dtype=st.data.dtype))
+            buf = whole.setdefault((key, layer, expert), torch.zeros(shape, dtype=st.data.dtype))
             buf[where] = st.data.detach().cpu()
     out: dict[str, torch.Tensor] = {}
-    for (key, layer), full in whole.items():
-        out.update(hf_tensors(key, layer, full, m))
+    for (key, layer, expert), full in whole.items():
+        out.update(hf_tensors(key, layer, full, m, expert))
     return out
 
 

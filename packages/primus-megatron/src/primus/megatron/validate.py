@@ -229,4 +229,8 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         out.append(ConfigIssue("parallel.fsdp", "FSDP2 of expert weights is not wired", True, "false or auto"))
     if cfg.kernels.fp8 != "off":
         out.append(ConfigIssue("kernels.fp8", "FP8 expert linears are not wired", cfg.kernels.fp8, "off"))
+    e = cfg.model.moe
+    if e is not None and e.balancing == "loss_free" and e.router != "sigmoid":
+        why = "megatron-core 0.16's loss-free balancing (router expert bias) takes a sigmoid router only"
+        out.append(ConfigIssue("model.moe.balancing", why, "loss_free", "aux_loss, none, or model.moe.router: sigmoid"))
     return out

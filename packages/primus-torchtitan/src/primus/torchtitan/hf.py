@@ -32,6 +32,7 @@ from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapt
 
 log = logging.getLogger("primus.torchtitan.hf")
 
+_NOT_IN_HF = ("moe.expert_bias",)  # model state with no HF tensor (Qwen3-MoE has no routing bias)
 _QK_BIAS = re.compile(r"^layers\.(\d+)\.attention\.w([qk])\.bias$")
 _HF_QK_BIAS = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qk])_proj\.bias$")
 
@@ -201,9 +202,10 @@ class TorchtitanHF:
         sd = adapter(cfg).from_hf(hf)
         if cfg.model.tie_word_embeddings:
             sd.pop("output.weight", None)  # saved once, as torchtitan saves a tied model
-        expected = set(build_model(cfg, device="meta").state_dict()) - (
-            {"output.weight"} if cfg.model.tie_word_embeddings else set()
-        )
+        meta = build_model(cfg, device="meta").state_dict()
+        # loss-free balancing's routing bias: training state with no HF tensor, torchtitan's zeros to start from
+        sd |= {k: torch.zeros(v.shape) for k, v in meta.items() if k.endswith(_NOT_IN_HF) and k not in sd}
+        expected = set(meta) - ({"output.weight"} if cfg.model.tie_word_embeddings else set())
         if set(sd) != expected:
             raise RuntimeError(f"HF -> torchtitan names differ from the model's: {sorted(set(sd) ^ expected)[:6]}")
         target = NAMING.folder(out, 0)

@@ -141,8 +141,8 @@ class TrainConfig(Section):
     init: Literal["canonical", "engine"] = Field(
         "canonical",
         description="initial weights: canonical = each tensor drawn from train.seed by its Hugging Face name, the "
-        "same on every engine and layout (primus.core.init); engine = the engine's own init (a mixture-of-experts "
-        "model's default)",
+        "same on every engine and layout (primus.core.init); engine = the engine's own init (the default of a "
+        "model with shared experts, which have no Hugging Face mapping yet)",
     )
     health: HealthConfig = Field(default_factory=HealthConfig)
     max_minutes: float | None = Field(
@@ -360,9 +360,10 @@ class PrimusConfig(Section):
     backend: BackendConfig = Field(default_factory=BackendConfig)
 
     @model_validator(mode="after")
-    def _moe_starts_from_engine_init(self) -> PrimusConfig:
-        # canonical initial weights have no mapping for experts yet: unless train.init is set (and then refused,
-        # config/validate.py), a mixture-of-experts model starts from its engine's own initialisation
-        if self.model.moe is not None and "init" not in self.train.model_fields_set:
+    def _shared_experts_start_from_engine_init(self) -> PrimusConfig:
+        # canonical initial weights have no mapping for shared experts yet: unless train.init is set (and then
+        # refused, config/validate.py), such a model starts from its engine's own initialisation
+        moe = self.model.moe
+        if moe is not None and moe.shared_experts and "init" not in self.train.model_fields_set:
             self.train.init = "engine"
         return self

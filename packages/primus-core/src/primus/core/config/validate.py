@@ -87,16 +87,15 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         )
     if m.moe is not None:
         out.extend(_moe_issues(m))
-        if t.init == "canonical":
+        if t.init == "canonical" and m.moe.shared_experts:
             why = (
-                "core's canonical initial weights name every tensor by its Hugging Face name, and the experts have "
-                "no mapping yet: a mixture-of-experts model starts from its engine's own initialisation"
+                "core's canonical initial weights name every tensor by its Hugging Face name, and shared experts "
+                "have no mapping yet: a model with shared experts starts from its engine's own initialisation"
             )
             out.append(ConfigIssue("train.init", why, value="canonical", allowed="engine"))
-        if t.init_from:
-            out.append(
-                ConfigIssue("train.init_from", "Hugging Face MoE weights are not mapped yet", t.init_from, "null")
-            )
+        if t.init_from and m.moe.shared_experts:
+            why = "Hugging Face weights of shared experts are not mapped yet"
+            out.append(ConfigIssue("train.init_from", why, t.init_from, "null, or model.moe.shared_experts 0"))
         if m.moe.num_experts % p.ep:
             out.append(
                 ConfigIssue(

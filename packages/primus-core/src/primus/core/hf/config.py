@@ -1,7 +1,7 @@
-"""HF ``config.json`` <-> Primus :class:`ModelConfig`, for the dense families Primus trains.
+"""HF ``config.json`` <-> Primus :class:`ModelConfig`, for the families Primus trains.
 
 The HF side is what ``transformers`` writes (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
-``MistralForCausalLM``); both the 4.x spelling (``rope_theta`` + ``rope_scaling``) and the 5.x one
+``MistralForCausalLM``, and with ``model.moe`` ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``); both the 4.x spelling (``rope_theta`` + ``rope_scaling``) and the 5.x one
 (``rope_parameters``) are read, the 4.x one is written (5.x reads it too).
 """
 
@@ -19,8 +19,11 @@ FAMILIES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen3_moe": ("qwen3", "Qwen3MoeForCausalLM"),
+    "mixtral": ("mistral", "MixtralForCausalLM"),
 }
-MODEL_TYPE = {family: model_type for model_type, (family, _) in FAMILIES.items()}
+MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+MOE_MODEL_TYPE = {"qwen3": "qwen3_moe", "mistral": "mixtral"}  # Primus family with model.moe -> HF model_type
 
 
 class HFConfigError(UserError):
@@ -49,6 +52,65 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, out
 
 
+def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any] | None:
+    """The architecture fields of ``model.moe`` of a Qwen3-MoE or Mixtral config (None for the dense ones).
+    Balancing (``router_aux_loss_coef``) is a training choice, left to the run's config."""
+    if model_type == "mixtral":  # every layer routed, top-k renormalised; intermediate_size is an expert's width
+        return {
+            "num_experts": int(hf["num_local_experts"]),
+            "experts_per_token": int(hf["num_experts_per_tok"]),
+            "expert_ffn_hidden_size": int(hf["intermediate_size"]),
+            "normalize_topk": True,
+        }
+    experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 4.x / 5.x spelling
+    if model_type != "qwen3_moe" or not experts:
+        return None
+    if int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise HFConfigError(f"config.json decoder_sparse_step {hf['decoder_sparse_step']} is not supported; allowed: 1")
+    dense = sorted(int(i) for i in hf.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise HFConfigError(
+            f"config.json mlp_only_layers {dense} is not supported; allowed: the first N layers ([0, ..., N-1])"
+        )
+    return {
+        "num_experts": int(experts),
+        "experts_per_token": int(hf["num_experts_per_tok"]),
+        "expert_ffn_hidden_size": int(hf["moe_intermediate_size"]),
+        "normalize_topk": bool(hf.get("norm_topk_prob", False)),
+        "first_dense_layers": len(dense),
+    }
+
+
+def _moe_to_hf(m: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` fields of ``model.moe`` (Qwen3-MoE for qwen3, Mixtral for mistral / llama)."""
+    e = m.moe
+    if e.shared_experts or e.layer_frequency != 1 or e.router != "softmax":
+        key, value = next(
+            (k, v)
+            for k, v, ok in (
+                ("shared_experts", e.shared_experts, 0),
+                ("layer_frequency", e.layer_frequency, 1),
+                ("router", e.router, "softmax"),
+            )
+            if v != ok
+        )
+        raise HFConfigError(f"model.moe.{key} {value!r} cannot be written as Qwen3-MoE or Mixtral")
+    common = {"num_experts_per_tok": e.experts_per_token, "router_aux_loss_coef": e.aux_loss_coeff}
+    common["output_router_logits"] = False
+    if m.family == "qwen3":
+        return common | {
+            "num_experts": e.num_experts,
+            "moe_intermediate_size": e.expert_ffn_hidden_size,
+            "norm_topk_prob": e.normalize_topk,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(e.first_dense_layers)),
+        }
+    if e.first_dense_layers or not e.normalize_topk:
+        key = "first_dense_layers" if e.first_dense_layers else "normalize_topk"
+        raise HFConfigError(f"model.moe.{key} {getattr(e, key)!r} cannot be written as Mixtral")
+    return common | {"num_local_experts": e.num_experts, "intermediate_size": e.expert_ffn_hidden_size}
+
+
 def model_fields_from_hf(hf: dict[str, Any], name: str | None = None) -> dict[str, Any]:
     """The ``model`` section (a plain dict, validated by the caller) that describes the HF model ``hf``."""
     model_type = hf.get("model_type")
@@ -59,7 +121,9 @@ def model_fields_from_hf(hf: dict[str, Any], name: str | None = None) -> dict[st
         raise HFConfigError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; allowed: silu")
     if hf.get("mlp_bias"):
         raise HFConfigError("config.json mlp_bias true is not supported; allowed: false")
-    window = hf.get("sliding_window") if (model_type == "mistral" or hf.get("use_sliding_window")) else None
+    window = (
+        hf.get("sliding_window") if (model_type in ("mistral", "mixtral") or hf.get("use_sliding_window")) else None
+    )
     if window is not None and window < hf.get("max_position_embeddings", 0):
         raise HFConfigError(
             f"config.json sliding_window {window} is not supported (full attention only); allowed: null"
@@ -87,6 +151,8 @@ def model_fields_from_hf(hf: dict[str, Any], name: str | None = None) -> dict[st
         "qk_norm": family == "qwen3",
         "init_std": float(hf.get("initializer_range", 0.02)),
     }
+    if (moe := _moe_from_hf(hf, model_type)) is not None:
+        fields["moe"] = moe
     return fields
 
 
@@ -102,7 +168,9 @@ def hf_config(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         raise HFConfigError(f"model.qk_norm true cannot be written as {m.family}; allowed: family qwen3")
     if m.family == "qwen3" and not m.qk_norm:
         raise HFConfigError("model.qk_norm false cannot be written as Qwen3 (transformers' Qwen3 always has it)")
-    model_type = MODEL_TYPE[m.family]
+    if m.moe is not None and m.family not in MOE_MODEL_TYPE and m.family != "llama":
+        raise HFConfigError(f"model.family {m.family!r} with model.moe has no HF format; allowed: qwen3, mistral")
+    model_type = MODEL_TYPE[m.family] if m.moe is None else MOE_MODEL_TYPE.get(m.family, "mixtral")
     out: dict[str, Any] = {
         "architectures": [FAMILIES[model_type][1]],
         "model_type": model_type,
@@ -124,9 +192,11 @@ def hf_config(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "dtype": dtype,
         "use_cache": True,
     }
-    if m.family in ("llama", "mistral", "qwen3"):
+    if m.moe is not None:
+        out |= _moe_to_hf(m)
+    if model_type in ("llama", "mistral", "qwen3", "qwen3_moe"):
         out["attention_bias"] = m.qkv_bias
-    if m.family == "llama":
+    if model_type == "llama":
         out["mlp_bias"] = False
     if m.family in ("mistral", "qwen2", "qwen3"):
         out["sliding_window"] = None
@@ -144,15 +214,22 @@ def hf_config(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 
 # What must agree between a run's model and a HF folder it starts from (the weights' shapes and meaning).
 ARCH_KEYS = (*SHAPE_KEYS, "rope_theta", "rope_scaling", "norm_eps")
+MOE_ARCH_KEYS = ("num_experts", "experts_per_token", "expert_ffn_hidden_size", "first_dense_layers", "normalize_topk")
+
+
+def _arch(m: ModelConfig) -> dict[str, Any]:
+    out = {k: getattr(m, k) for k in ARCH_KEYS}
+    if m.moe is not None and not m.moe.first_dense_layers:
+        out.pop("ffn_hidden_size")  # no dense MLP (Mixtral's config.json has no width for one)
+    out["moe"] = None if m.moe is None else {k: getattr(m.moe, k) for k in MOE_ARCH_KEYS}
+    return out
 
 
 def check_matches(m: ModelConfig, hf: dict[str, Any], where: str) -> None:
     """Refuse to load HF weights into a model of another architecture, naming every differing key."""
-    theirs = model_config_from_hf(hf)
+    mine, theirs = _arch(m), _arch(model_config_from_hf(hf))
     diff = [
-        f"model.{k} {getattr(m, k)!r} vs {getattr(theirs, k)!r}"
-        for k in ARCH_KEYS
-        if getattr(m, k) != getattr(theirs, k)
+        f"model.{k} {mine.get(k)!r} vs {theirs.get(k)!r}" for k in dict(mine) | theirs if mine.get(k) != theirs.get(k)
     ]
     if diff:
         raise HFConfigError(

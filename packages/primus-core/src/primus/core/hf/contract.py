@@ -1,7 +1,9 @@
 """The name-mapping contract between core and the backends, and the operations built on it.
 
 Every backend maps its own parameter names and layouts from and to the *HF names* below (the tensors of a
-``transformers`` Llama / Qwen2 / Qwen3 / Mistral ``*ForCausalLM``), so core reads and writes HF folders
+``transformers`` Llama / Qwen2 / Qwen3 / Mistral ``*ForCausalLM``, and for mixture-of-experts layers Qwen3-MoE's
+``mlp.gate`` / ``mlp.experts.{j}.*_proj`` or Mixtral's ``block_sparse_moe.gate`` / ``block_sparse_moe.experts.{j}.w1-3``
+names, one tensor per expert as the Hub checkpoints hold them), so core reads and writes HF folders
 without knowing any engine. A backend offers this through ``BackendSpec.hf``: a ``"module:attr"`` naming an
 object with the :class:`HFInterop` methods (imported only when used; core imports no engine).
 """
@@ -25,17 +27,42 @@ FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 
 
+# mixture-of-experts naming per family: (router, expert j's tensor of each role); Mixtral's for llama / mistral
+_MOE_NAMES = {
+    "qwen": ("mlp.gate.weight", {r: f"mlp.experts.{{j}}.{r}_proj.weight" for r in ("gate", "up", "down")}),
+    "mixtral": (
+        "block_sparse_moe.gate.weight",
+        {r: f"block_sparse_moe.experts.{{j}}.{w}.weight" for r, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))},
+    ),
+}
+
+
+def expert_role(j: int, role: str) -> str:
+    """The role name of routed expert ``j``'s ``role`` (``gate``, ``up`` or ``down``) in :func:`layer_names`."""
+    return f"experts.{j}.{role}"
+
+
+def _mlp_names(m: ModelConfig, i: int, p: str) -> dict[str, str]:
+    if m.moe is None or not m.moe.is_moe_layer(i):
+        return {r: p + f"mlp.{r}_proj.weight" for r in ("gate", "up", "down")}
+    router, expert = _MOE_NAMES["qwen" if m.family.startswith("qwen") else "mixtral"]
+    names = {"router": p + router}
+    for j in range(m.moe.num_experts):
+        names |= {expert_role(j, r): p + expert[r].format(j=j) for r in ("gate", "up", "down")}
+    return names
+
+
 def layer_names(m: ModelConfig, i: int) -> dict[str, str]:
-    """Role -> HF name of the tensors of layer ``i`` this architecture has."""
+    """Role -> HF name of the tensors of layer ``i`` this architecture has. A mixture-of-experts layer has
+    ``router`` and :func:`expert_role` ``(j, gate|up|down)`` in place of the dense ``gate``, ``up``, ``down``
+    (shared experts have no mapping yet: ``train.init: canonical`` and HF interop refuse them)."""
     p = f"model.layers.{i}."
     names = {
         "q": p + "self_attn.q_proj.weight",
         "k": p + "self_attn.k_proj.weight",
         "v": p + "self_attn.v_proj.weight",
         "o": p + "self_attn.o_proj.weight",
-        "gate": p + "mlp.gate_proj.weight",
-        "up": p + "mlp.up_proj.weight",
-        "down": p + "mlp.down_proj.weight",
+        **_mlp_names(m, i, p),
         "input_norm": p + "input_layernorm.weight",
         "post_norm": p + "post_attention_layernorm.weight",
     }
