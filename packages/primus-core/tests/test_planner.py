@@ -345,3 +345,75 @@ def test_fused_loss_memory_only_where_the_engine_fuses(registry):
 
     cfg = PrimusConfig.model_validate({"kernels": {"fp8": "tensorwise", "fp8_recipe": {"bf16_output_head": False}}})
     assert kernel_terms(cfg).fp8_head and not kernel_terms(PrimusConfig()).fp8_head
+
+
+# --- mixture of experts ---------------------------------------------------------------------------------------------
+
+
+def test_experts_split_by_expert_parallelism_and_sharded_over_all_data_parallel_ranks(registry):
+    """A device holds E / ep routed experts whole; FSDP and the distributed optimizer divide the experts over the
+    expert-data-parallel group (dp / ep ranks), so a sharded expert byte is 1 / dp per device whatever ep is."""
+    from primus.core.planner.memory import routed_expert_params
+
+    m = _model(registry, "qwen3-30b-a3b")
+    pc, per_layer = count_params(m), routed_expert_params(m)
+    experts = pc.moe_layers * per_layer
+    rest = pc.total - experts
+    assert per_layer == 128 * 3 * 2048 * 768 and experts / pc.total > 0.9  # the experts are most of the model
+    for ep in (1, 2, 8):
+        ddp = estimate(m, _on(GENERIC, "ddp", dp=8, ep=ep), 4096).parts
+        assert ddp["weights"] == pytest.approx(2 * (rest + experts / ep))
+        fsdp = estimate(m, _on(GENERIC, "fsdp", dp=8, ep=ep), 4096).parts
+        assert fsdp["weights"] == pytest.approx(2 * pc.total / 8)
+        dist = estimate(m, _on(GENERIC, "ddp_distopt", dp=8, ep=ep), 4096).parts
+        assert dist["optimizer"] == pytest.approx(12 * pc.total / 8) and dist["gradients"] == ddp["gradients"]
+
+
+def test_moe_activations_are_the_experts_a_token_runs(registry):
+    """Per token an MoE layer keeps k experts' SwiGLU activations and its permuted copies, not the E experts'."""
+    m = _model(registry, "qwen3-30b-a3b")
+    dense = m.model_copy(update={"moe": None})
+    e, d = m.moe, m.hidden_size
+    got = estimate(m, _on(GENERIC, "ddp", dp=8, ep=8), 4096).parts["activations"]
+    want = estimate(dense, _on(GENERIC, "ddp", dp=8), 4096).parts["activations"]
+    # the dense twin's MLP keeps 3f per token; the MoE layer 3k·e + 2k·d + 2E instead, 2 bytes each, every layer
+    delta = 4096 * 2 * (3 * e.experts_per_token * e.expert_ffn_hidden_size + 2 * e.experts_per_token * d)
+    delta += 4096 * 2 * (2 * e.num_experts - 3 * m.ffn_hidden_size)
+    assert got - want == pytest.approx(delta * m.num_layers * GENERIC.activation_scale)
+
+
+def test_moe_step_time_counts_active_weights_and_all_to_alls(registry):
+    from primus.core.planner import calibration as cal
+    from primus.core.planner.perf import active_layer_params, expert_all_to_all, gemm_rate, layer_seconds_per_token
+
+    m = _model(registry, "qwen3-30b-a3b")
+    dev = device("H100")
+    pc, e = count_params(m), m.moe
+    dense, routed = active_layer_params(m)
+    assert (dense + routed) * m.num_layers == pytest.approx(pc.active - pc.embedding - pc.output_head - pc.final_norm)
+    assert routed == e.experts_per_token * 3 * m.hidden_size * e.expert_ffn_hidden_size  # every layer is MoE
+    gemm = layer_seconds_per_token(m, 4096, dev)["gemm"]
+    assert gemm == pytest.approx(6 * dense / gemm_rate(dev) + 6 * routed / (gemm_rate(dev) * cal.MOE_GEMM_FRACTION))
+    assert expert_all_to_all(m, _on(GENERIC, "fsdp", dp=8), 4096, dev, 8) == 0.0
+    # 4 all-to-alls per MoE layer of k·d bf16 elements per token, 7/8 of them off the device; EP over two nodes is slower
+    one_node = expert_all_to_all(m, _on(GENERIC, "fsdp", dp=8, ep=8), 4096, dev, 8)
+    assert one_node == pytest.approx(4 * m.num_layers * 4096 * 8 * 2048 * 2 * 7 / 8 / (dev.intra_gbps * 1e9))
+    assert expert_all_to_all(m, _on(GENERIC, "fsdp", dp=16, ep=16), 4096, dev, 8) > 2 * one_node
+
+
+def test_planner_plans_moe_layouts_with_expert_parallelism(registry):
+    """Qwen3-30B-A3B on two 8-GPU H100 nodes: expert-parallel layouts are searched (EP sizes that divide the experts
+    and the data-parallel ranks), MFU counts the active parameters, and a layout is recommended."""
+    from primus.core.modelmath import flops_per_token
+    from primus.core.planner import best, candidates
+
+    m = _model(registry, "qwen3-30b-a3b")
+    cluster = Cluster(device("H100"), 2, 8)
+    cands = candidates(m, cluster, 4096, micro_batch=1, global_batch=64)
+    eps = {c.layout.ep for c in cands}
+    assert eps == {1, 2, 4, 8, 16}
+    top = best(cands)
+    assert top is not None and top.layout.ep > 1, top.layout.describe()
+    assert "EP" in top.layout.describe()
+    assert top.mfu == pytest.approx(top.tokens_per_s_per_device * flops_per_token(m, 4096) / cluster.device.peak_flops)
+    assert flops_per_token(m, 4096) < 6 * 0.15 * count_params(m).total + 12 * m.num_layers * 4096 * 4096  # active

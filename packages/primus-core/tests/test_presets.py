@@ -109,14 +109,6 @@ def test_moe_refusals(moe, key, needle):
     assert key in str(info.value) and needle in str(info.value)
 
 
-def test_planner_refuses_moe_by_name(registry):
-    from primus.core.errors import UserError
-    from primus.core.planner import Cluster, candidates, device
-
-    with pytest.raises(UserError, match="model.moe: the planner does not model mixture-of-experts"):
-        candidates(_model(registry, "qwen3-30b-a3b"), Cluster(device("H100"), 1, 8), 4096)
-
-
 @pytest.mark.parametrize("name,billions", sorted(PUBLISHED_NON_EMBEDDING.items()))
 def test_non_embedding_params(registry, name, billions):
     m = _model(registry, name)

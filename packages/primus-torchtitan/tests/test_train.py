@@ -48,8 +48,8 @@ LAYOUTS = {
     "qwen3_fsdp2": (2, ["parallel.dp_shard=2"], QWEN3),
     "qwen3_pp2": (2, ["parallel.pp=2"], QWEN3),
     # context parallelism: primus-turbo's ring attention on torchtitan's head-tail sequence shards (RoPE positions
-    # sharded alike): llama's interleaved RoPE, qwen3's rotate-half, and TP × CP on 4 ranks
-    "cp2": (2, ["parallel.cp=2"], ()),
+    # sharded alike): qwen3's rotate-half RoPE on 2 ranks, llama's interleaved one under TP × CP on 4 (llama at cp 2
+    # alone: measured equal too)
     "qwen3_cp2": (2, ["parallel.cp=2"], QWEN3),
     "tp2_cp2": (4, ["parallel.tp=2", "parallel.cp=2"], ()),
 }

@@ -53,6 +53,7 @@ def to_parallel(layout: Layout) -> dict[str, Any]:
         "pp": layout.pp,
         "vpp": layout.vpp,
         "pp_schedule": "interleaved_1f1b" if layout.vpp > 1 else "1f1b",
+        "ep": layout.ep,
         "recompute": "full" if layout.recompute == "partial" else layout.recompute,
     }
     if layout.recompute == "partial":  # in the config the way the engine's profile says (None: it cannot be)

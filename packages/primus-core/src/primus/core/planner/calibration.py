@@ -106,6 +106,9 @@ MEMORY_BOUND_PASSES = 60
 COMPILE_MEMORY_BOUND_KEPT = 0.6
 # The loss on the logits: bf16 logits read, fp32 softmax written and read back, gradient written (bytes/logit).
 LOSS_BYTES_PER_LOGIT = 16
+# Mixture of experts: the routed experts' GEMMs (a grouped GEMM, or a loop of per-expert GEMMs, over a few hundred
+# tokens each) run at this share of the dense GEMM rate. Assumed, not measured: no MoE run on a GPU yet.
+MOE_GEMM_FRACTION = 0.8
 # Fused AdamW per parameter and step: read fp32 param, grad, m, v; write param, m, v (and the bf16 copy).
 OPTIMIZER_BYTES_PER_PARAM = 30
 

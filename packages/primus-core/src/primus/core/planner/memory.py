@@ -32,6 +32,12 @@ its layer input and residual in fp32 (4 bytes), the rest bf16.
 With FP8 GEMMs (``fp8`` not off) the "fp8" part is what FP8 adds and takes off, and is mostly negative: an e4m3
 copy of the FP8 layers' weights (tensorwise) replaces autocast's bf16 one, and their linears keep their inputs in
 fewer bytes (:func:`fp8_bytes`).
+Mixture of experts (``model.moe``): a device holds its ``E / ep`` routed experts of every MoE layer whole (expert
+parallelism; expert tensor parallelism is not modelled) and the rest of the layer split by TP. Data-parallel sharding
+(FSDP, the distributed optimizer) divides the experts over the expert-data-parallel group, tp · dp · cp / ep ranks,
+so a sharded expert byte is 1 / (tp · dp · cp) per device, as a dense one. An MoE layer keeps the activations of the
+(k + shared) experts each token runs (3 · expert width each, as the dense SwiGLU), its tokens permuted before and
+after the experts (2 · k · d) and the router's fp32 logits (E).
 Framework memory: outside the allocator the CUDA/HIP context and, with more than one rank, NCCL/RCCL
 buffers ("context"); inside it GEMM workspaces plus allocator fragmentation ("overhead"). All constants:
 :mod:`primus.core.planner.calibration` and the engines' profiles; measured against real runs by
@@ -71,6 +77,7 @@ class Layout:
     micro_batches: int = 1  # per step, per pipeline (gradient accumulation)
     # the engine's facts; None: those of the installed backend called ``engine`` (profile.profile_of)
     profile: EngineProfile | None = field(default=None, compare=False, repr=False)
+    ep: int = 1  # expert parallelism (model.moe): each device holds E / ep routed experts, within dp · cp
 
     @property
     def engine_profile(self) -> EngineProfile:
@@ -93,6 +100,8 @@ class Layout:
             parts.append(f"PP {self.pp}" + (f" VPP {self.vpp}" if self.vpp > 1 else ""))
         if self.cp > 1:
             parts.append(f"CP {self.cp}")
+        if self.ep > 1:
+            parts.append(f"EP {self.ep}")
         names = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute"}
         parts.append(names.get(self.recompute, f"full recompute of {self.recompute_layers} layers/stage"))
         return ", ".join(parts)
@@ -124,10 +133,26 @@ def layers_per_stage(model: ModelConfig, layout: Layout) -> int:
     return math.ceil(model.num_layers / layout.pp)
 
 
-def stage_params(model: ModelConfig, layout: Layout) -> tuple[float, float]:
-    """Parameters on the most loaded stage after TP division, and one layer's."""
+def routed_expert_params(model: ModelConfig) -> int:
+    """The routed experts' parameters of one MoE layer (0 for a dense model): E SwiGLU MLPs of the expert width."""
+    e = model.moe
+    return 0 if e is None else e.num_experts * 3 * model.hidden_size * e.expert_ffn_hidden_size
+
+
+def mean_layer_params(model: ModelConfig, tp: int, expert_split: int) -> float:
+    """One layer's parameters on a device, averaged over the model's dense and MoE layers: the routed experts split
+    over ``expert_split`` devices, the rest over ``tp``."""
+    pc, experts = count_params(model), routed_expert_params(model)
+    moe = (pc.moe_layer - experts) / tp + experts / expert_split
+    return ((model.num_layers - pc.moe_layers) * pc.per_layer / tp + pc.moe_layers * moe) / model.num_layers
+
+
+def stage_params(model: ModelConfig, layout: Layout, expert_split: int | None = None) -> tuple[float, float]:
+    """Parameters on the most loaded stage after TP division, and one layer's. Routed experts are split over
+    ``expert_split`` devices: by default ``layout.ep`` (what a device holds whole); ``layout.tp`` gives the count
+    that data-parallel sharding divides by dp · cp (the experts' data-parallel group is tp · dp · cp / ep)."""
     pc = count_params(model)
-    layer = pc.per_layer / layout.tp
+    layer = mean_layer_params(model, layout.tp, layout.ep if expert_split is None else expert_split)
     emb = pc.embedding / layout.tp
     head = (pc.output_head or (pc.embedding if layout.pp > 1 else 0)) / layout.tp  # tied: a copy on the last stage
     body = layers_per_stage(model, layout) * layer
@@ -136,22 +161,29 @@ def stage_params(model: ModelConfig, layout: Layout) -> tuple[float, float]:
     return max(first, last), layer
 
 
+def mlp_elements(model: ModelConfig) -> float:
+    """Elements per token an MLP keeps for its backward, averaged over the layers: a dense SwiGLU's gate, up and
+    product (3f); an MoE layer's for each of the (k + shared) experts a token runs, its permuted input and output
+    (2 · k · d) and the router's logits (E, fp32: counted twice)."""
+    e, f = model.moe, model.ffn_hidden_size
+    if e is None:
+        return 3 * f
+    moe = 3 * (e.experts_per_token + e.shared_experts) * e.expert_ffn_hidden_size
+    moe += 2 * e.experts_per_token * model.hidden_size + 2 * e.num_experts
+    n = count_params(model).moe_layers
+    return ((model.num_layers - n) * 3 * f + n * moe) / model.num_layers
+
+
 def activation_bytes_per_layer(
     model: ModelConfig, layout: Layout, seq_len: int, dtype_bytes: int, residual_bytes: int | None = None
 ) -> dict[str, float]:
     s, b, t = seq_len / layout.cp, layout.micro_batch, layout.tp
-    d, h, kv, c, f = (
-        model.hidden_size,
-        model.num_attention_heads,
-        model.num_kv_heads,
-        model.kv_channels,
-        model.ffn_hidden_size,
-    )
+    d, h, kv, c = model.hidden_size, model.num_attention_heads, model.num_kv_heads, model.kv_channels
     r = residual_bytes or dtype_bytes
     t_sp = t if layout.sequence_parallel else 1
     layer_input = r * s * b * d / t_sp
     norms = dtype_bytes * s * b * 2 * d / t_sp
-    sharded = dtype_bytes * s * b * (2 * h * c + 2 * kv * c + 3 * f) / t
+    sharded = dtype_bytes * s * b * (2 * h * c + 2 * kv * c + mlp_elements(model)) / t
     full = 2 * layer_input + norms + sharded  # the layer input and the residual, both norm outputs, the rest
     selective = full * layout.engine_profile.selective_kept
     return {"none": full, "selective": selective, "full": layer_input, "working": full}
@@ -227,6 +259,7 @@ def estimate(
     engine = layout.engine_profile
     layout = replace(layout, profile=engine)  # looked up once
     params, layer = stage_params(model, layout)
+    spread, _ = stage_params(model, layout, layout.tp)  # what data-parallel sharding divides by dp × cp
     n = layout.dp * layout.cp  # optimizer and FSDP state are sharded over dp × cp
     mixed = precision != "fp32"
     w, g = (engine.weight_bytes if mixed else 4), engine.grad_bytes
@@ -236,9 +269,9 @@ def estimate(
     shard_w = shard_g = layout.dp_mode == "fsdp"
     shard_o = layout.dp_mode == "fsdp" or (layout.dp_mode == "ddp_distopt" and engine.distributed_optimizer)
     parts = {
-        "weights": params * w / (n if shard_w else 1),
-        "gradients": params * g / (n if shard_g else 1),
-        "optimizer": params * o / (n if shard_o else 1),
+        "weights": spread * w / n if shard_w else params * w,
+        "gradients": spread * g / n if shard_g else params * g,
+        "optimizer": spread * o / n if shard_o else params * o,
     }
     buffers = 0.0
     if layout.dp_mode == "fsdp" and n > 1:  # two gathered layers, and the engine's reduce-scatter buffer

@@ -21,6 +21,11 @@
 - TP: 4 collectives per layer per micro-batch (2 forward, 2 backward; 6 with full recompute) of the
   layer's activations, over intra-node links, not overlapped (no TE comm overlap assumed).
 - PP: activations sent forward and gradients back per micro-batch and virtual stage, half hidden.
+- Mixture of experts: a token's GEMMs are the layer's *active* weights (attention, router, its k + shared experts),
+  the routed experts' at ``MOE_GEMM_FRACTION`` of the dense rate; expert parallelism adds per MoE layer and
+  micro-batch four all-to-alls (dispatch and combine, forward and backward; six with full recompute) of each
+  token's k copies of d elements, (ep − 1)/ep of them leaving the device, over intra-node links unless
+  tp · cp · ep spans nodes, not overlapped.
 Ranks are placed TP innermost, then CP and DP, then PP (Megatron's order), so a group spans nodes when
 the product of the sizes inside it exceeds the GPUs of a node.
 """
@@ -50,10 +55,11 @@ class StepTime:
     dp_comm: float
     tp_comm: float
     pp_comm: float
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (model.moe)
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm
+        return self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm + self.ep_comm
 
 
 def recompute_factor(layout: Layout, layers_per_stage: int) -> float:
@@ -72,12 +78,23 @@ def gemm_rate(dev: Device, fp8: str = "off") -> float:
     return dev.fp8_peak_flops * dev.gemm_fraction * cal.FP8_RATE_VS_BF16[fp8]
 
 
+def active_layer_params(model: ModelConfig) -> tuple[float, float]:
+    """The weights one token's GEMMs use in a layer, averaged over the layers: (everything but the routed experts, the
+    routed experts it is sent to, k of them)."""
+    pc = count_params(model)
+    if model.moe is None:
+        return float(pc.per_layer), 0.0
+    e, n = model.moe, pc.moe_layers
+    routed = e.experts_per_token * 3 * model.hidden_size * e.expert_ffn_hidden_size
+    dense = (model.num_layers - n) * pc.per_layer + n * (pc.moe_layer_active - routed)
+    return dense / model.num_layers, n * routed / model.num_layers
+
+
 def layer_seconds_per_token(
     model: ModelConfig, seq_len: int, dev: Device, fp8: str = "off", compiled: bool = False
 ) -> dict[str, float]:
     """One transformer layer, forward + backward, one token (no TP, no recompute), by kind of work; ``compiled``:
     under torch.compile, which fuses the memory-bound work (``calibration.COMPILE_MEMORY_BOUND_KEPT`` of it left)."""
-    pc = count_params(model)
     d, f, h, kv, c = (
         model.hidden_size,
         model.ffn_hidden_size,
@@ -87,8 +104,14 @@ def layer_seconds_per_token(
     )
     hbm = dev.hbm_gbps * 1e9
     fused = cal.COMPILE_MEMORY_BOUND_KEPT if compiled else 1.0  # what torch.compile leaves of the memory-bound work
+    dense, experts = active_layer_params(model)
+    if model.moe is not None:  # the width of the elementwise work: the experts a token runs
+        e = model.moe
+        moe_f = (e.experts_per_token + e.shared_experts) * e.expert_ffn_hidden_size
+        n = count_params(model).moe_layers
+        f = ((model.num_layers - n) * f + n * moe_f) / model.num_layers
     out = {
-        "gemm": 6 * pc.per_layer / gemm_rate(dev, fp8),
+        "gemm": 6 * dense / gemm_rate(dev, fp8) + 6 * experts / (gemm_rate(dev, fp8) * cal.MOE_GEMM_FRACTION),
         "attention": 6 * h * c * seq_len / (dev.peak_flops * dev.attention_fraction),  # causal: half of 12·h·c·s
         "memory_bound": cal.MEMORY_BOUND_PASSES * 2 * (d + f) / hbm * fused,
     }
@@ -129,6 +152,7 @@ def step_time(
     # each micro-batch casts the stage's weights (and a transposed copy)
     if kernels.fp8 != "off" and dev.fp8_peak_flops:
         fp8_weight_casts = m * 2 * cal.FP8_CAST_BYTES_PER_ELEMENT * lps * pc.per_layer / layout.tp * fp8_share / hbm
+    ep_comm = expert_all_to_all(model, layout, seq_len, dev, gpus_per_node)
     optimizer = cal.OPTIMIZER_BYTES_PER_PARAM * params / (layout.dp * layout.cp if layout.dp_mode != "ddp" else 1) / hbm
     compute += fp8_weight_casts + optimizer
     bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
@@ -156,4 +180,17 @@ def step_time(
     pp_spans_nodes = layout.world > gpus_per_node
     pp_bw = (dev.inter_gbps if pp_spans_nodes else dev.intra_gbps) * 1e9
     pp_comm = 0.5 * 2 * m * layout.vpp * act / layout.tp / pp_bw if layout.pp > 1 else 0.0
-    return StepTime(compute, bubble, dp_exposed, tp_comm, pp_comm)
+    return StepTime(compute, bubble, dp_exposed, tp_comm, pp_comm, ep_comm)
+
+
+def expert_all_to_all(model: ModelConfig, layout: Layout, seq_len: int, dev: Device, gpus_per_node: int) -> float:
+    """Seconds per step a device spends in expert parallelism's all-to-alls (0 without experts or at ep 1)."""
+    if model.moe is None or layout.ep == 1:
+        return 0.0
+    moe_layers = math.ceil(count_params(model).moe_layers / layout.pp)
+    tokens = layout.micro_batch * seq_len / (layout.tp * layout.cp)  # a device's, sequence-parallel under TP
+    payload = tokens * model.moe.experts_per_token * model.hidden_size * 2 * (layout.ep - 1) / layout.ep  # bf16
+    n_coll = 6 if layout.recompute == "full" else 4
+    spans = layout.tp * layout.cp * layout.ep > gpus_per_node
+    bw = (dev.inter_gbps if spans else dev.intra_gbps) * 1e9
+    return n_coll * moe_layers * layout.micro_batches * payload / bw

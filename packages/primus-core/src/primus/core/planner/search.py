@@ -78,12 +78,20 @@ class Candidate:
 
     def key(self) -> tuple:
         lay = self.layout
-        dims = sum(x > 1 for x in (lay.tp, lay.pp, lay.vpp, lay.cp))
+        dims = sum(x > 1 for x in (lay.tp, lay.pp, lay.vpp, lay.cp, lay.ep))
         return (not self.runnable, round(self.time.total, 9), round(self.memory.total / GIB, 3), dims)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _ep_options(model: ModelConfig, dp: int) -> list[int]:
+    """Expert-parallel sizes for ``dp`` data-parallel ranks: powers of two that divide the experts and the ranks
+    (1 for a dense model)."""
+    if model.moe is None:
+        return [1]
+    return [e for e in (1, 2, 4, 8, 16, 32, 64, 128) if model.moe.num_experts % e == 0 and dp % e == 0]
 
 
 def _tp_options(model: ModelConfig, gpus_per_node: int) -> list[int]:
@@ -162,13 +170,6 @@ def candidates(
     preference (each layout then comes once, with the fastest; of equally fast ones the first). ``check(layout)``:
     the backend's refusals of a layout (None: none checked), kept in :attr:`Candidate.refused`; a layout it refuses is
     never ranked above one it accepts."""
-    if model.moe is not None:
-        from primus.core.errors import UserError
-
-        raise UserError(
-            "model.moe: the planner does not model mixture-of-experts layouts yet (expert weights sharded by "
-            "expert parallelism, all-to-all token dispatch); plan the layout by hand"
-        )
     profile = profile_of(engine, registry)
     name = engine if isinstance(engine, str) else profile.name
     gbs = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq_len)
@@ -196,19 +197,19 @@ def candidates(
                     continue
                 m = gbs // (mb * dp)
                 vpps = [1] + [v for v in (2, 3, 4) if pp > 1 and lps % v == 0 and m % pp == 0]
-                for vpp in vpps:
+                for vpp, ep in ((v, e) for v in vpps for e in _ep_options(model, dp)):
                     for mode in profile.dp_modes(tp, pp, dp):
                         found = [
                             judged(evaluate(model, lay, seq_len, gbs, cluster, precision, kernels))
                             for lay in (
-                                Layout(name, mode, dp, tp, pp, vpp, 1, rc, 0, mb, m, profile)
+                                Layout(name, mode, dp, tp, pp, vpp, 1, rc, 0, mb, m, profile, ep)
                                 for rc in profile.recompute
                             )
                         ]
                         if profile.partial_recompute is not None:
                             found += _partial(
                                 [
-                                    Layout(name, mode, dp, tp, pp, vpp, 1, "partial", n, mb, m, profile)
+                                    Layout(name, mode, dp, tp, pp, vpp, 1, "partial", n, mb, m, profile, ep)
                                     for n in profile.partial_recompute(lps)
                                 ],
                                 lambda lay: evaluate(model, lay, seq_len, gbs, cluster, precision, kernels),
@@ -216,7 +217,7 @@ def candidates(
                             )
                         for cand in found:
                             lay = cand.layout
-                            key = (mode, dp, tp, pp, vpp, lay.cp, lay.recompute)
+                            key = (mode, dp, tp, pp, vpp, lay.cp, lay.ep, lay.recompute)
                             if key not in kept or _better(cand, kept[key]):
                                 kept[key] = cand
     return sorted(kept.values(), key=Candidate.key)
