@@ -137,23 +137,36 @@ def _impl(kernels: dict[str, KernelProvider], op: str) -> Any:
     return kernels[op].impl
 
 
+# The routed experts' activation: core's SwiGLU (torch's kernels), whatever the swiglu provider. SequentialMLP runs the
+# experts as a loop of small MLPs, where a provider's kernel launch costs more than its fusion saves: on the H200,
+# a Qwen3-30B-A3B-shaped model (128 experts, 6 layers, seq 4096) trained at 5,484 tokens/s with primus-turbo's
+# Triton SwiGLU in the experts and 7,343 with torch's (benchmarks/results/moe_h200_round2.json and
+# moe_h200_mg_swiglu_torch.json). TorchTitan's grouped experts keep their own activation too.
+EXPERT_SWIGLU = "primus.core.kernels.reference:swiglu"
+
+
 def moe_spec(kernels: dict[str, KernelProvider], shared: bool) -> ModuleSpec:
-    """megatron-core's MoE layer (router, token dispatcher, experts as a loop of local MLPs: SequentialMLP) with the
-    ``swiglu`` provider as each expert's activation; shared experts (when the model has them) the same MLP."""
+    """megatron-core's MoE layer (router, token dispatcher, experts as a loop of local MLPs: SequentialMLP) with core's
+    SwiGLU as each routed expert's activation (:data:`EXPERT_SWIGLU`); shared experts (one MLP of their summed width,
+    when the model has them) take the ``swiglu`` provider, as a dense MLP."""
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-    mlp = MLPSubmodules(
-        linear_fc1=ColumnParallelLinear,
-        linear_fc2=RowParallelLinear,
-        activation_func=ModuleSpec(module=KernelSwiGLU, params={"kernel": _impl(kernels, "swiglu")}),
-    )
+    def mlp(swiglu: Any) -> MLPSubmodules:
+        return MLPSubmodules(
+            linear_fc1=ColumnParallelLinear,
+            linear_fc2=RowParallelLinear,
+            activation_func=ModuleSpec(module=KernelSwiGLU, params={"kernel": swiglu}),
+        )
+
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(
-            experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
-            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp) if shared else None,
+            experts=ModuleSpec(module=SequentialMLP, submodules=mlp(EXPERT_SWIGLU)),
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp(_impl(kernels, "swiglu")))
+            if shared
+            else None,
         ),
     )
 
