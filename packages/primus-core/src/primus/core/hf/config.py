@@ -1,8 +1,9 @@
 """HF ``config.json`` <-> Primus :class:`ModelConfig`, for the families Primus trains.
 
 The HF side is what ``transformers`` writes (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
-``MistralForCausalLM``, and with ``model.moe`` ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``); both the 4.x spelling (``rope_theta`` + ``rope_scaling``) and the 5.x one
-(``rope_parameters``) are read, the 4.x one is written (5.x reads it too).
+``MistralForCausalLM``, and with ``model.moe`` ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``); both the 4.x
+spelling (``rope_theta`` + ``rope_scaling``) and the 5.x one (``rope_parameters``) are read, the 4.x one is written
+(5.x reads it too).
 """
 
 from __future__ import annotations
