@@ -139,12 +139,17 @@ def routed_expert_params(model: ModelConfig) -> int:
     return 0 if e is None else e.num_experts * 3 * model.hidden_size * e.expert_ffn_hidden_size
 
 
+def layer_mean(model: ModelConfig, dense: float, moe: float) -> float:
+    """A per-layer quantity averaged over the model's layers: ``dense`` in a dense layer, ``moe`` in an MoE one."""
+    n = count_params(model).moe_layers
+    return ((model.num_layers - n) * dense + n * moe) / model.num_layers
+
+
 def mean_layer_params(model: ModelConfig, tp: int, expert_split: int) -> float:
     """One layer's parameters on a device, averaged over the model's dense and MoE layers: the routed experts split
     over ``expert_split`` devices, the rest over ``tp``."""
     pc, experts = count_params(model), routed_expert_params(model)
-    moe = (pc.moe_layer - experts) / tp + experts / expert_split
-    return ((model.num_layers - pc.moe_layers) * pc.per_layer / tp + pc.moe_layers * moe) / model.num_layers
+    return layer_mean(model, pc.per_layer / tp, (pc.moe_layer - experts) / tp + experts / expert_split)
 
 
 def stage_params(model: ModelConfig, layout: Layout, expert_split: int | None = None) -> tuple[float, float]:
@@ -170,8 +175,7 @@ def mlp_elements(model: ModelConfig) -> float:
         return 3 * f
     moe = 3 * (e.experts_per_token + e.shared_experts) * e.expert_ffn_hidden_size
     moe += 2 * e.experts_per_token * model.hidden_size + 2 * e.num_experts
-    n = count_params(model).moe_layers
-    return ((model.num_layers - n) * 3 * f + n * moe) / model.num_layers
+    return layer_mean(model, 3 * f, moe)
 
 
 def activation_bytes_per_layer(

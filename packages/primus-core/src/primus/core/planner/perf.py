@@ -39,7 +39,7 @@ from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
-from primus.core.planner.memory import PLAIN_KERNELS, KernelTerms, Layout, stage_params
+from primus.core.planner.memory import PLAIN_KERNELS, KernelTerms, Layout, layer_mean, stage_params
 
 # A TP split makes each GEMM narrower and puts collectives between them that stall the stream:
 # the fraction of the unsplit rate kept per doubling of tp (0.9: TP 8 keeps 73%).
@@ -84,10 +84,9 @@ def active_layer_params(model: ModelConfig) -> tuple[float, float]:
     pc = count_params(model)
     if model.moe is None:
         return float(pc.per_layer), 0.0
-    e, n = model.moe, pc.moe_layers
+    e = model.moe
     routed = e.experts_per_token * 3 * model.hidden_size * e.expert_ffn_hidden_size
-    dense = (model.num_layers - n) * pc.per_layer + n * (pc.moe_layer_active - routed)
-    return dense / model.num_layers, n * routed / model.num_layers
+    return layer_mean(model, pc.per_layer, pc.moe_layer_active - routed), layer_mean(model, 0.0, routed)
 
 
 def layer_seconds_per_token(
@@ -107,9 +106,7 @@ def layer_seconds_per_token(
     dense, experts = active_layer_params(model)
     if model.moe is not None:  # the width of the elementwise work: the experts a token runs
         e = model.moe
-        moe_f = (e.experts_per_token + e.shared_experts) * e.expert_ffn_hidden_size
-        n = count_params(model).moe_layers
-        f = ((model.num_layers - n) * f + n * moe_f) / model.num_layers
+        f = layer_mean(model, f, (e.experts_per_token + e.shared_experts) * e.expert_ffn_hidden_size)
     out = {
         "gemm": 6 * dense / gemm_rate(dev, fp8) + 6 * experts / (gemm_rate(dev, fp8) * cal.MOE_GEMM_FRACTION),
         "attention": 6 * h * c * seq_len / (dev.peak_flops * dev.attention_fraction),  # causal: half of 12·h·c·s
