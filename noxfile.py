@@ -131,7 +131,8 @@ def install_packages(
 
 def pytest(session: nox.Session, *args: str) -> None:
     # Exit code 5 is "no tests collected": a package whose tests are still to be written is not a failure.
-    session.run("pytest", "-q", *args, *session.posargs, success_codes=[0, 5])
+    # --durations: every CI log lists the slowest tests (what to trim when the suite grows past its budget).
+    session.run("pytest", "-q", "--durations=12", *args, *session.posargs, success_codes=[0, 5])
 
 
 @nox.session(python=PYTHON, reuse_venv=True)
