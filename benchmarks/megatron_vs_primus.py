@@ -189,6 +189,7 @@ CORE_KERNELS = [
         ("swiglu", "torch"),
         ("cross_entropy", "torch"),
         ("rope", "torch"),
+        ("grouped_gemm", "torch"),
     )
 ]
 

@@ -8,10 +8,13 @@ vocab 151,936) with ``--layers`` of its 48 layers, so that one GPU holds the wei
 load balancing (the engines' algorithms differ: the same recipe on both), bf16, random tokens. Cases, each one
 ``primus train`` process:
 
-- ``mg_core`` / ``mg_turbo``: Primus-Megatron (megatron-core's MoE layer: router, all-to-all dispatcher, experts as a
-  loop of local MLPs, SequentialMLP), core's kernel providers pinned / ``kernels: auto`` (primus-turbo);
-- ``tt_core`` / ``tt_turbo``: Primus-TorchTitan (TorchTitan 0.2.2's qwen3 MoE, experts as ``torch._grouped_mm``),
-  the same two kernel settings.
+- ``mg_core`` / ``mg_turbo``: Primus-Megatron (megatron-core's MoE layer: router, all-to-all dispatcher), core's
+  kernel providers pinned (experts: megatron's SequentialMLP, a loop of local MLPs) / ``kernels: auto``
+  (primus-turbo: experts as grouped GEMMs, primus.megatron.experts, with the Triton SwiGLU);
+- ``mg_grouped``: core's providers but primus-turbo's ``grouped_mm`` for the experts (the grouped GEMMs alone);
+- ``tt_core`` / ``tt_turbo``: Primus-TorchTitan (TorchTitan 0.2.2's qwen3 MoE: its own experts, ``torch._grouped_mm``
+  / primus-turbo's ``grouped_mm`` provider), the same two kernel settings; ``tt_grouped``: core's providers but
+  primus-turbo's ``grouped_mm`` for the experts.
 
 Reported per case: tokens/s per device (median of the steps after ``--warmup``), MFU as Primus reports it (active
 parameters, primus.core.modelmath.flops_per_token, against the H200's dense bf16 peak), peak memory (memory_gib) and
@@ -34,8 +37,10 @@ from megatron_vs_primus import CORE_KERNELS  # noqa: E402
 
 CASES = {
     "mg_core": ("megatron", CORE_KERNELS),
+    "mg_grouped": ("megatron", [*CORE_KERNELS, "kernels.grouped_gemm=grouped_mm"]),
     "mg_turbo": ("megatron", []),
     "tt_core": ("torchtitan", CORE_KERNELS),
+    "tt_grouped": ("torchtitan", [*CORE_KERNELS, "kernels.grouped_gemm=grouped_mm"]),
     "tt_turbo": ("torchtitan", []),
 }
 

@@ -47,6 +47,24 @@ def test_rms_norm_swiglu_rope_cross_entropy():
     torch.testing.assert_close(ref.cross_entropy(logits, target), manual)
 
 
+def test_grouped_gemm_is_each_tokens_expert_linear():
+    """Token t of group g gets w[g] @ x[t]; an empty group and rows past offs[-1] (zero) included; gradients too."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)
+    expert = [0, 0, 2, 2, 2, 2, 2]
+    y = ref.grouped_gemm(x, w, offs)
+    expect = torch.stack([w[e] @ x[t] for t, e in enumerate(expert)] + [torch.zeros(4, dtype=x.dtype)] * 2)
+    torch.testing.assert_close(y, expect, rtol=0, atol=1e-12)
+    dy = torch.randn(9, 4, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, w), dy)
+    want = torch.autograd.grad(expect, (x, w), dy)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert got[1][1].abs().max() == 0  # the empty group's weight gets no gradient
+
+
 def test_auto_selects_core_providers_on_cpu(registry, caplog):
     with caplog.at_level("INFO", logger="primus.kernels"):
         chosen = select_kernels(KernelsConfig(), registry, "cpu")

@@ -52,7 +52,14 @@ def test_run_writes_metrics_and_calls_hooks(tmp_path):
     seen.events = []
     res = resolve(
         "tiny-llama",
-        ["backend.name=fake", "train.steps=3", f"logging.output_dir={tmp_path}", "logging.tensorboard=false"],
+        # grouped_gemm named: primus-turbo's grouped_mm runs on CPU too, where it is installed (integration)
+        [
+            "backend.name=fake",
+            "train.steps=3",
+            f"logging.output_dir={tmp_path}",
+            "logging.tensorboard=false",
+            "kernels.grouped_gemm=torch",
+        ],
         world_size=1,
         registry=_registry(seen),
     )
@@ -65,6 +72,7 @@ def test_run_writes_metrics_and_calls_hooks(tmp_path):
             "swiglu": "torch",
             "cross_entropy": "torch",
             "rope": "torch",
+            "grouped_gemm": "torch",
         },
         "status": "ok",
     }

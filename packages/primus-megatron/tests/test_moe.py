@@ -1,5 +1,6 @@
 """Mixture-of-experts on Megatron-Core: megatron's MoE layer (top-k router with its aux loss, all-to-all token
-dispatch over parallel.ep, experts as a loop of local SwiGLU MLPs with core's SwiGLU) from ``model.moe``.
+dispatch over parallel.ep) from ``model.moe``, its experts as grouped GEMMs (primus.megatron.experts, primus-turbo's
+grouped_mm) or megatron's loop of local SwiGLU MLPs (kernels.grouped_gemm: torch).
 
 From one seed checkpoint (megatron's own initialisation, ``train.init: engine``), a tiny Qwen3-MoE trains, and
 EP 2 (2 ranks, the distributed optimizer) and TP 2 + SP × EP 2 (4 ranks) train the same loss curve and gradient norms
@@ -10,6 +11,7 @@ Mixtral trains too.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -26,8 +28,9 @@ def runs(tmp_path_factory):
     seed = f"backend.extra.seed_checkpoint={root / 'seed'}"
     out = {"root": root, "ref": train(MOE, root / "ref", 1, seed)}
     out["ep2"] = train(MOE, root / "ep2", 2, seed, "parallel.ep=2", "checkpoint.enabled=true", "checkpoint.interval=3")
+    # megatron's own loop of experts (SequentialMLP: core's reference grouped_gemm) here, grouped GEMMs elsewhere
     out["tp2_ep2"] = train(MOE, root / "tp2_ep2", 4, seed, "parallel.tp=2", "parallel.sequence_parallel=true",
-                           "parallel.ep=2")  # fmt: skip
+                           "parallel.ep=2", "kernels.grouped_gemm=torch")  # fmt: skip
     ckpt = root / "ckpt"
     ckpt.mkdir()
     shutil.copytree(root / "ep2" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
@@ -49,6 +52,14 @@ def test_expert_parallel_layouts_match_world_size_1(runs, layout):
     assert losses(runs[layout]) == pytest.approx(losses(runs["ref"]), abs=LOSS_TOL)
     norms = [r["grad_norm"] for r in runs[layout]]
     assert norms == pytest.approx([r["grad_norm"] for r in runs["ref"]], rel=1e-4)
+
+
+def test_experts_run_as_grouped_gemms_or_megatrons_loop(runs):
+    """primus-turbo's grouped_mm by default (auto), megatron's SequentialMLP with core's loop: the same curve (above)."""
+    applied = {name: json.loads((runs["root"] / name / "summary.json").read_text())["kernels_applied"]["experts"]
+               for name in ("ref", "tp2_ep2")}  # fmt: skip
+    assert applied["ref"].startswith("grouped GEMMs of provider 'grouped_mm'"), applied
+    assert "megatron's SequentialMLP" in applied["tp2_ep2"], applied
 
 
 def test_resume_under_ep2_equals_straight_through(runs):
@@ -76,3 +87,24 @@ def test_routed_experts_take_cores_swiglu_shared_experts_the_provider():
     assert spec.submodules.experts.submodules.activation_func.params["kernel"] == EXPERT_SWIGLU
     assert spec.submodules.shared_experts.submodules.activation_func.params["kernel"] == kernels["swiglu"].impl
     assert moe_spec(kernels, shared=False).submodules.shared_experts is None
+
+
+def test_grouped_gemm_provider_makes_the_experts_grouped():
+    """A grouped_gemm provider other than core's loop: GroupedExperts (SequentialMLP's parameters) with that provider
+    and the swiglu provider; core's loop: megatron's SequentialMLP."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from primus.megatron.experts import GroupedExperts
+    from primus.megatron.layer_spec import moe_spec
+
+    grouped = SimpleNamespace(name="grouped_mm", impl="primus.turbo.grouped_gemm:grouped_gemm")
+    grouped.load = lambda: None
+    loop = SimpleNamespace(name="torch", impl="primus.core.kernels.reference:grouped_gemm")
+    loop.load = lambda: __import__("primus.core.kernels.reference", fromlist=["x"]).grouped_gemm
+    swiglu = SimpleNamespace(impl="primus.turbo.triton.swiglu:swiglu")
+    spec = moe_spec({"swiglu": swiglu, "grouped_gemm": grouped}, shared=False).submodules.experts
+    assert spec.module is GroupedExperts and issubclass(GroupedExperts, SequentialMLP)
+    assert spec.params == {"gemm": grouped.impl, "swiglu": swiglu.impl}
+    assert moe_spec({"swiglu": swiglu, "grouped_gemm": loop}, shared=False).submodules.experts.module is SequentialMLP

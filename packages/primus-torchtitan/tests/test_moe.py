@@ -1,6 +1,6 @@
 """Mixture-of-experts on TorchTitan: torchtitan 0.2.2's qwen3 MoE (a top-k router with the weight applied to each
-expert's output, as Megatron-Core does; loss-free balancing by its expert-bias update; experts as a loop on CPU) from
-``model.moe``.
+expert's output, as Megatron-Core does; loss-free balancing by its expert-bias update) from ``model.moe``, its experts
+on primus-turbo's grouped_mm (ProviderGroupedExperts) or torchtitan's own (a loop on CPU): the same curve.
 
 From core's canonical initial weights (routers and experts by their Hugging Face names), a tiny Qwen3-MoE trains;
 2 ranks with FSDP2 and expert parallelism 2 (each rank holds half the experts, the tokens exchanged all-to-all)
@@ -9,6 +9,7 @@ train world size 1's loss curve and gradient norms (measured: FSDP2 alone equals
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -22,13 +23,21 @@ LOSS_RTOL, GNORM_RTOL = 1e-5, 1e-4  # fp32; measured: 1e-7 and 3e-5
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchtitan_moe")
     primus_train(MOE, root / "ws1", "checkpoint.enabled=true", "checkpoint.interval=3")
-    primus_train(MOE, root / "ep2", "parallel.dp_shard=2", "parallel.ep=2", nproc=2)
+    # torchtitan's own experts (core's reference grouped_gemm) here; primus-turbo's grouped_mm elsewhere (auto)
+    primus_train(MOE, root / "ep2", "parallel.dp_shard=2", "parallel.ep=2", "kernels.grouped_gemm=torch", nproc=2)
     ckpt = root / "ckpt"
     ckpt.mkdir()
     shutil.copytree(root / "ws1" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
     resume = (f"checkpoint.dir={ckpt}", "checkpoint.enabled=true", "parallel.dp_shard=2", "parallel.ep=2")
     primus_train(MOE, root / "ep2_resume", *resume, nproc=2, resume=True)
-    return {name: metrics(root / name) for name in ("ws1", "ep2", "ep2_resume")}
+    out = {name: metrics(root / name) for name in ("ws1", "ep2", "ep2_resume")}
+    out["experts"] = {name: json.loads((root / name / "summary.json").read_text())["kernels"]["grouped_gemm"]
+                      for name in ("ws1", "ep2")}  # fmt: skip
+    return out
+
+
+def test_experts_run_on_the_grouped_gemm_provider_or_torchtitans_own(runs):
+    assert runs["experts"] == {"ws1": "grouped_mm", "ep2": "torchtitan"}
 
 
 def test_moe_model_trains(runs):

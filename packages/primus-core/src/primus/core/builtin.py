@@ -24,7 +24,10 @@ def primus_presets() -> list[Path]:
 
 @hookimpl
 def primus_kernels() -> list[KernelProvider]:
-    desc = {"attention": "torch SDPA (cuDNN/flash/efficient on GPU, math on CPU)"}
+    desc = {
+        "attention": "torch SDPA (cuDNN/flash/efficient on GPU, math on CPU)",
+        "grouped_gemm": "a matmul per expert (plain PyTorch reference)",
+    }
     return [
         KernelProvider(
             op=op,
@@ -35,7 +38,7 @@ def primus_kernels() -> list[KernelProvider]:
             description=desc.get(op, "plain PyTorch reference"),
             features=frozenset({DOCUMENTS}) if op == "attention" else frozenset(),
         )
-        for op in ("attention", "rms_norm", "swiglu", "cross_entropy", "rope")
+        for op in ("attention", "rms_norm", "swiglu", "cross_entropy", "rope", "grouped_gemm")
     ]
 
 

@@ -146,6 +146,12 @@ class MegatronEngine:
                 swapped["rope"],
                 swapped["output_loss"],
             )
+        if cfg.model.moe is not None:
+            from primus.megatron.layer_spec import experts_impl
+
+            swapped["experts"] = experts_impl(ctx.kernels)[1]
+            if self.rank == 0:
+                log.info("megatron routed experts: %s", swapped["experts"])
         self.summary = {"kernels_applied": swapped}
         config = transformer_config(cfg)
         self.chunks = chunks = build_chunks(cfg, config, ctx.kernels)

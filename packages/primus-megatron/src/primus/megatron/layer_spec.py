@@ -29,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from primus.core.kernels import reference
 from primus.core.protocols import KernelProvider, load_ref
 from primus.megatron.rope import KernelRoPESelfAttention, rope_impl
 
@@ -137,19 +138,42 @@ def _impl(kernels: dict[str, KernelProvider], op: str) -> Any:
     return kernels[op].impl
 
 
-# The routed experts' activation: core's SwiGLU (torch's kernels), whatever the swiglu provider. SequentialMLP runs the
-# experts as a loop of small MLPs, where a provider's kernel launch costs more than its fusion saves: on the H200,
+# The routed experts' activation in megatron's loop of experts (SequentialMLP, with core's reference grouped_gemm): core's
+# SwiGLU (torch's kernels), whatever the swiglu provider. A loop of small MLPs is where a provider's kernel launch costs
+# more than its fusion saves (the grouped experts take the swiglu provider: one launch for all): on the H200,
 # a Qwen3-30B-A3B-shaped model (128 experts, 6 layers, seq 4096) trained at 5,484 tokens/s with primus-turbo's
 # Triton SwiGLU in the experts and 7,343 with torch's (benchmarks/results/moe_h200_round2.json and
 # moe_h200_mg_swiglu_torch.json). TorchTitan's grouped experts keep their own activation too.
 EXPERT_SWIGLU = "primus.core.kernels.reference:swiglu"
 
 
-def moe_spec(kernels: dict[str, KernelProvider], shared: bool) -> ModuleSpec:
-    """megatron-core's MoE layer (router, token dispatcher, experts as a loop of local MLPs: SequentialMLP) with core's
-    SwiGLU as each routed expert's activation (:data:`EXPERT_SWIGLU`); shared experts (one MLP of their summed width,
-    when the model has them) take the ``swiglu`` provider, as a dense MLP."""
+def experts_impl(kernels: dict[str, KernelProvider]) -> tuple[KernelProvider | None, str]:
+    """The grouped_gemm provider the routed experts run on (None: megatron's SequentialMLP), and what runs, in words."""
+    gemm = kernels.get("grouped_gemm")
+    if gemm is None or gemm.load() is reference.grouped_gemm:
+        name = gemm.name if gemm else "none"
+        return None, f"grouped_gemm provider {name!r} is core's loop: megatron's SequentialMLP computes the same"
+    return gemm, f"grouped GEMMs of provider {gemm.name!r} over all local experts (primus.megatron.experts)"
+
+
+def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules) -> ModuleSpec:
     from megatron.core.transformer.moe.experts import SequentialMLP
+
+    gemm, _ = experts_impl(kernels)
+    if gemm is None:
+        return ModuleSpec(module=SequentialMLP, submodules=submodules)
+    from primus.megatron.experts import GroupedExperts
+
+    params = {"gemm": gemm.impl, "swiglu": _impl(kernels, "swiglu")}
+    return ModuleSpec(module=GroupedExperts, submodules=submodules, params=params)
+
+
+def moe_spec(kernels: dict[str, KernelProvider], shared: bool) -> ModuleSpec:
+    """megatron-core's MoE layer (router, token dispatcher) with its routed experts as grouped GEMMs
+    (:class:`~primus.megatron.experts.GroupedExperts`: the ``grouped_gemm`` and ``swiglu`` providers over all local
+    experts at once) or, with core's reference loop as the ``grouped_gemm`` provider, as megatron's own loop of
+    local MLPs (SequentialMLP, which computes the same) with core's SwiGLU (:data:`EXPERT_SWIGLU`). Shared experts
+    (one MLP of their summed width, when the model has them) take the ``swiglu`` provider, as a dense MLP."""
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
@@ -163,7 +187,7 @@ def moe_spec(kernels: dict[str, KernelProvider], shared: bool) -> ModuleSpec:
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(
-            experts=ModuleSpec(module=SequentialMLP, submodules=mlp(EXPERT_SWIGLU)),
+            experts=_experts_spec(kernels, mlp(EXPERT_SWIGLU)),
             shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp(_impl(kernels, "swiglu")))
             if shared
             else None,

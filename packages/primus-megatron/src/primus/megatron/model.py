@@ -94,9 +94,10 @@ def transformer_config(cfg: PrimusConfig) -> TransformerConfig:
 
 
 def moe_fields(cfg: PrimusConfig) -> dict[str, Any]:
-    """model.moe as megatron-core's MoE settings: a router over ``num_experts`` local SwiGLU experts (a loop of
-    MLPs, no grouped GEMM), all-to-all token dispatch over the expert-parallel ranks, no token dropping unless a
-    capacity is set."""
+    """model.moe as megatron-core's MoE settings: a router over ``num_experts`` local SwiGLU experts (megatron's
+    SequentialMLP parameters; the layer spec runs them as grouped GEMMs, not megatron's ``moe_grouped_gemm``, which
+    needs Transformer Engine or the grouped_gemm package), all-to-all token dispatch over the expert-parallel ranks,
+    no token dropping unless a capacity is set."""
     m = cfg.model
     if m.moe is None:
         return {}

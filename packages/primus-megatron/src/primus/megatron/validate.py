@@ -222,7 +222,7 @@ def _fsdp_issues(cfg: PrimusConfig, dp: int) -> list[ConfigIssue]:
 
 def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     """What this backend's mixture-of-experts model (megatron-core's MoE layer: router, all-to-all dispatch over
-    parallel.ep, experts as a loop of local MLPs) does not cover yet."""
+    parallel.ep, experts as grouped GEMMs or a loop of local MLPs) does not cover yet."""
     p = cfg.parallel
     out: list[ConfigIssue] = []
     if p.fsdp is True and p.shard_size(1) > 1:

@@ -13,6 +13,8 @@ and activation checkpointing see the same model:
 - ``linear_cross_entropy`` (when the cross_entropy provider offers it): the model's ``output`` projection
   and the loss become one fused call that never materialises the logits (:mod:`primus.torchtitan.loss`);
   not under PP, CP or TP (reasons in :func:`plan`), where the plain provider loss above applies.
+- ``grouped_gemm``: the MoE experts (``GroupedExperts``, stacked ``w1 / w2 / w3``) → ``ProviderGroupedExperts``:
+  three provider grouped GEMMs (torchtitan's own runs ``torch._grouped_mm`` in bf16 on a GPU, a loop on CPU).
 - ``rope`` is never swapped: torchtitan's llama3 rotates interleaved pairs (complex ``freqs_cis``) where
   the provider contract is rotate-half, and qwen3's rotate-half RoPE is inline in its Attention.forward.
 
@@ -42,10 +44,12 @@ from primus.torchtitan.loss import fuse_output, head_loss, token_sum
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper  # noqa: E402
+from torchtitan.models.moe.moe import GroupedExperts  # noqa: E402
+from torchtitan.models.moe.utils import indices_padding_wrapper  # noqa: E402
 
 log = logging.getLogger("primus.torchtitan")
 
-MODULE_OPS = ("attention", "rms_norm", "swiglu")  # swapped in the model; cross_entropy in the TrainSpec's loss
+MODULE_OPS = ("attention", "rms_norm", "swiglu", "grouped_gemm")  # swapped in the model; cross_entropy in the loss
 SWAPPED_OPS = (*MODULE_OPS, "cross_entropy")
 
 # what torchtitan's own module computes for each op: core's reference provider of that op
@@ -55,6 +59,7 @@ REFERENCE = {
     "swiglu": reference.swiglu,
     "cross_entropy": reference.cross_entropy,
     "rope": reference.rope,
+    "grouped_gemm": reference.grouped_gemm,
 }
 
 
@@ -99,6 +104,7 @@ def plan(
         if tp > 1 and family == "qwen3"
         else "",
         "swiglu": "",
+        "grouped_gemm": "",  # the experts take their weights' local shards (to_local), as torchtitan's own
     }
     for op, prov in providers.items():
         if op == "rope":
@@ -224,6 +230,30 @@ def _document_attention_class(base: type) -> type:
     return type(f"Document{base.__name__}", (base,), {"forward": forward, "__module__": __name__})
 
 
+class ProviderGroupedExperts(GroupedExperts):
+    """torchtitan's ``GroupedExperts`` (same stacked ``w1 / w2 / w3`` ``[experts, out, in]``, the provider
+    contract's layout), computed by the grouped_gemm provider: ``w2(silu(w1 x) * w3 x)`` per expert. Without expert
+    parallelism on a GPU torchtitan's index padding runs first (each expert's rows a multiple of 8: the
+    16-byte alignment the grouped kernels' weight gradient needs), as for its own grouped GEMMs; under EP its
+    dispatch pads."""
+
+    kernel: Callable[..., torch.Tensor]
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        dtensor = isinstance(self.w1, DTensor)
+        w1, w2, w3 = (w.to_local() if dtensor else w for w in (self.w1, self.w2, self.w3))
+        gemm = self.kernel
+
+        def run(w1, w2, w3, x, num_tokens_per_expert):  # noqa: ANN001, ANN202 - torchtitan's experts signature
+            offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+            return gemm(reference.swiglu(gemm(x, w1, offs), gemm(x, w3, offs)), w2, offs)
+
+        expert_parallel = dtensor and "ep" in (self.w1.device_mesh.mesh_dim_names or ())
+        if x.device.type != "cpu" and not expert_parallel:
+            run = indices_padding_wrapper(run)
+        return run(w1, w2, w3, x, num_tokens_per_expert)
+
+
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.w2(self.kernel(self.w1(x), self.w3(x)))
 
@@ -263,6 +293,9 @@ def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]
             counts["attention"] += 1
         elif documents and isinstance(getattr(module, "inner_attention", None), ScaledDotProductAttentionWrapper):
             module.__class__ = _document_attention_class(type(module))
+        elif "grouped_gemm" in fns and type(module) is GroupedExperts:
+            _retype(module, ProviderGroupedExperts, fns["grouped_gemm"])
+            counts["grouped_gemm"] += 1
         elif "swiglu" in fns and _is_feed_forward(module) and type(module).forward is not _swiglu_forward:
             _retype(module, _swiglu_class(type(module)), fns["swiglu"])
             counts["swiglu"] += 1

@@ -81,7 +81,8 @@ def moe_args(m: ModelConfig) -> dict[str, Any]:
     """model.moe as torchtitan 0.2.2's qwen3 MoE (every layer: a router, ``num_experts`` SwiGLU experts, shared
     experts as one FeedForward of their summed width), the router weight applied to each expert's output as in
     Megatron-Core; loss-free balancing is torchtitan's expert-bias update (rate 1e-3, Megatron's default). The
-    experts run as grouped GEMMs on a GPU and as a loop on CPU (``torch._grouped_mm`` is CUDA's)."""
+    experts run on the grouped_gemm provider (:class:`~primus.torchtitan.kernels.ProviderGroupedExperts`); with
+    core's reference, torchtitan's own: grouped GEMMs on a GPU, a loop on CPU (its grouped path casts to bf16)."""
     if m.moe is None:
         return {}
     import torch

@@ -228,6 +228,7 @@ REFERENCE_KERNELS = {
     "swiglu": "torch",
     "cross_entropy": "torch",
     "rope": "torch",
+    "grouped_gemm": "torch",
 }
 
 

@@ -154,6 +154,23 @@ def triton_kernels(device: str, **_: Any) -> Availability:
     return Availability(True)
 
 
+def grouped_mm(device: str, *, dtype: Any = None, **_: Any) -> Availability:
+    """primus.turbo.grouped_gemm: torch's grouped_mm. CUDA: sm80+ and bf16 (its grouped kernels take no other
+    dtype). ROCm: torch 2.10+ runs it on CK (gfx942 / gfx950) or a hipBLASLt loop (written against that API, not
+    run here). CPU: any float dtype (torch's loop of matmuls, no host sync: equal to the reference loop)."""
+    import torch
+
+    if not hasattr(torch, "_grouped_mm"):
+        return Availability(False, f"torch {torch.__version__} has no grouped_mm (2.8 or newer)")
+    if device == "cpu":
+        return Availability(True)
+    if dtype is not None and dtype_name(dtype) != "bf16":
+        return Availability(False, f"torch's grouped_mm on a GPU takes bf16 (got {dtype_name(dtype)})")
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 0):
+        return Availability(False, "torch's grouped_mm needs compute capability 8.0 or newer")
+    return Availability(True)
+
+
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0) and newer
 
 

@@ -13,6 +13,9 @@ FP8 linears are ``gemm`` providers, chosen by ``kernels.fp8`` / ``fp8_recipe.imp
 H200, compiled, primus-turbo's linear ran 1-3% faster than torchao's on Llama 3.2 3B and 1B with an accumulated
 batch (slower on 1B with one micro-batch per step; ``benchmarks/README.md``, session 5), and it alone offers
 delayed scaling, rowwise with e5m2 gradients and megatron's linears.
+
+``grouped_mm`` (20, :mod:`primus.turbo.grouped_gemm`) runs the experts of a mixture-of-experts layer as grouped
+GEMMs over core's reference loop (0).
 Their impl is the model swap ``convert_to_fp8(model, recipe, skip) -> names swapped``.
 """
 
@@ -22,6 +25,22 @@ from primus.core import hookimpl
 from primus.core.protocols import DOCUMENTS, KernelProvider
 
 _CHECK = "primus.turbo.availability"
+
+# (op, name, impl under primus.turbo, availability check in primus.turbo.availability, priority, description,
+# features) of every provider; the Triton ones (TRITON_OPS) are added below
+PROVIDERS = [
+    # attention: the fastest kernel the device has; flex for document masks; ring for a sequence split over cp ranks
+    ("attention", "aiter", "attention_aiter:attention", "aiter", 30, "AITER flash attention (ROCm, CK / asm v3 kernels)", ()),
+    ("attention", "cudnn", "attention_sdpa:cudnn_attention", "cudnn", 20, "torch SDPA forced to the cuDNN backend (CUDA)", ()),
+    ("attention", "flash", "attention_sdpa:flash_attention", "flash", 10, "torch SDPA forced to the flash backend (CUDA, ROCm)", ()),
+    ("attention", "flex", "attention_flex:attention", "flex", 8, "FlexAttention (Triton): causal, or within each document of a packed sample", (DOCUMENTS,)),
+    ("attention", "ring", "context_parallel:attention", "ring", 5, "context-parallel attention: K/V around a ring of P2P sends, LSE merge (plain PyTorch)", ("context_parallel",)),
+    # mixture-of-experts
+    ("grouped_gemm", "grouped_mm", "grouped_gemm:grouped_gemm", "grouped_mm", 20, "torch grouped_mm: every expert's GEMM in one launch (CUTLASS on CUDA, CK on ROCm)", ()),
+    # FP8 linears (kernels.fp8)
+    ("gemm", "torchao", "fp8.torchao_backend:convert_to_fp8", "torchao_fp8", 20, "FP8 training linears from torchao.float8 (CUDA sm_89+)", ()),
+    ("gemm", "fp8", "fp8.linear:convert_to_fp8", "fp8", 30, "primus-turbo FP8 linear: torch._scaled_mm e4m3 / e5m2, Triton quantization", ()),
+]  # fmt: skip
 
 # op -> (module:function under primus.turbo.triton, description)
 TRITON_OPS = {
@@ -34,75 +53,20 @@ TRITON_OPS = {
 
 @hookimpl
 def primus_kernels() -> list[KernelProvider]:
+    triton = [
+        (op, "triton", f"triton.{impl}", "triton_kernels", 20, description,
+         ("linear_cross_entropy",) if op == "cross_entropy" else ())
+        for op, (impl, description) in TRITON_OPS.items()
+    ]  # fmt: skip
     return [
         KernelProvider(
-            op="attention",
-            name="aiter",
-            impl="primus.turbo.attention_aiter:attention",
-            available=f"{_CHECK}:aiter",
-            priority=30,
-            description="AITER flash attention (ROCm, CK / asm v3 kernels)",
-        ),
-        KernelProvider(
-            op="attention",
-            name="cudnn",
-            impl="primus.turbo.attention_sdpa:cudnn_attention",
-            available=f"{_CHECK}:cudnn",
-            priority=20,
-            description="torch SDPA forced to the cuDNN backend (CUDA)",
-        ),
-        KernelProvider(
-            op="attention",
-            name="flash",
-            impl="primus.turbo.attention_sdpa:flash_attention",
-            available=f"{_CHECK}:flash",
-            priority=10,
-            description="torch SDPA forced to the flash backend (CUDA, ROCm)",
-        ),
-        KernelProvider(
-            op="attention",
-            name="flex",
-            impl="primus.turbo.attention_flex:attention",
-            available=f"{_CHECK}:flex",
-            priority=8,
-            description="FlexAttention (Triton): causal, or within each document of a packed sample",
-            features=frozenset({DOCUMENTS}),
-        ),
-        KernelProvider(
-            op="attention",
-            name="ring",
-            impl="primus.turbo.context_parallel:attention",
-            available=f"{_CHECK}:ring",
-            priority=5,
-            description="context-parallel attention: K/V around a ring of P2P sends, LSE merge (plain PyTorch)",
-            features=frozenset({"context_parallel"}),
-        ),
-        *(
-            KernelProvider(
-                op=op,
-                name="triton",
-                impl=f"primus.turbo.triton.{impl}",
-                available=f"{_CHECK}:triton_kernels",
-                priority=20,
-                description=description,
-                features=frozenset({"linear_cross_entropy"}) if op == "cross_entropy" else frozenset(),
-            )
-            for op, (impl, description) in TRITON_OPS.items()
-        ),
-        KernelProvider(
-            op="gemm",
-            name="torchao",
-            impl="primus.turbo.fp8.torchao_backend:convert_to_fp8",
-            available=f"{_CHECK}:torchao_fp8",
-            priority=20,
-            description="FP8 training linears from torchao.float8 (CUDA sm_89+)",
-        ),
-        KernelProvider(
-            op="gemm",
-            name="fp8",
-            impl="primus.turbo.fp8.linear:convert_to_fp8",
-            available=f"{_CHECK}:fp8",
-            priority=30,
-            description="primus-turbo FP8 linear: torch._scaled_mm e4m3 / e5m2, Triton quantization",
-        ),
+            op=op,
+            name=name,
+            impl=f"primus.turbo.{impl}",
+            available=f"{_CHECK}:{check}",
+            priority=priority,
+            description=description,
+            features=frozenset(features),
+        )
+        for op, name, impl, check, priority, description, features in PROVIDERS + triton
     ]

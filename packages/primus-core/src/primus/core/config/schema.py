@@ -232,6 +232,7 @@ class KernelsConfig(Section):
     swiglu: KernelChoice = Field("auto", description="SwiGLU activation provider")
     cross_entropy: KernelChoice = Field("auto", description="(fused linear +) cross-entropy provider")
     rope: KernelChoice = Field("auto", description="rotary embedding provider")
+    grouped_gemm: KernelChoice = Field("auto", description="mixture-of-experts grouped GEMM provider (the experts)")
     gemm_tuning: Literal["off", "online", "offline"] = Field("off", description="GEMM algorithm tuning mode")
     gemm_tuning_file: str | None = Field(None, description="offline tuning results file")
     gemm_tuning_mismatch: Literal["warn", "refuse"] = Field(

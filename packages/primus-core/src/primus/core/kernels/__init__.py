@@ -16,6 +16,11 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
   ignore_index=-100) -> mean loss`` (an attribute of that callable): the output projection fused with the loss,
   never materialising the [N, V] logits; the backends then use it in place of their output layer + loss.
 - ``rope(x, cos, sin) -> x`` rotate-half convention, x ``[b, s, h, d]``, cos/sin ``[s, d]``.
+- ``grouped_gemm(x, w, offs) -> y``: mixture-of-experts' expert GEMMs in one call. x ``[T, K]`` holds the tokens
+  sorted by expert, ``offs`` ``[G]`` int32 the cumulative ends of the groups (group ``g`` is rows
+  ``offs[g-1]:offs[g]``), w ``[G, N, K]`` one ``nn.Linear`` weight per expert; y ``[T, N]`` with
+  ``y[rows of g] = x[rows of g] @ w[g]ᵀ``, differentiable in x and w. Rows past ``offs[-1]`` (padding) are not
+  defined.
 
 FP8 linears (``kernels.fp8`` not ``off``) are ``gemm`` providers picked by :func:`select_fp8` and returned
 under the key ``"fp8"``; their impl is ``convert_to_fp8(model, recipe, skip) -> names swapped``.
