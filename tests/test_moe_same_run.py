@@ -1,7 +1,8 @@
 """A mixture-of-experts recipe is the same run on both engines: tiny-qwen3-moe (8 experts, top 2, renormalised
 softmax router) from core's canonical initial weights (routers and every expert drawn by its Hugging Face name,
-primus.core.init) trains the same loss curve on Megatron-Core (SequentialMLP experts) and on TorchTitan (its qwen3
-MoE). Expert parallelism equals one rank on each engine (their packages' test_moe.py), so EP 2 of either engine
+primus.core.init) trains the same loss curve on Megatron-Core and on TorchTitan (its qwen3 MoE), both with their
+experts on the grouped_gemm provider, and routes the same tokens to the same experts (core's expert-load metrics,
+primus.core.expert_load, from each engine's routers). Expert parallelism equals one rank on each engine (their packages' test_moe.py), so EP 2 of either engine
 trains this curve too (checked once, when this test was written: both EP 2 runs within the tolerances below).
 
 No load balancing here: megatron's is an auxiliary loss or a sigmoid router's bias, TorchTitan's a bias update, and
@@ -63,3 +64,12 @@ def test_canonical_init_is_the_default_for_routed_experts(runs):
     """No train.init in the recipe: a MoE model without shared experts starts from the canonical weights (else the
     engines' own initialisations would differ from the first step)."""
     assert runs["megatron"][0]["loss"] == pytest.approx(runs["torchtitan"][0]["loss"], rel=1e-6)
+
+
+def test_both_engines_route_the_same_tokens_to_the_same_experts(runs):
+    """moe_load_max / moe_load_min (busiest and idlest expert against the even share, worst layer) from each engine's
+    routers: equal across engines, step by step, and uneven as an unbalanced router is."""
+    for key in ("moe_load_max", "moe_load_min"):
+        ref = [r[key] for r in runs["megatron"]]
+        assert [r[key] for r in runs["torchtitan"]] == pytest.approx(ref, rel=1e-6), key
+    assert all(r["moe_load_max"] > 1 > r["moe_load_min"] >= 0 for r in runs["megatron"])

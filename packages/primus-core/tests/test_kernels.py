@@ -73,6 +73,13 @@ def test_auto_selects_core_providers_on_cpu(registry, caplog):
     assert chosen["attention"].load() is ref.attention
 
 
+def test_a_dense_model_selects_no_grouped_gemm(registry, caplog):
+    with caplog.at_level("INFO", logger="primus.kernels"):
+        dense = select_kernels(KernelsConfig(), registry, "cpu", moe=False)
+    assert "grouped_gemm" not in dense and not any("grouped_gemm" in m for m in caplog.messages)
+    assert select_kernels(KernelsConfig(), registry, "cpu")["grouped_gemm"].name in ("torch", "grouped_mm")
+
+
 def test_unknown_provider_by_name_is_an_error(registry):
     with pytest.raises(KernelUnavailable, match="kernels.attention: no provider named 'nope'"):
         select_kernels(KernelsConfig(attention="nope"), registry, "cpu")

@@ -86,6 +86,9 @@ def test_moe_layer_pattern():
     m = ModelConfig(num_layers=10, moe={"first_dense_layers": 3, "layer_frequency": 2})
     dense = count_params(ModelConfig(num_layers=10))
     assert count_params(m).moe_layers == 4 and count_params(m).per_layer == dense.per_layer
+    for n, first, every in ((1, 0, 1), (5, 5, 1), (6, 5, 3), (11, 2, 3), (12, 0, 4), (48, 3, 1)):
+        pattern = MoEConfig(first_dense_layers=first, layer_frequency=every)
+        assert pattern.num_moe_layers(n) == sum(map(pattern.is_moe_layer, range(n))), (n, first, every)
 
 
 @pytest.mark.parametrize(

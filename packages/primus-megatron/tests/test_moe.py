@@ -52,6 +52,9 @@ def test_expert_parallel_layouts_match_world_size_1(runs, layout):
     assert losses(runs[layout]) == pytest.approx(losses(runs["ref"]), abs=LOSS_TOL)
     norms = [r["grad_norm"] for r in runs[layout]]
     assert norms == pytest.approx([r["grad_norm"] for r in runs["ref"]], rel=1e-4)
+    # the routers' expert load, summed over ranks (EP: each rank routes its own tokens; TP + SP: its sequence shard)
+    for key in ("moe_load_max", "moe_load_min"):
+        assert [r[key] for r in runs[layout]] == pytest.approx([r[key] for r in runs["ref"]], rel=1e-6), key
 
 
 def test_experts_run_as_grouped_gemms_or_megatrons_loop(runs):

@@ -49,6 +49,9 @@ def test_expert_parallel_2_matches_world_size_1(runs):
     ref, got = runs["ws1"], runs["ep2"]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_RTOL)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)
+    # the routers' expert load, summed over the two ranks' tokens
+    for key in ("moe_load_max", "moe_load_min"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=1e-6), key
 
 
 def test_world_size_1_checkpoint_resumes_under_expert_parallelism(runs):

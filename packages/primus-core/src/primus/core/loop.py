@@ -78,6 +78,7 @@ METRICS = {
     "CPU: the process's peak resident set)",
     "skipped_steps": "updates the health check has skipped so far",
     "loss_spikes": "loss spikes the health check has reported so far",
+    # and for mixture-of-experts models, primus.core.expert_load.METRICS
 }
 
 
@@ -100,7 +101,8 @@ class Engine(Protocol):
 
     ``evaluate`` is optional (an engine without it cannot run with evaluation); two optional attributes:
     ``summary`` (a dict the run's summary takes over, e.g. which kernels the engine applied) and ``finished`` (set at build by an engine whose whole job was done then, e.g. a seed checkpoint
-    written: its summary; the loop then runs no step)."""
+    written: its summary; the loop then runs no step). A mixture-of-experts engine may offer ``expert_routers()``:
+    its routers as ``(global layer index, module, counts)`` (:mod:`primus.core.expert_load`: the load metrics)."""
 
     model_parts: list[Any]  # the model modules on this rank (one per pipeline chunk)
     layout: dict[str, int]  # the parallel layout, recorded in each checkpoint's manifest
@@ -251,6 +253,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
             start, applied = checkpoints.resume()
         ctx.hooks.primus_on_train_start(config=cfg, info=ctx.info)
 
+        expert_load = _expert_load(cfg, engine, ctx.info.device)
         health = HealthMonitor(t.health)
         meter = Throughput(ctx.info.flops_per_token, ctx.info.world_size, ctx.info.peak_flops)
         default_tokens = int(t.global_batch_size) * t.seq_len
@@ -283,6 +286,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
                         **meter.interval(),
                         "memory_gib": memory_gib(ctx.info.device, reset=True),
                         **health.metrics(),
+                        **(expert_load.metrics() if expert_load else {}),
                     }
                 if evaluate_now:
                     evaluated = evaluation.evaluate(engine, eval_data, cfg.eval.batches)
@@ -312,6 +316,17 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
         }
     finally:
         engine.close()
+
+
+def _expert_load(cfg: PrimusConfig, engine: Engine, device: str) -> Any:
+    """An :class:`~primus.core.expert_load.ExpertLoad` on the routers the engine names (MoE models whose engine
+    offers ``expert_routers()``), else None."""
+    routers = getattr(engine, "expert_routers", None)
+    if cfg.model.moe is None or routers is None:
+        return None
+    from primus.core.expert_load import ExpertLoad
+
+    return ExpertLoad(routers(), cfg.model.num_layers, cfg.model.moe.num_experts, "cuda" if device != "cpu" else "cpu")
 
 
 def _saved(checkpoints: _Checkpoints) -> str:

@@ -60,7 +60,7 @@ def count_params(m: ModelConfig) -> ParamCount:
     moe_n = moe_layer = moe_active = 0
     if m.moe is not None:
         e = m.moe
-        moe_n = sum(e.is_moe_layer(i) for i in range(m.num_layers))
+        moe_n = e.num_moe_layers(m.num_layers)
         expert, always = 3 * d * e.expert_ffn_hidden_size, attn + layer_norms + d * e.num_experts  # + router
         always += e.shared_experts * expert
         moe_layer, moe_active = always + e.num_experts * expert, always + e.experts_per_token * expert

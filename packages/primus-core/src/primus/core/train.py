@@ -154,6 +154,7 @@ def rank_context(
         registry,
         device,
         documents=cfg.data.document_mask,
+        moe=cfg.model.moe is not None,
         head_dim=cfg.model.kv_channels,
         dtype=cfg.train.precision,
         cp=cfg.parallel.cp,

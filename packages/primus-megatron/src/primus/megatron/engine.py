@@ -271,6 +271,18 @@ class MegatronEngine:
         dist.all_reduce(stats)
         return (stats[0] / stats[1]).item()
 
+    def expert_routers(self) -> list[tuple[int, Any, Any]]:
+        """megatron's routers on this rank (TopKRouter: ``layer_number`` is global, 1-based), with the tokens per
+        expert from their output ``(probs, routing_map [tokens, experts])``."""
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        return [
+            (m.layer_number - 1, m, lambda out: out[1].sum(0))
+            for chunk in self.chunks
+            for m in chunk.modules()
+            if isinstance(m, TopKRouter)
+        ]
+
     def train_step(self, step: int, lr: float, gate: Any) -> StepResult:
         t = self.cfg.train
         for m in self.model:

@@ -16,6 +16,7 @@ import atexit
 import itertools
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,18 @@ class TorchTitanEngine:
             load_init_from(trainer, cfg)
         ckpt.load_initial(trainer.checkpointer, cfg)
         self.data = trainer.batch_generator(trainer.dataloader)
+
+    def expert_routers(self) -> list[tuple[int, Any, Any]]:
+        """torchtitan's routers on this rank (``layers.{i}.moe.router``: torchtitan keeps global layer names in
+        every pipeline stage), with the tokens per expert from their output ``(scores, indices, counts)``."""
+        from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+        return [
+            (int(re.search(r"layers\.(\d+)\.", name)[1]), m, lambda out: out[2])
+            for part in self.model_parts
+            for name, m in part.named_modules()
+            if isinstance(m, TokenChoiceTopKRouter)
+        ]
 
     def train_step(self, step: int, lr: float, gate: Any) -> StepResult:
         trainer = self.trainer

@@ -57,6 +57,11 @@ class MoEConfig(Section):
         """Whether 0-based ``layer`` has routed experts."""
         return layer >= self.first_dense_layers and (layer - self.first_dense_layers) % self.layer_frequency == 0
 
+    def num_moe_layers(self, num_layers: int) -> int:
+        """How many of ``num_layers`` layers have routed experts (the count of :meth:`is_moe_layer`, in O(1): the
+        planner asks it for every layout it weighs)."""
+        return max(0, -(-(num_layers - self.first_dense_layers) // self.layer_frequency))
+
 
 class ModelConfig(Section):
     name: str = Field("tiny-llama", description="preset name or a label for this architecture")

@@ -91,15 +91,28 @@ def _check(prov: KernelProvider, device: str, documents: bool, constraints: dict
     return prov.check(device, documents=documents, **constraints)
 
 
+# ops only a mixture-of-experts model runs (not selected, not logged, for a dense one)
+MOE_OPS = ("grouped_gemm",)
+
+
 def select_kernels(
-    kernels: KernelsConfig, registry: Registry, device: str, *, documents: bool = False, **constraints: object
+    kernels: KernelsConfig,
+    registry: Registry,
+    device: str,
+    *,
+    documents: bool = False,
+    moe: bool = True,
+    **constraints: object,
 ) -> dict[str, KernelProvider]:
     """Pick a provider per op; log each choice once. A provider asked for by name that cannot run
     here raises :class:`KernelUnavailable` with its reason. ``documents``: the attention masks by document
     (``data.document_mask``), which only providers with the :data:`~primus.core.protocols.DOCUMENTS` feature do
-    (attention checks get it as a constraint too)."""
+    (attention checks get it as a constraint too). ``moe``: the model has experts (else :data:`MOE_OPS` are left
+    out)."""
     chosen: dict[str, KernelProvider] = {}
     for op in SELECTABLE_OPS:
+        if op in MOE_OPS and not moe:
+            continue
         want = getattr(kernels, op)
         providers = registry.providers(op)
         if want != "auto":
