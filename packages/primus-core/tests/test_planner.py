@@ -417,3 +417,19 @@ def test_planner_plans_moe_layouts_with_expert_parallelism(registry):
     assert "EP" in top.layout.describe()
     assert top.mfu == pytest.approx(top.tokens_per_s_per_device * flops_per_token(m, 4096) / cluster.device.peak_flops)
     assert flops_per_token(m, 4096) < 6 * 0.15 * count_params(m).total + 12 * m.num_layers * 4096 * 4096  # active
+
+
+def test_the_optimizer_step_moves_the_engines_bytes_per_parameter(registry):
+    """Each engine's measured optimizer traffic (EngineProfile.optimizer_bytes_per_param: megatron without apex moved
+    ~190 bytes per parameter on the H200, TorchTitan ~68) enters the step time once per step, over the device's
+    parameters."""
+    from dataclasses import replace
+
+    from primus.core.planner.memory import stage_params
+    from primus.core.planner.perf import step_time
+
+    m, h200 = _model(registry, "llama3.2-1b"), device("H200")
+    lean, heavy = ENGINE, replace(ENGINE, optimizer_bytes_per_param=ENGINE.optimizer_bytes_per_param + 100)
+    times = [step_time(m, _on(p, "ddp", 1, micro_batch=2), 4096, 2, h200, 1).total for p in (lean, heavy)]
+    params, _ = stage_params(m, _on(ENGINE, "ddp", 1))
+    assert times[1] - times[0] == pytest.approx(100 * params / (h200.hbm_gbps * 1e9), rel=1e-9)

@@ -39,6 +39,11 @@ PROFILE = EngineProfile(
     fsdp_reduce_buffer_bytes=2,
     autocast=False,  # the model itself is bf16: no autocast copies
     activation_scale=1.0,
+    # the optimizer step as measured (H200, bf16, one device: benchmarks/results/turbo_e2e_s7_{1b,3b}.json, mg_core's
+    # traced "optimizer" kernels: 113 ms of 429 for 3.2 G parameters, 56 of 203 for 1.24 G): without apex, megatron
+    # runs torch's fused AdamW on the fp32 master copy, then copies it to the bf16 weights, and its gradient norm and
+    # clipping on torch's foreach kernels, ~170-215 bytes per parameter
+    optimizer_bytes_per_param=190,
     # selective recomputes only core attention, and with flash/cuDNN attention (all our providers) that saves
     # nothing measurable: H200, memory_validation.json (2026-11-29, llama3.2-1b s4096 mbs2): 31.5 GiB peak with and
     # without

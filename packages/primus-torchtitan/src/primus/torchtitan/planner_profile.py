@@ -40,6 +40,10 @@ PROFILE = EngineProfile(
     # without FSDP (or with one shard) it trains the fp32 weights under torch.autocast
     autocast=True,
     activation_scale=1.0,
+    # the optimizer step as measured (H200, bf16 autocast over fp32 weights, one device:
+    # benchmarks/results/turbo_e2e_s7_{1b,3b}.json, tt_core's traced "optimizer" kernels: 50.6 ms of 367 for 3.6 G
+    # parameters, 21.7 of 170 for 1.5 G): fused AdamW plus clipping's foreach norm and scaling, ~68 bytes per parameter
+    optimizer_bytes_per_param=68,
     # the op-level policy (recompute all but the matmuls' outputs, every other one kept) freed 7.0 of ~10.2 GiB:
     # H200, memory_validation.json (2026-11-29, llama3.2-1b s4096 mbs2)
     selective_kept=0.32,

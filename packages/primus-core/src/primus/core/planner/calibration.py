@@ -109,7 +109,8 @@ LOSS_BYTES_PER_LOGIT = 16
 # Mixture of experts: the routed experts' GEMMs (a grouped GEMM, or a loop of per-expert GEMMs, over a few hundred
 # tokens each) run at this share of the dense GEMM rate. Assumed, not measured: no MoE run on a GPU yet.
 MOE_GEMM_FRACTION = 0.8
-# Fused AdamW per parameter and step: read fp32 param, grad, m, v; write param, m, v (and the bf16 copy).
+# Fused AdamW per parameter and step: read fp32 param, grad, m, v; write param, m, v (and the bf16 copy). The default
+# of EngineProfile.optimizer_bytes_per_param; each engine's profile gives what its optimizer step measured.
 OPTIMIZER_BYTES_PER_PARAM = 30
 
 # FP8 GEMMs: rate relative to the device's FP8 dense peak, as a fraction of what bf16 GEMMs reach of the

@@ -150,7 +150,12 @@ def step_time(
     if kernels.fp8 != "off" and dev.fp8_peak_flops:
         fp8_weight_casts = m * 2 * cal.FP8_CAST_BYTES_PER_ELEMENT * lps * pc.per_layer / layout.tp * fp8_share / hbm
     ep_comm = expert_all_to_all(model, layout, seq_len, dev, gpus_per_node)
-    optimizer = cal.OPTIMIZER_BYTES_PER_PARAM * params / (layout.dp * layout.cp if layout.dp_mode != "ddp" else 1) / hbm
+    optimizer = (
+        layout.engine_profile.optimizer_bytes_per_param
+        * params
+        / (layout.dp * layout.cp if layout.dp_mode != "ddp" else 1)
+        / hbm
+    )
     compute += fp8_weight_casts + optimizer
     bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
 

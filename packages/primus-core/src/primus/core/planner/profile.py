@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from primus.core.planner import calibration as cal
 from primus.core.protocols import BackendSpec, load_ref
 
 if TYPE_CHECKING:
@@ -95,6 +96,9 @@ class EngineProfile:
     autocast: bool = False
     # ----------------------------------------------------------------------------------------- calibration
     activation_scale: float = 1.0  # multiplier on the activation formula (1.0 = the formula as derived)
+    # HBM bytes the optimizer step moves per parameter on a device (Adam's update, the master / model copies, clipping's
+    # norm, the gradients' zeroing): perf.step_time; the default is one fused AdamW pass (calibration)
+    optimizer_bytes_per_param: float = cal.OPTIMIZER_BYTES_PER_PARAM
     selective_kept: float = 1.0  # the share of a layer's saved activations selective recompute keeps
     # -------------------------------------------------------------------------------------------- kernels
     # whether it uses a cross_entropy provider's fused linear + cross-entropy (KernelProvider feature
