@@ -72,6 +72,35 @@ def test_categories(name, cat):
     assert categorize(name) == cat
 
 
+# kernel names of a mixture-of-experts step (megatron's and TorchTitan's MoE layers on the H200; gloo on CPU)
+GROUPED = "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel13GemmUniversalINS5_17GroupProblemShapeE"
+TOPK = "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(at::cuda::detail::TensorInfo<float>)"
+SCATTER = (
+    "void at::native::_scatter_gather_elementwise_kernel<128, 8, at::native::_cuda_scatter_gather_internal_kernel>"
+)
+GATHER = "void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*, int, long, long, long, long, bool)"
+
+
+def test_mixture_of_experts_categories():
+    """Grouped GEMMs and all-to-alls by name anywhere; the routing kernels (top-k, sorting, gathers and scatters) only
+    in a trace that has them: a dense model's gathers (the loss, the embedding) stay what they were."""
+    assert categorize(GROUPED) == "grouped_gemm" and categorize("aten::_grouped_mm") == "grouped_gemm"
+    assert categorize("gloo:all_to_all") == categorize("c10d::alltoall_base_") == "all_to_all"
+    assert [categorize(n, moe=True) for n in (TOPK, SCATTER, GATHER, "aten::histc")] == ["routing"] * 4
+    assert [categorize(n) for n in (SCATTER, GATHER)] == ["elementwise", "elementwise"]
+    assert categorize(GEMM, moe=True) == "gemm" and categorize(ALLREDUCE, moe=True) == "communication"
+    # a step: grouped GEMM 0-30, routing 30-40, an all-to-all 40-60 (communication: exposed), GEMM 60-80
+    events = [_k(GROUPED, 0, 30), _k(TOPK, 30, 10), _k("gloo:all_to_all", 40, 20, stream=9), _k(GEMM, 60, 20)]
+    r = analyze_events(events)
+    assert r.categories == {"grouped_gemm": 30, "routing": 10, "all_to_all": 20, "gemm": 20}
+    assert (r.compute_us, r.exposed_comm_us) == (60, 20)
+    from primus.core.profile.report import markdown, shown_categories
+
+    assert shown_categories([r])[:6] == ("gemm", "grouped_gemm", "attention", "norm", "elementwise", "routing")
+    assert "grouped_gemm" not in shown_categories([analyze_events([_k(GEMM, 0, 40)])])
+    assert "| rank | gemm | grouped_gemm |" in markdown([r])
+
+
 def test_fp8_gemms_are_told_apart_by_name():
     """cuBLASLt's FP8 kernels (operand types q e4m3 / r e5m2 after the arch) against its bf16 ones (t), from the
     H200 traces; the report gives their share of GEMM time."""

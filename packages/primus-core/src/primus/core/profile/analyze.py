@@ -11,8 +11,9 @@ device event:
 
 These four add up to the window, and no instant is counted twice (they are computed on the union of
 intervals). Kernels are also put in categories (GEMM, attention, norm, elementwise/activation,
-communication, optimizer, memory, other) by name, each kernel in exactly one, with their summed time
-(overlapping kernels each count fully there) and the top kernels by time.
+communication, optimizer, memory, other; for mixture-of-experts models grouped GEMM, all-to-all and routing) by name,
+each kernel in exactly one, with their summed time (overlapping kernels each count fully there) and the top kernels
+by time.
 
 The step time is the window over the number of traced steps (torch.profiler's ``ProfilerStep#N``
 annotations). MFU needs the model FLOPs of a step: the ``"primus"`` block StepProfiler writes into
@@ -39,6 +40,9 @@ DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 # Order matters: the first pattern that matches names the category.
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
+    # mixture-of-experts' expert-parallel token exchange where the kernel says so (gloo, CPU traces; NCCL runs an
+    # all-to-all as SendRecv kernels, which stay "communication" with pipeline sends)
+    ("all_to_all", re.compile(r"all_?to_?all", re.I)),
     (
         "communication",
         re.compile(
@@ -50,6 +54,9 @@ CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|cudnn.*(mha|sdpa)|_efficient_", re.I)),
     # "lamb" as a word only: CUDA's elementwise kernels name their functor "{lambda(float, float)#1}"
     ("optimizer", re.compile(r"adam|multi_tensor|foreach|optimizer|\blamb\b|lamb_|sgd_", re.I)),
+    # mixture-of-experts' expert GEMMs: torch's grouped_mm (CUTLASS 3's GroupProblemShape kernels on Hopper; the
+    # aten op in CPU traces) and grouped_gemm-style kernels
+    ("grouped_gemm", re.compile(r"GroupProblemShape|grouped_mm|grouped_?gemm|GroupedGemm|\bgmm\b", re.I)),
     (
         "gemm",
         re.compile(
@@ -83,12 +90,35 @@ FP8_GEMM = re.compile(r"nvjet_sm\d+_[qr]{2}|e4m3|e5m2|float8|_scaled_mm|Cijk_\w*
 INDUCTOR_FUSED = re.compile(r"^triton_(poi|red|per)_")
 
 
-def categorize(name: str) -> str:
+# Kernels that carry data between ranks: the communication lane of the time shares
+COMMUNICATION = frozenset({"communication", "all_to_all"})
+
+# A mixture-of-experts run's routing (the router's top-k, sorting tokens by expert, counting them, gathering and
+# scattering them to and from the experts' order): in such a trace (one with grouped-GEMM or all-to-all kernels) these
+# generic kernels are the routing's; in a dense model's the same names (the loss's gather, the embedding's backward)
+# are not, so they are taken as routing only there.
+ROUTING = re.compile(
+    r"topk|top_k|sort|radix|histogram|histc|permute_indices|fill_indices|index_select|indexFunc|index_put|"
+    r"indexing_backward|scatter|gather|moe_|router|token_(dispatch|combine)",
+    re.I,
+)
+
+
+def categorize(name: str, moe: bool = False) -> str:
+    """The kernel category of ``name``; ``moe``: the trace is a mixture-of-experts run's (:data:`ROUTING` applies)."""
     fused = INDUCTOR_FUSED.match(name) is not None
     for cat, pat in CATEGORIES:
-        if pat.search(name) and not (fused and cat == "gemm"):
+        # routing ranks just above the generic categories its kernels' names also match (elementwise, memory)
+        if moe and cat == "gemm" and ROUTING.search(name) and not pat.search(name):
+            return "routing"
+        if pat.search(name) and not (fused and cat in ("gemm", "grouped_gemm")):
             return cat
     return "other"
+
+
+def is_moe_trace(names: list[str]) -> bool:
+    """Whether kernels of a mixture-of-experts layer (grouped GEMMs, all-to-alls) are among ``names``."""
+    return any(categorize(n) in ("grouped_gemm", "all_to_all") for n in set(names))
 
 
 @dataclass
@@ -255,7 +285,7 @@ def _timeline(
             continue
         lane = f"stream {e.get('args', {}).get('stream', e.get('tid'))}" if gpu else f"thread {e.get('tid')}"
         lanes[lane].append((s - lo, t - lo, cat))
-        (mu if cat == "communication" else cu).append((s - lo, t - lo))
+        (mu if cat in COMMUNICATION else cu).append((s - lo, t - lo))
     out = [("busy", s, e, w) for s, e, w in _merged(_states(_union(cu), _union(mu)), gap)]
     for lane in sorted(lanes, key=lambda name: (len(name), name)):
         out += [(lane, s, e, w) for s, e, w in _merged(lanes[lane], gap)]
@@ -279,13 +309,14 @@ def analyze_events(
     cats: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, list[float]] = defaultdict(list)
     fp8_gemm = 0.0
-    names = [categorize(e["name"]) for e in dev]
+    moe = is_moe_trace([e["name"] for e in dev])
+    names = [categorize(e["name"], moe) for e in dev]
     for e, cat in zip(dev, names, strict=True):
         cats[cat] += e["dur"]
         if cat == "gemm" and FP8_GEMM.search(e["name"]):
             fp8_gemm += e["dur"]
         per_kernel[e["name"]].append(e["dur"])
-        (comm if cat == "communication" else compute).append((e["ts"], e["ts"] + e["dur"]))
+        (comm if cat in COMMUNICATION else compute).append((e["ts"], e["ts"] + e["dur"]))
     cu, mu = _union(compute), _union(comm)
     both = _intersection(cu, mu)
     busy = _length(cu) + _length(mu) - both
@@ -307,7 +338,7 @@ def analyze_events(
         fp8_gemm,
         timeline,
         timeline_us,
-        {n: categorize(n) for n, _, _ in top},
+        {n: categorize(n, moe) for n, _, _ in top},
     )
     report.on_device = any(e.get("cat") in DEVICE_CATS for e in dev)
     return report

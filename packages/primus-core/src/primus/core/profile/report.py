@@ -14,7 +14,19 @@ import html
 from primus.core.profile.analyze import RankReport, RunAnalysis
 
 SHARES = ("compute", "exposed communication", "overlapped communication", "idle")
-CATEGORIES = ("gemm", "attention", "norm", "elementwise", "communication", "optimizer", "memory", "other")
+CATEGORIES = (
+    "gemm",
+    "grouped_gemm",
+    "attention",
+    "norm",
+    "elementwise",
+    "routing",
+    "communication",
+    "all_to_all",
+    "optimizer",
+    "memory",
+    "other",
+)
 # One colour per meaning, none shared: a time share is never drawn in a kernel category's colour.
 COLORS = {
     "compute": "#1b3a6b",  # navy
@@ -26,13 +38,31 @@ COLORS = {
     "norm": "#9467bd",  # purple
     "elementwise": "#ff7f0e",  # orange
     "communication": "#d62728",  # red
+    "grouped_gemm": "#08306b",  # dark blue (mixture-of-experts' expert GEMMs)
+    "routing": "#bcbd22",  # yellow-green (mixture-of-experts' token routing)
+    "all_to_all": "#7f0000",  # dark red (expert parallelism's token exchange)
     "optimizer": "#17becf",  # cyan
     "memory": "#8c564b",  # brown
     "other": "#7a7a7a",  # dark grey
 }
+# shown only where a report has them (a dense model's tables keep their columns)
+MOE_CATEGORIES = ("grouped_gemm", "routing", "all_to_all")
+
+
+def shown_categories(reports: list[RankReport]) -> tuple[str, ...]:
+    """:data:`CATEGORIES`, the mixture-of-experts ones only where one of ``reports`` has kernels in them."""
+    return tuple(c for c in CATEGORIES if c not in MOE_CATEGORIES or any(r.categories.get(c) for r in reports))
+
+
 SHARE_COLORS = {k: COLORS[k] for k in SHARES}
 CAT_COLORS = {k: COLORS[k] for k in CATEGORIES}
-LABELS = {"gemm": "GEMM", "exposed communication": "exposed comm", "overlapped communication": "overlapped comm"}
+LABELS = {
+    "gemm": "GEMM",
+    "grouped_gemm": "grouped GEMM",
+    "all_to_all": "all-to-all",
+    "exposed communication": "exposed comm",
+    "overlapped communication": "overlapped comm",
+}
 
 
 def _run(run: RunAnalysis | list[RankReport]) -> RunAnalysis:
@@ -117,14 +147,14 @@ def markdown(run: RunAnalysis | list[RankReport], title: str = "Step time breakd
         "",
         "## Kernel categories (share of summed kernel time; each kernel in one category)",
         "",
-        "| rank | " + " | ".join(CATEGORIES) + " | kernel ms |",
-        "|---" * (len(CATEGORIES) + 2) + "|",
+        "| rank | " + " | ".join(shown_categories(reports)) + " | kernel ms |",
+        "|---" * (len(shown_categories(reports)) + 2) + "|",
     ]
     for r in reports:
         total = sum(r.categories.values()) or 1.0
         lines.append(
             f"| {r.rank} | "
-            + " | ".join(f"{r.categories.get(c, 0) / total:.1%}" for c in CATEGORIES)
+            + " | ".join(f"{r.categories.get(c, 0) / total:.1%}" for c in shown_categories(reports))
             + f" | {total / 1e3:.1f} |"
         )
     if any(r.fp8_gemm_us for r in reports):
@@ -331,18 +361,18 @@ def html_page(
             timeline_svg(reports),
         ]
     # kernel categories
-    rows = []
+    rows, cats = [], shown_categories(reports)
     for r in reports:
         total = sum(r.categories.values()) or 1.0
         rows.append(
             [html.escape(r.rank)]
-            + [_pct(r.categories.get(c, 0) / total) for c in CATEGORIES]
-            + [f"{total / 1e3:.1f}", _stacked([(c, r.categories.get(c, 0) / total) for c in CATEGORIES], 300)]
+            + [_pct(r.categories.get(c, 0) / total) for c in cats]
+            + [f"{total / 1e3:.1f}", _stacked([(c, r.categories.get(c, 0) / total) for c in cats], 300)]
         )
     parts += [
         "<h2>Kernel categories</h2>",
         '<p class="note">Share of summed kernel time; each kernel in one category, by name.</p>',
-        _table(["rank", *(_sw(c) + _name(c) for c in CATEGORIES), "kernel ms", "share"], rows),
+        _table(["rank", *(_sw(c) + _name(c) for c in cats), "kernel ms", "share"], rows),
     ]
     if any(r.fp8_gemm_us for r in reports):
         fp8 = ", ".join(f"rank {r.rank} {r.fp8_gemm_us / (r.categories.get('gemm') or 1.0):.1%}" for r in reports)
