@@ -33,3 +33,15 @@ def test_busiest_and_idlest_expert_against_the_even_share_worst_layer():
     load.close()
     b(torch.zeros(1))
     assert load.metrics() == {}  # the hooks are gone
+
+
+def test_dropped_share_counts_each_routers_tokens_times_top_k():
+    """With a capacity (top_k given): 1 - routed / (input tokens × top-k), over every layer and router call."""
+    a, b = Router([4, 4, 2, 0]), Router([3, 3, 3, 3])  # 10 and 12 routed of 6 tokens × top-2 each
+    load = ExpertLoad([(0, a, lambda out: out[1]), (1, b, lambda out: out[1])], 2, 4, "cpu", top_k=2)
+    a(torch.zeros(2, 3, 16)), b(torch.zeros(6, 16))  # [s, b, h] (megatron) and [tokens, h] (torchtitan): 6 tokens
+    got = load.metrics()
+    assert got["moe_dropped"] == pytest.approx(1 - 22 / 24, abs=1e-6) and got["moe_load_max"] == pytest.approx(1.6)
+    plain = ExpertLoad([(0, a, lambda out: out[1])], 1, 4, "cpu")  # no capacity: nothing dropped to report
+    a(torch.zeros(6, 16))
+    assert set(plain.metrics()) == {"moe_load_max", "moe_load_min"}

@@ -6,7 +6,8 @@ From one seed checkpoint (megatron's own initialisation, ``train.init: engine``)
 EP 2 (2 ranks, the distributed optimizer) and TP 2 + SP × EP 2 (4 ranks) train the same loss curve and gradient norms
 as world size 1. EP 2's step-3 checkpoint resumes under EP 2 as its straight run, and a resume at EP 1 is refused
 before anything is read (megatron-core 0.16 keeps the experts' optimizer state apart only when ep > 1). A tiny
-Mixtral trains too.
+Mixtral trains too, with an expert capacity that drops tokens. Core's expert-load metrics (primus.core.expert_load)
+come from megatron's routers and are equal across the layouts.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def runs(tmp_path_factory):
     resume = [f"checkpoint.dir={ckpt}", "checkpoint.enabled=true"]
     out["ep1_resume"] = primus("train", MOE, root / "ep1_resume", 1, *resume, resume=True)
     out["ep2_resume"] = train(MOE, root / "ep2_resume", 2, "parallel.ep=2", *resume, resume=True)
-    out["mixtral"] = train(MIXTRAL, root / "mixtral", 1)
+    out["mixtral"] = train(MIXTRAL, root / "mixtral", 1, "model.moe.capacity_factor=1.0")  # tokens dropped
     return out
 
 
@@ -63,6 +64,15 @@ def test_experts_run_as_grouped_gemms_or_megatrons_loop(runs):
                for name in ("ref", "tp2_ep2")}  # fmt: skip
     assert applied["ref"].startswith("grouped GEMMs of provider 'grouped_mm'"), applied
     assert "megatron's SequentialMLP" in applied["tp2_ep2"], applied
+
+
+def test_an_expert_capacity_drops_tokens_and_says_how_many(runs):
+    """model.moe.capacity_factor 1.0: each expert takes at most its even share per micro-batch; core's moe_dropped
+    (1 - routed / tokens × top-k, from the routers' output) says how many were dropped; without a capacity, none is
+    reported."""
+    dropped = [r["moe_dropped"] for r in runs["mixtral"]]
+    assert all(0 < d < 0.5 for d in dropped), dropped
+    assert "moe_dropped" not in runs["ref"][0]
 
 
 def test_resume_under_ep2_equals_straight_through(runs):

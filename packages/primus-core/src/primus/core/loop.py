@@ -326,7 +326,9 @@ def _expert_load(cfg: PrimusConfig, engine: Engine, device: str) -> Any:
         return None
     from primus.core.expert_load import ExpertLoad
 
-    return ExpertLoad(routers(), cfg.model.num_layers, cfg.model.moe.num_experts, "cuda" if device != "cpu" else "cpu")
+    e = cfg.model.moe
+    top_k = e.experts_per_token if e.capacity_factor is not None else None  # tokens dropped: moe_dropped
+    return ExpertLoad(routers(), cfg.model.num_layers, e.num_experts, "cuda" if device != "cpu" else "cpu", top_k)
 
 
 def _saved(checkpoints: _Checkpoints) -> str:
