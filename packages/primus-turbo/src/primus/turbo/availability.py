@@ -166,6 +166,8 @@ def grouped_mm(device: str, *, dtype: Any = None, **_: Any) -> Availability:
         return Availability(True)
     if dtype is not None and dtype_name(dtype) != "bf16":
         return Availability(False, f"torch's grouped_mm on a GPU takes bf16 (got {dtype_name(dtype)})")
+    if not torch.cuda.is_available():
+        return Availability(False, f"no {device} device visible to torch")
     if device == "cuda" and torch.cuda.get_device_capability() < (8, 0):
         return Availability(False, "torch's grouped_mm needs compute capability 8.0 or newer")
     return Availability(True)
