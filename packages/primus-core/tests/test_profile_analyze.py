@@ -193,3 +193,14 @@ def test_many_ranks_report_and_mfu_column():
     assert "| 0 | 1 | 0.1 | 60.0% | 20.0% | 20.0% | 0.0% | 5.0% |" in md
     assert "| 1 | 1 | 0.1 | 100.0% | 0.0% | 0.0% | 0.0% | - |" in md
     assert "| mean of 2 | | 0.1 (max) | 80.0% | 10.0% | 10.0% | 0.0% |" in md
+
+
+def test_a_run_folder_means_its_traces_not_its_summary(tmp_path):
+    """``primus analyze RUN_DIR``: the run's traces/ (its summary.json, a JSON file beside them, is no trace)."""
+    from primus.core.profile.analyze import find_traces
+
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "rank0.json").write_text(json.dumps({"traceEvents": [_k(GEMM, 0, 10)]}))
+    assert find_traces(tmp_path) == [tmp_path / "traces" / "rank0.json"]
+    assert find_traces(tmp_path / "traces") == [tmp_path / "traces" / "rank0.json"]

@@ -446,7 +446,8 @@ def find_traces(path: Path) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"no such trace or folder: {path}")
-    for folder in (path, path / "traces", path.parent / "traces"):
+    # a run's folder first looks in its traces/: its own summary.json is not a trace
+    for folder in (path / "traces", path, path.parent / "traces"):
         found = sorted(p for p in folder.glob("*") if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
         if found:
             return found
