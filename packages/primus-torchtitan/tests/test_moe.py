@@ -22,9 +22,9 @@ LOSS_RTOL, GNORM_RTOL = 1e-5, 1e-4  # fp32; measured: 1e-7 and 3e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchtitan_moe")
-    primus_train(MOE, root / "ws1", "checkpoint.enabled=true", "checkpoint.interval=3")
-    # torchtitan's own experts (core's reference grouped_gemm) here; primus-turbo's grouped_mm elsewhere (auto)
-    primus_train(MOE, root / "ep2", "parallel.dp_shard=2", "parallel.ep=2", "kernels.grouped_gemm=torch", nproc=2)
+    # torchtitan's own experts (core's reference grouped_gemm) here; primus-turbo's grouped_mm under EP (auto)
+    primus_train(MOE, root / "ws1", "checkpoint.enabled=true", "checkpoint.interval=3", "kernels.grouped_gemm=torch")
+    primus_train(MOE, root / "ep2", "parallel.dp_shard=2", "parallel.ep=2", nproc=2)
     ckpt = root / "ckpt"
     ckpt.mkdir()
     shutil.copytree(root / "ws1" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
 
 
 def test_experts_run_on_the_grouped_gemm_provider_or_torchtitans_own(runs):
-    assert runs["experts"] == {"ws1": "grouped_mm", "ep2": "torchtitan"}
+    assert runs["experts"] == {"ws1": "torchtitan", "ep2": "grouped_mm"}
 
 
 def test_moe_model_trains(runs):

@@ -33,7 +33,9 @@ class GroupedExperts(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:  # fmt: skip
-        if self.config.moe_apply_probs_on_input:
+        if self.config.moe_apply_probs_on_input or permuted_local_hidden_states.shape[0] == 0:
+            # probabilities on the input, or no token routed to this rank's experts (expert parallelism): megatron's
+            # loop (an empty grouped GEMM is not every kernel's case), which still gives each weight a gradient
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         x = permuted_local_hidden_states
         # the dispatcher may hold the counts on the host (SequentialMLP reads them with .tolist())
