@@ -143,18 +143,19 @@ def markdown(run: RunAnalysis | list[RankReport], title: str = "Step time breakd
             f"| {mean['exposed communication']:.1%} | {mean['overlapped communication']:.1%} | {mean['idle']:.1%} "
             f"| {_mfu(slowest)} |"
         )
+    cats = shown_categories(reports)
     lines += [
         "",
         "## Kernel categories (share of summed kernel time; each kernel in one category)",
         "",
-        "| rank | " + " | ".join(shown_categories(reports)) + " | kernel ms |",
-        "|---" * (len(shown_categories(reports)) + 2) + "|",
+        "| rank | " + " | ".join(cats) + " | kernel ms |",
+        "|---" * (len(cats) + 2) + "|",
     ]
     for r in reports:
         total = sum(r.categories.values()) or 1.0
         lines.append(
             f"| {r.rank} | "
-            + " | ".join(f"{r.categories.get(c, 0) / total:.1%}" for c in shown_categories(reports))
+            + " | ".join(f"{r.categories.get(c, 0) / total:.1%}" for c in cats)
             + f" | {total / 1e3:.1f} |"
         )
     if any(r.fp8_gemm_us for r in reports):
