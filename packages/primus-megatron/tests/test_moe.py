@@ -3,8 +3,8 @@ dispatch over parallel.ep) from ``model.moe``, its experts as grouped GEMMs (pri
 grouped_mm) or megatron's loop of local SwiGLU MLPs (kernels.grouped_gemm: torch).
 
 From one seed checkpoint (megatron's own initialisation, ``train.init: engine``), a tiny Qwen3-MoE trains, and
-EP 2 (2 ranks, the distributed optimizer) and TP 2 + SP × EP 2 (4 ranks) train the same loss curve and gradient norms
-as world size 1. EP 2's step-3 checkpoint resumes under EP 2 as its straight run, and a resume at EP 1 is refused
+EP 2 (2 ranks, the distributed optimizer) and TP 2 + SP × EP 2 (4 ranks, megatron's SequentialMLP reading the stacked
+experts' seed weights) train the same loss curve and gradient norms as world size 1. EP 2's step-3 checkpoint resumes under EP 2 as its straight run, and a resume at EP 1 is refused
 before anything is read (megatron-core 0.16 keeps the experts' optimizer state apart only when ep > 1). A tiny
 Mixtral trains too, with an expert capacity that drops tokens. Core's expert-load metrics (primus.core.expert_load)
 come from megatron's routers and are equal across the layouts.
@@ -27,7 +27,10 @@ MOE, MIXTRAL = str(CONFIGS / "tiny_moe.yaml"), str(CONFIGS / "tiny_mixtral.yaml"
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_moe")
     seed = f"backend.extra.seed_checkpoint={root / 'seed'}"
-    out = {"root": root, "ref": train(MOE, root / "ref", 1, seed)}
+    out = {"root": root, "ref": train(MOE, root / "ref", 1, seed, "checkpoint.enabled=true", "checkpoint.interval=3")}
+    # its stacked experts' checkpoint, resumed with megatron's per-expert SequentialMLP: refused
+    per_expert = [f"checkpoint.dir={root / 'ref' / 'checkpoints'}", "kernels.grouped_gemm=torch"]
+    out["per_expert_resume"] = primus("train", MOE, root / "per_expert_resume", 1, *per_expert, resume=True)
     out["ep2"] = train(MOE, root / "ep2", 2, seed, "parallel.ep=2", "checkpoint.enabled=true", "checkpoint.interval=3")
     # megatron's own loop of experts (SequentialMLP: core's reference grouped_gemm) here, grouped GEMMs elsewhere
     out["tp2_ep2"] = train(MOE, root / "tp2_ep2", 4, seed, "parallel.tp=2", "parallel.sequence_parallel=true",
@@ -59,10 +62,11 @@ def test_expert_parallel_layouts_match_world_size_1(runs, layout):
 
 
 def test_experts_run_as_grouped_gemms_or_megatrons_loop(runs):
-    """primus-turbo's grouped_mm by default (auto), megatron's SequentialMLP with core's loop: the same curve (above)."""
+    """primus-turbo's grouped_mm over stacked weights by default (auto), megatron's SequentialMLP with core's loop (from
+    the stacked run's seed checkpoint: the weights' format is SequentialMLP's): the same curve (above)."""
     applied = {name: json.loads((runs["root"] / name / "summary.json").read_text())["kernels_applied"]["experts"]
                for name in ("ref", "tp2_ep2")}  # fmt: skip
-    assert applied["ref"].startswith("grouped GEMMs of provider 'grouped_mm'"), applied
+    assert applied["ref"].startswith("grouped GEMMs of provider 'grouped_mm' over all local experts' stacked"), applied
     assert "megatron's SequentialMLP" in applied["tp2_ep2"], applied
 
 
@@ -88,6 +92,20 @@ def test_resume_at_another_expert_parallel_size_is_refused(runs):
     assert "parallel.ep > 1, this run has parallel.ep = 1" in text and "Traceback" not in proc.stderr
 
 
+def test_resume_of_stacked_experts_with_per_expert_ones_is_refused(runs):
+    """The weights load either way (the seed checkpoint above), the optimizer state does not: refused before any
+    load, naming both layouts and what resumes; no checkpoint is written."""
+    proc = runs["per_expert_resume"]
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "holds the routed experts' optimizer state stacked, this run holds the experts' weights per expert" in text
+    assert "train.init_from=" in text and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in (runs["root"] / "ref" / "checkpoints").iterdir()) == [
+        "step_00000003",
+        "step_00000006",
+    ]
+
+
 def test_routed_experts_take_cores_swiglu_shared_experts_the_provider():
     """The experts' loop of small MLPs runs torch's SwiGLU whatever the provider (a Triton launch per expert made the
     H200 run 0.75x as fast); a shared expert is one wide MLP and takes the provider, as a dense MLP does."""
@@ -102,15 +120,15 @@ def test_routed_experts_take_cores_swiglu_shared_experts_the_provider():
     assert moe_spec(kernels, shared=False).submodules.shared_experts is None
 
 
-def test_grouped_gemm_provider_makes_the_experts_grouped():
-    """A grouped_gemm provider other than core's loop: GroupedExperts (SequentialMLP's parameters) with that provider
-    and the swiglu provider; core's loop: megatron's SequentialMLP."""
+def test_grouped_gemm_provider_makes_the_experts_stacked():
+    """A grouped_gemm provider other than core's loop: StackedExperts (one parameter per weight kind) with that
+    provider and the swiglu provider, recorded as stacked; core's loop: megatron's SequentialMLP, per expert."""
     from types import SimpleNamespace
 
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from primus.megatron.experts import GroupedExperts
-    from primus.megatron.layer_spec import moe_spec
+    from primus.megatron.experts import StackedExperts
+    from primus.megatron.layer_spec import experts_layout, moe_spec
 
     grouped = SimpleNamespace(name="grouped_mm", impl="primus.turbo.grouped_gemm:grouped_gemm")
     grouped.load = lambda: None
@@ -118,6 +136,8 @@ def test_grouped_gemm_provider_makes_the_experts_grouped():
     loop.load = lambda: __import__("primus.core.kernels.reference", fromlist=["x"]).grouped_gemm
     swiglu = SimpleNamespace(impl="primus.turbo.triton.swiglu:swiglu")
     spec = moe_spec({"swiglu": swiglu, "grouped_gemm": grouped}, shared=False).submodules.experts
-    assert spec.module is GroupedExperts and issubclass(GroupedExperts, SequentialMLP)
+    assert spec.module is StackedExperts
     assert spec.params == {"gemm": grouped.impl, "swiglu": swiglu.impl}
     assert moe_spec({"swiglu": swiglu, "grouped_gemm": loop}, shared=False).submodules.experts.module is SequentialMLP
+    assert experts_layout({"swiglu": swiglu, "grouped_gemm": grouped}) == "stacked"
+    assert experts_layout({"swiglu": swiglu, "grouped_gemm": loop}) == "per_expert"

@@ -104,12 +104,15 @@ def latest(root: Path) -> tuple[int, Path] | None:
     return core.latest(root, NAMING)
 
 
-def write(folder: Path, chunks: list[Any], optimizer: Any) -> None:
-    """This rank's shards of the model (all chunks) and the optimizer into ``folder`` (core commits it)."""
+def write(folder: Path, chunks: list[Any], optimizer: Any, experts_layout: str | None = None) -> None:
+    """This rank's shards of the model (all chunks) and the optimizer into ``folder`` (core commits it), with how a
+    mixture-of-experts model holds its experts' weights (``experts_layout``, in the checkpoint's common state)."""
     from megatron.core import dist_checkpointing
 
     model_sd = _model_sd(chunks)
     sd = {"model": model_sd, "optimizer": optimizer_sharded_state_dict(optimizer, model_sd, is_loading=False)}
+    if experts_layout is not None:
+        sd[EXPERTS_LAYOUT] = experts_layout
     compat.checkpoint_writer_dies_with_rank()
     dist_checkpointing.save(sd, str(folder))
 
@@ -141,6 +144,31 @@ def experts_mismatch(folder: Path, chained: bool, ep: int) -> str | None:
         f"{'parallel.ep > 1' if not chained else 'parallel.ep = 1'}, this run has parallel.ep = {ep}: megatron-core "
         "0.16 keeps the experts' optimizer state apart only when ep > 1 and does not convert between the two; resume "
         f"with {'parallel.ep = 1' if chained else 'parallel.ep > 1'}"
+    )
+
+
+EXPERTS_LAYOUT = "experts_layout"
+
+
+def experts_layout_mismatch(folder: Path, layout: str | None) -> str | None:
+    """Why this run's experts (``layout``: stacked or per expert, primus.megatron.experts) cannot take ``folder``'s
+    optimizer state: the two hold it as one tensor per weight kind or one per expert. Their weights load either way
+    (``train.init_from``). Checkpoints from before the record hold per-expert weights (SequentialMLP's)."""
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    from primus.megatron.experts import PER_EXPERT, STACKED
+
+    if layout is None or _optimizer_keys(folder) == []:
+        return None
+    saved = load_common_state_dict(str(folder)).get(EXPERTS_LAYOUT, PER_EXPERT)
+    if saved == layout:
+        return None
+    kernels = {STACKED: "a grouped_gemm provider other than torch (e.g. kernels.grouped_gemm=auto)",
+               PER_EXPERT: "kernels.grouped_gemm=torch (megatron's SequentialMLP)"}  # fmt: skip
+    return (
+        f"checkpoint {folder} holds the routed experts' optimizer state {saved.replace('_', ' ')}, this run holds "
+        f"the experts' weights {layout.replace('_', ' ')}: resume with {kernels[saved]}, or start a new run from "
+        f"its weights with train.init_from={folder}"
     )
 
 

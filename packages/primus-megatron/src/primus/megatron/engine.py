@@ -146,10 +146,12 @@ class MegatronEngine:
                 swapped["rope"],
                 swapped["output_loss"],
             )
+        self.experts_layout = None
         if cfg.model.moe is not None:
-            from primus.megatron.layer_spec import experts_impl
+            from primus.megatron.layer_spec import experts_impl, experts_layout
 
             swapped["experts"] = experts_impl(ctx.kernels)[1]
+            self.experts_layout = experts_layout(ctx.kernels)
             if self.rank == 0:
                 log.info("megatron routed experts: %s", swapped["experts"])
         self.summary = {"kernels_applied": swapped}
@@ -338,7 +340,7 @@ class MegatronEngine:
         if gathering:  # the model weights lag the optimizer until the gather runs
             for m in self.model:
                 m.disable_forward_pre_hook(param_sync=True)
-        ckpt.write(folder, self.chunks, self.optimizer)
+        ckpt.write(folder, self.chunks, self.optimizer, self.experts_layout)
         if gathering:
             for m in self.model:
                 m.enable_forward_pre_hook()
@@ -352,6 +354,7 @@ class MegatronEngine:
         if self.cfg.model.moe is not None:
             chained = len(getattr(self.optimizer, "chained_optimizers", [])) > 1
             why = ckpt.experts_mismatch(folder, chained, self.cfg.parallel.ep)
+            why = why or ckpt.experts_layout_mismatch(folder, self.experts_layout)
         why = why or ckpt.optimizer_mismatch(folder, _sharded_optimizer(self.cfg), ranks()["dp_size"])
         if why:
             raise UserError(why)  # before anything is read: the same decision on every rank

@@ -6,7 +6,8 @@ Layout (the local spec: norms are their own modules, not fused into the linears)
   ``[group 0: its q heads, k, v | group 1: ... ]`` (the same for the qkv bias);
 - ``mlp.linear_fc1`` is ``[gate; up]`` (megatron's SwiGLU halves: gate first);
 - a mixture-of-experts layer has ``mlp.router`` (HF's ``mlp.gate``) and, per routed expert,
-  ``mlp.experts.experts.linear_fc1`` ``[gate; up]`` and ``linear_fc2`` (SequentialMLP's local MLPs; in the sharded
+  ``mlp.experts.experts.linear_fc1`` ``[gate; up]`` and ``linear_fc2`` (SequentialMLP's local MLPs, or slices of
+  StackedExperts' two parameters under the same sharded keys; in the sharded
   state dict a model with experts has one key per layer, ``decoder.layers.{i}.…``, the expert its prepended axis);
 - ``input_layernorm``, ``pre_mlp_layernorm``, ``q_layernorm`` / ``k_layernorm`` (per head),
   ``decoder.final_layernorm``, ``embedding.word_embeddings``, ``output_layer`` (absent when tied).

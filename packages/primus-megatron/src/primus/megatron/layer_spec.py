@@ -153,7 +153,18 @@ def experts_impl(kernels: dict[str, KernelProvider]) -> tuple[KernelProvider | N
     if gemm is None or gemm.load() is reference.grouped_gemm:
         name = gemm.name if gemm else "none"
         return None, f"grouped_gemm provider {name!r} is core's loop: megatron's SequentialMLP computes the same"
-    return gemm, f"grouped GEMMs of provider {gemm.name!r} over all local experts (primus.megatron.experts)"
+    return (
+        gemm,
+        f"grouped GEMMs of provider {gemm.name!r} over all local experts' stacked weights (primus.megatron.experts)",
+    )
+
+
+def experts_layout(kernels: dict[str, KernelProvider]) -> str:
+    """How the routed experts hold their weights with these providers (recorded in checkpoints: the optimizer state
+    of one does not load into the other): stacked (StackedExperts) or per expert (SequentialMLP)."""
+    from primus.megatron.experts import PER_EXPERT, STACKED
+
+    return PER_EXPERT if experts_impl(kernels)[0] is None else STACKED
 
 
 def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules) -> ModuleSpec:
@@ -162,16 +173,16 @@ def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules)
     gemm, _ = experts_impl(kernels)
     if gemm is None:
         return ModuleSpec(module=SequentialMLP, submodules=submodules)
-    from primus.megatron.experts import GroupedExperts
+    from primus.megatron.experts import StackedExperts
 
     params = {"gemm": gemm.impl, "swiglu": _impl(kernels, "swiglu")}
-    return ModuleSpec(module=GroupedExperts, submodules=submodules, params=params)
+    return ModuleSpec(module=StackedExperts, submodules=submodules, params=params)
 
 
 def moe_spec(kernels: dict[str, KernelProvider], shared: bool) -> ModuleSpec:
     """megatron-core's MoE layer (router, token dispatcher) with its routed experts as grouped GEMMs
-    (:class:`~primus.megatron.experts.GroupedExperts`: the ``grouped_gemm`` and ``swiglu`` providers over all local
-    experts at once) or, with core's reference loop as the ``grouped_gemm`` provider, as megatron's own loop of
+    (:class:`~primus.megatron.experts.StackedExperts`: the ``grouped_gemm`` and ``swiglu`` providers over all local
+    experts' stacked weights at once) or, with core's reference loop as the ``grouped_gemm`` provider, as megatron's own loop of
     local MLPs (SequentialMLP, which computes the same) with core's SwiGLU (:data:`EXPERT_SWIGLU`). Shared experts
     (one MLP of their summed width, when the model has them) take the ``swiglu`` provider, as a dense MLP."""
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
