@@ -7,7 +7,8 @@ EP 2 (2 ranks, the distributed optimizer) and TP 2 + SP × EP 2 (4 ranks, megatr
 experts' seed weights) train the same loss curve and gradient norms as world size 1. EP 2's step-3 checkpoint resumes under EP 2 as its straight run, and a resume at EP 1 is refused
 before anything is read (megatron-core 0.16 keeps the experts' optimizer state apart only when ep > 1). A tiny
 Mixtral trains too, with an expert capacity that drops tokens. Core's expert-load metrics (primus.core.expert_load)
-come from megatron's routers and are equal across the layouts.
+come from megatron's routers, the aux loss (moe_aux_loss) from megatron's own record of it; both are equal across the
+layouts.
 """
 
 from __future__ import annotations
@@ -46,9 +47,12 @@ def runs(tmp_path_factory):
 
 
 def test_moe_models_train(runs):
-    for name in ("ref", "mixtral"):
+    for name, experts in (("ref", 8), ("mixtral", 4)):
         curve = losses(runs[name])
         assert curve[-1] < curve[0] - 0.3, (name, curve)
+        # the load-balancing loss before its coefficient: about 1 when even, at most the number of experts
+        aux = [r["moe_aux_loss"] for r in runs[name]]
+        assert all(0.5 < a < experts for a in aux), (name, aux)
 
 
 @pytest.mark.parametrize("layout", ["ep2", "tp2_ep2"])
@@ -59,6 +63,9 @@ def test_expert_parallel_layouts_match_world_size_1(runs, layout):
     # the routers' expert load, summed over ranks (EP: each rank routes its own tokens; TP + SP: its sequence shard)
     for key in ("moe_load_max", "moe_load_min"):
         assert [r[key] for r in runs[layout]] == pytest.approx([r[key] for r in runs["ref"]], rel=1e-6), key
+    # megatron's aux loss per routed batch: TP + SP ranks each hold part of a batch's, EP ranks their own batches'
+    aux = [r["moe_aux_loss"] for r in runs[layout]]
+    assert aux == pytest.approx([r["moe_aux_loss"] for r in runs["ref"]], rel=1e-5)
 
 
 def test_experts_run_as_grouped_gemms_or_megatrons_loop(runs):

@@ -11,6 +11,7 @@ core's; :meth:`save` / :meth:`load` write and read megatron's dist checkpoint sh
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,7 @@ class MegatronEngine:
         self.model_parts = chunks
         self.layout = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "world": world}
         self.faults = FaultInjection.from_extra(cfg.backend.extra)
+        self._count_router_calls()
 
         if t.init == "canonical":  # core's initial weights, the same on every layout and engine
             from primus.megatron.hf import init_canonical
@@ -284,6 +286,49 @@ class MegatronEngine:
             for m in chunk.modules()
             if isinstance(m, TopKRouter)
         ]
+
+    def interval_metrics(self) -> dict[str, float]:
+        """``moe_aux_loss`` (core's definition, primus.core.loop.METRICS) from megatron's own record of it (its
+        routers add each micro-batch's load-balancing loss per layer to a tracker), per routed batch: the routers'
+        training forwards are counted here (a recomputed forward logs, and is counted, again), tensor- and
+        context-parallel ranks hold parts of one batch's loss (megatron's Switch formula sums them), data-parallel
+        ranks their own batches', pipeline stages their own layers'."""
+        if self._router_calls is None:
+            return {}
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
+
+        n = len(self._router_calls)
+        sums = torch.zeros(2, n, dtype=torch.float64, device=self.device)
+        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        if entry is not None:  # a stage of dense layers only has none, and still takes part in the sum
+            sums[0] = entry["values"][:n].to(sums)
+        sums[1] = torch.tensor(self._router_calls, dtype=sums.dtype)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        clear_aux_losses_tracker()
+        self._router_calls[:] = [0] * n  # in place: the routers' hooks hold this list
+        p = self.cfg.parallel
+        batches = sums[1] / (p.tp * p.cp)  # routed batches: tp × cp ranks route the parts of one
+        moe = batches > 0
+        return {"moe_aux_loss": float((sums[0][moe] / batches[moe]).mean())} if bool(moe.any()) else {}
+
+    def _count_router_calls(self) -> None:
+        """With aux-loss balancing: count each router's training forwards (what megatron's tracker sums over)."""
+        self._router_calls = None
+        e = self.cfg.model.moe
+        if e is None or e.balancing != "aux_loss" or e.aux_loss_coeff == 0:
+            return
+        self._router_calls = calls = [0] * self.cfg.model.num_layers
+
+        def count(layer: int, module: Any, _args: Any, _out: Any) -> None:
+            if module.training and torch.is_grad_enabled():  # evaluation logs no aux loss
+                calls[layer] += 1
+
+        for layer, module, _ in self.expert_routers():
+            module.register_forward_hook(functools.partial(count, layer))
 
     def train_step(self, step: int, lr: float, gate: Any) -> StepResult:
         t = self.cfg.train
