@@ -9,7 +9,8 @@ tokens, pipeline stages hold different layers) and reports, per layer, each expe
   capacity factor drops tokens above it);
 - ``moe_load_min``: the idlest expert's tokens / the mean expert's, the worst layer (0.0: an expert got no token);
 - ``moe_dropped`` (with ``model.moe.capacity_factor``): the share of token-to-expert assignments the capacity dropped,
-  all layers (each router's input tokens × top-k against what it routed).
+  all layers (each router's input tokens × top-k against what it routed);
+- ``moe_aux_loss`` (defined here, measured by an engine whose router computes it: ``Engine.interval_metrics()``).
 
 A recomputed forward (activation checkpointing) or tensor-parallel ranks routing the same tokens count a layer's
 tokens again for every expert alike: the ratios do not change.
@@ -28,6 +29,9 @@ METRICS = {
     "moe_dropped": "MoE with an expert capacity: the share of token-to-expert assignments dropped in the interval",
     "moe_load_max": "MoE: the busiest expert's tokens over the mean expert's, worst layer, in the interval (1 = even)",
     "moe_load_min": "MoE: the idlest expert's tokens over the mean expert's, worst layer, in the interval (0 = idle)",
+    # measured by the engine (Engine.interval_metrics): its router computes the loss
+    "moe_aux_loss": "MoE with aux-loss balancing: the load-balancing loss before its coefficient (Switch "
+    "Transformer's E * sum_i f_i * P_i, 1 = even), mean over MoE layers and the interval's routed batches",
 }
 
 Router = tuple[int, torch.nn.Module, Callable[[Any], torch.Tensor]]

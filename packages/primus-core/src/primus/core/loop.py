@@ -78,9 +78,7 @@ METRICS = {
     "CPU: the process's peak resident set)",
     "skipped_steps": "updates the health check has skipped so far",
     "loss_spikes": "loss spikes the health check has reported so far",
-    # and for mixture-of-experts models, primus.core.expert_load.METRICS, and from an engine that measures it:
-    "moe_aux_loss": "MoE with aux-loss balancing: the load-balancing loss before its coefficient (Switch "
-    "Transformer's E * sum_i f_i * P_i, 1 = even), mean over MoE layers and the interval's routed batches",
+    # and for mixture-of-experts models, primus.core.expert_load.METRICS
 }
 
 
@@ -105,7 +103,7 @@ class Engine(Protocol):
     ``summary`` (a dict the run's summary takes over, e.g. which kernels the engine applied) and ``finished`` (set at build by an engine whose whole job was done then, e.g. a seed checkpoint
     written: its summary; the loop then runs no step). A mixture-of-experts engine may offer ``expert_routers()``:
     its routers as ``(global layer index, module, counts)`` (:mod:`primus.core.expert_load`: the load metrics), and any
-    engine ``interval_metrics()``: metrics of :data:`METRICS` that only it can measure, called on every rank at each
+    engine ``interval_metrics()``: metrics defined in core that only it can measure (e.g. ``moe_aux_loss``), called on every rank at each
     logging step (it may reduce over ranks), over the steps since the previous call."""
 
     model_parts: list[Any]  # the model modules on this rank (one per pipeline chunk)

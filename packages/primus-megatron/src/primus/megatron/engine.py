@@ -288,7 +288,7 @@ class MegatronEngine:
         ]
 
     def interval_metrics(self) -> dict[str, float]:
-        """``moe_aux_loss`` (core's definition, primus.core.loop.METRICS) from megatron's own record of it (its
+        """``moe_aux_loss`` (core's definition, primus.core.expert_load.METRICS) from megatron's own record of it (its
         routers add each micro-batch's load-balancing loss per layer to a tracker), per routed batch: the routers'
         training forwards are counted here (a recomputed forward logs, and is counted, again), tensor- and
         context-parallel ranks hold parts of one batch's loss (megatron's Switch formula sums them), data-parallel
