@@ -4,7 +4,8 @@ grouped_mm) or megatron's loop of local SwiGLU MLPs (kernels.grouped_gemm: torch
 
 From one seed checkpoint (megatron's own initialisation, ``train.init: engine``), a tiny Qwen3-MoE trains, and
 EP 2 (2 ranks, the distributed optimizer) and TP 2 + SP × EP 2 (4 ranks, megatron's SequentialMLP reading the stacked
-experts' seed weights) train the same loss curve and gradient norms as world size 1. EP 2's step-3 checkpoint resumes under EP 2 as its straight run, and a resume at EP 1 is refused
+experts' seed weights) train the same loss curve and gradient norms as world size 1. EP 2's step-3 checkpoint
+resumes under EP 2 as its straight run, and a resume at EP 1 is refused
 before anything is read (megatron-core 0.16 keeps the experts' optimizer state apart only when ep > 1). A tiny
 Mixtral trains too, with an expert capacity that drops tokens. Core's expert-load metrics (primus.core.expert_load)
 come from megatron's routers, the aux loss (moe_aux_loss) from megatron's own record of it; both are equal across the

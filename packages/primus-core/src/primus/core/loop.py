@@ -103,8 +103,8 @@ class Engine(Protocol):
     ``summary`` (a dict the run's summary takes over, e.g. which kernels the engine applied) and ``finished`` (set at build by an engine whose whole job was done then, e.g. a seed checkpoint
     written: its summary; the loop then runs no step). A mixture-of-experts engine may offer ``expert_routers()``:
     its routers as ``(global layer index, module, counts)`` (:mod:`primus.core.expert_load`: the load metrics), and any
-    engine ``interval_metrics()``: metrics defined in core that only it can measure (e.g. ``moe_aux_loss``), called on every rank at each
-    logging step (it may reduce over ranks), over the steps since the previous call."""
+    engine ``interval_metrics()``: metrics defined in core that only it can measure (e.g. ``moe_aux_loss``), called
+    on every rank at each logging step (it may reduce over ranks), over the steps since the previous call."""
 
     model_parts: list[Any]  # the model modules on this rank (one per pipeline chunk)
     layout: dict[str, int]  # the parallel layout, recorded in each checkpoint's manifest

@@ -158,10 +158,10 @@ def experts_layout_mismatch(folder: Path, layout: str | None) -> str | None:
 
     from primus.megatron.experts import PER_EXPERT, STACKED
 
-    if layout is None or _optimizer_keys(folder) == []:
+    if layout is None:
         return None
     saved = load_common_state_dict(str(folder)).get(EXPERTS_LAYOUT, PER_EXPERT)
-    if saved == layout:
+    if saved == layout or _optimizer_keys(folder) == []:  # the index only when the layouts differ
         return None
     kernels = {STACKED: "a grouped_gemm provider other than torch (e.g. kernels.grouped_gemm=auto)",
                PER_EXPERT: "kernels.grouped_gemm=torch (megatron's SequentialMLP)"}  # fmt: skip

@@ -97,13 +97,19 @@ class StackedExperts(MegatronModule):
         offsets = [(*sharded_offsets, (len(sharded_offsets), first + i, total)) for i in range(experts)]
         axis = len(sharded_offsets) + 1  # the first axis of an expert's own matrix
 
+        # megatron's apply_swiglu_sharded_factory places the halves so, but over a per-expert tensor: a factory whose
+        # data is not the parameter itself would lose the regular optimizer's state (mapped by parameter identity)
         def build1(key: str, data: torch.Tensor, replica_id: Any, flattened_range: Any) -> list:
             assert flattened_range is None, "StackedExperts: flattened optimizer state"
             out = []
-            for i, (gate, up) in enumerate(data[i].chunk(2, dim=0) for i in range(experts)):
+            for i in range(experts):
+                gate, up = data[i].chunk(2, dim=0)
                 for half, piece in ((gate, t), (up, tp + t)):
-                    out.append(ShardedTensor.from_rank_offsets(key, half, *offsets[i], (axis, piece, 2 * tp),
-                                                               replica_id=replica_id, prepend_axis_num=axis))  # fmt: skip
+                    out.append(
+                        ShardedTensor.from_rank_offsets(
+                            key, half, *offsets[i], (axis, piece, 2 * tp), replica_id=replica_id, prepend_axis_num=axis
+                        )
+                    )
             return out
 
         def build2(key: str, data: torch.Tensor, replica_id: Any, flattened_range: Any) -> list:

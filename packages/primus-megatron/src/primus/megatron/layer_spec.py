@@ -182,9 +182,10 @@ def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules)
 def moe_spec(kernels: dict[str, KernelProvider], shared: bool) -> ModuleSpec:
     """megatron-core's MoE layer (router, token dispatcher) with its routed experts as grouped GEMMs
     (:class:`~primus.megatron.experts.StackedExperts`: the ``grouped_gemm`` and ``swiglu`` providers over all local
-    experts' stacked weights at once) or, with core's reference loop as the ``grouped_gemm`` provider, as megatron's own loop of
-    local MLPs (SequentialMLP, which computes the same) with core's SwiGLU (:data:`EXPERT_SWIGLU`). Shared experts
-    (one MLP of their summed width, when the model has them) take the ``swiglu`` provider, as a dense MLP."""
+    experts' stacked weights at once) or, with core's reference loop as the ``grouped_gemm`` provider, as megatron's
+    own loop of local MLPs (SequentialMLP, which computes the same) with core's SwiGLU (:data:`EXPERT_SWIGLU`).
+    Shared experts (one MLP of their summed width, when the model has them) take the ``swiglu`` provider, as a
+    dense MLP."""
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 

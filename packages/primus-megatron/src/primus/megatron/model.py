@@ -96,8 +96,8 @@ def transformer_config(cfg: PrimusConfig) -> TransformerConfig:
 def moe_fields(cfg: PrimusConfig) -> dict[str, Any]:
     """model.moe as megatron-core's MoE settings: a router over ``num_experts`` local SwiGLU experts (the layer spec
     runs them as grouped GEMMs over stacked weights, primus.megatron.experts, not megatron's ``moe_grouped_gemm``,
-    which needs Transformer Engine or the grouped_gemm package), all-to-all token dispatch over the expert-parallel ranks,
-    no token dropping unless a capacity is set."""
+    which needs Transformer Engine or the grouped_gemm package), all-to-all token dispatch over the expert-parallel
+    ranks, no token dropping unless a capacity is set."""
     m = cfg.model
     if m.moe is None:
         return {}
