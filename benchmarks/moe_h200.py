@@ -2,6 +2,8 @@
 
     python3 benchmarks/moe_h200.py --out benchmarks/results/moe_h200.json
     python3 benchmarks/moe_h200.py --out /tmp/smoke.json --smoke        # tiny-qwen3-moe, 4 steps (CPU or GPU)
+    python3 benchmarks/moe_h200.py --out P.json --profile --cases mg_turbo,tt_turbo    # + kernel categories
+    python3 benchmarks/moe_h200.py --out M.json --preset mixtral-8x7b --layers 2 --cases mg_core,mg_turbo
 
 The model (engine's own initialisation) is the ``qwen3-30b-a3b`` preset (128 experts of width 768, top 8, d 2048, 32 q / 4 kv heads of 128,
 vocab 151,936) with ``--layers`` of its 48 layers, so that one GPU holds the weights, gradients and Adam state; no
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import run_overrides, versions  # noqa: E402
+from _common import breakdown, run_overrides, versions  # noqa: E402
 from megatron_vs_primus import CORE_KERNELS  # noqa: E402
 
 CASES = {
@@ -48,11 +50,18 @@ CASES = {
 def run_case(case: str, args: argparse.Namespace, work: Path) -> dict:
     backend, kernels = CASES[case]
     out = work / case
-    model = ["tiny-qwen3-moe"] if args.smoke else ["qwen3-30b-a3b", f"model.num_layers={args.layers}"]
+    model = ["tiny-qwen3-moe"] if args.smoke else [args.preset, f"model.num_layers={args.layers}"]
     cmd = [sys.executable, "-m", "primus.core.cli", "train", *model, f"backend.name={backend}"]
     # megatron's / torchtitan's own init: canonical init draws every expert on the CPU, minutes at this size
     cmd += ["model.moe.balancing=none", "train.init=engine", f"train.precision={args.precision}", *kernels]
     cmd += [*run_overrides(out, args.seq, args.micro_batch, args.steps), *args.extra]
+    if args.profile:  # the last steps but one: two of profiler warmup, two traced (analysed as `primus analyze` does)
+        cmd += [
+            "profile.enabled=true",
+            f"profile.wait={max(0, args.steps - 5)}",
+            "profile.warmup=2",
+            "profile.active=2",
+        ]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout)
     row: dict = {"case": case, "backend": backend, "command": " ".join(cmd[2:]), "wall_s": time.monotonic() - start}
@@ -68,6 +77,7 @@ def run_case(case: str, args: argparse.Namespace, work: Path) -> dict:
         "peak_memory_gib": max(r["memory_gib"] for r in rows),
         "loss_first_last": [rows[0]["loss"], rows[-1]["loss"]],
         "kernels": summary.get("kernels"),
+        **({"profile": breakdown(out / "traces" / "rank0.json")} if args.profile else {}),
     }
 
 
@@ -75,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--preset", default="qwen3-30b-a3b", help="an MoE preset (mixtral-8x7b: megatron cases only)")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=1)
@@ -84,11 +95,13 @@ def main() -> None:
     ap.add_argument("--case-timeout", type=int, default=180)
     ap.add_argument("--extra", nargs="*", default=[], help="config overrides added to every case")
     ap.add_argument("--smoke", action="store_true", help="tiny-qwen3-moe, 4 steps, seq 64, fp32")
+    ap.add_argument("--profile", action="store_true", help="trace two steps; kernel categories and top kernels")
     args = ap.parse_args()
     if args.smoke:
         args.seq, args.steps, args.warmup, args.precision = 64, 4, 1, "fp32"
     out = Path(args.out)
-    result = {"argv": sys.argv, "versions": versions(), "layers": args.layers, "seq": args.seq, "cases": []}
+    result = {"argv": sys.argv, "versions": versions(), "preset": args.preset, "layers": args.layers, "seq": args.seq}
+    result["cases"] = []
     work = out.parent / (out.stem + "_runs")
     for case in args.cases.split(","):
         print(f"--- {case}", flush=True)

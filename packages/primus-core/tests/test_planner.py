@@ -384,7 +384,14 @@ def test_moe_activations_are_the_experts_a_token_runs(registry):
 
 def test_moe_step_time_counts_active_weights_and_all_to_alls(registry):
     from primus.core.planner import calibration as cal
-    from primus.core.planner.perf import active_layer_params, expert_all_to_all, gemm_rate, layer_seconds_per_token
+    from primus.core.planner.perf import (
+        active_layer_params,
+        expert_all_to_all,
+        gemm_rate,
+        layer_seconds_per_token,
+        moe_gemm_fraction,
+        tokens_per_expert,
+    )
 
     m = _model(registry, "qwen3-30b-a3b")
     dev = device("H100")
@@ -392,8 +399,18 @@ def test_moe_step_time_counts_active_weights_and_all_to_alls(registry):
     dense, routed = active_layer_params(m)
     assert (dense + routed) * m.num_layers == pytest.approx(pc.active - pc.embedding - pc.output_head - pc.final_norm)
     assert routed == e.experts_per_token * 3 * m.hidden_size * e.expert_ffn_hidden_size  # every layer is MoE
-    gemm = layer_seconds_per_token(m, 4096, dev)["gemm"]
-    assert gemm == pytest.approx(6 * dense / gemm_rate(dev) + 6 * routed / (gemm_rate(dev) * cal.MOE_GEMM_FRACTION))
+    # the routed experts' grouped GEMMs: the dense rate from 1,024 rows per expert, slower with fewer (H200: 0.65 of it
+    # at the 256 rows of one 4096-token sequence over 128 experts, top 8)
+    assert moe_gemm_fraction(cal.MOE_GEMM_FULL_RATE_TOKENS) == moe_gemm_fraction(8192) == 1.0
+    assert moe_gemm_fraction(256) == pytest.approx(0.65, abs=0.01) and moe_gemm_fraction(64) < moe_gemm_fraction(256)
+    assert tokens_per_expert(m, _on(GENERIC, "fsdp", dp=8), 4096) == 4096 * 8 / 128
+    assert tokens_per_expert(m, _on(GENERIC, "fsdp", dp=8, ep=8, tp=2), 4096) == 4096 / 2 * 8 * 8 / 128
+    terms = layer_seconds_per_token(m, 4096, dev, expert_tokens=256, dispatch_passes=60)
+    rate = gemm_rate(dev)
+    assert terms["gemm"] == pytest.approx(6 * dense / rate + 6 * routed / (rate * moe_gemm_fraction(256)))
+    # each token's k copies routed there and back: the engine's passes over k · d bf16 elements
+    assert terms["routing"] == pytest.approx(60 * 2 * 8 * m.hidden_size / (dev.hbm_gbps * 1e9))
+    assert "routing" not in layer_seconds_per_token(_model(registry, "llama3.1-8b"), 4096, dev)
     assert expert_all_to_all(m, _on(GENERIC, "fsdp", dp=8), 4096, dev, 8) == 0.0
     # 4 all-to-alls per MoE layer of k·d bf16 elements per token, 7/8 of them off the device; EP over two nodes is slower
     one_node = expert_all_to_all(m, _on(GENERIC, "fsdp", dp=8, ep=8), 4096, dev, 8)
@@ -420,8 +437,8 @@ def test_planner_plans_moe_layouts_with_expert_parallelism(registry):
 
 
 def test_the_optimizer_step_moves_the_engines_bytes_per_parameter(registry):
-    """Each engine's measured optimizer traffic (EngineProfile.optimizer_bytes_per_param: megatron without apex moved
-    ~190 bytes per parameter on the H200, TorchTitan ~68) enters the step time once per step, over the device's
+    """Each engine's measured per-parameter step work (EngineProfile.optimizer_bytes_per_param: megatron without apex
+    moved ~139 bytes per parameter on the H200, TorchTitan ~68) enters the step time once per step, over the device's
     parameters."""
     from dataclasses import replace
 
@@ -433,3 +450,28 @@ def test_the_optimizer_step_moves_the_engines_bytes_per_parameter(registry):
     times = [step_time(m, _on(p, "ddp", 1, micro_batch=2), 4096, 2, h200, 1).total for p in (lean, heavy)]
     params, _ = stage_params(m, _on(ENGINE, "ddp", 1))
     assert times[1] - times[0] == pytest.approx(100 * params / (h200.hbm_gbps * 1e9), rel=1e-9)
+
+
+def test_routed_experts_count_their_whole_per_parameter_work(registry, monkeypatch):
+    """A routed expert's parameters each add calibration.EXPERT_STEP_BYTES_PER_PARAM (measured alike on both engines),
+    whatever the engine's dense number; the rest of the model the engine's; expert parallelism divides the experts'."""
+    from dataclasses import replace
+
+    from primus.core.planner import calibration as cal
+    from primus.core.planner.memory import routed_expert_params, stage_params
+    from primus.core.planner.perf import step_time
+
+    m, h200 = _model(registry, "qwen3-30b-a3b"), device("H200")
+    hbm = h200.hbm_gbps * 1e9
+    heavy = replace(ENGINE, optimizer_bytes_per_param=ENGINE.optimizer_bytes_per_param + 100)
+    for ep in (1, 2):
+        lay = {p: _on(p, "ddp", ep, ep=ep, micro_batch=1) for p in (ENGINE, heavy)}
+        t = {p: step_time(m, lay[p], 4096, ep, h200, 8) for p in lay}
+        params, _ = stage_params(m, lay[ENGINE])
+        experts = m.num_layers * routed_expert_params(m) / ep
+        assert t[heavy].compute - t[ENGINE].compute == pytest.approx(100 * (params - experts) / hbm, rel=1e-9)
+        before = t[ENGINE].compute
+        monkeypatch.setattr(cal, "EXPERT_STEP_BYTES_PER_PARAM", cal.EXPERT_STEP_BYTES_PER_PARAM + 100)
+        after = step_time(m, lay[ENGINE], 4096, ep, h200, 8).compute
+        monkeypatch.undo()
+        assert after - before == pytest.approx(100 * experts / hbm, rel=1e-9)

@@ -7,6 +7,8 @@ only reorder floating-point sums); a resumed run agrees with the straight run wi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from conftest import TINY, losses, metrics, primus_train
 
@@ -73,7 +75,10 @@ def test_world_size_1_trains_reports_and_checkpoints(reference):
     assert rows[0]["lr"] == pytest.approx(3e-3)  # one warmup step
     assert rows[-1]["lr"] < rows[1]["lr"]  # cosine decay
     loss = [r["loss"] for r in rows]
-    assert loss[0] == pytest.approx(8.05, abs=0.1)  # ~ln(2048) + init noise
+    # the seed holds core's canonical init (the run's train.init), whose output head predicts near-uniformly: ln(V).
+    # (With torchtitan's own init the first loss and the 8-step drop depended on the machine's environment: 8.05 and
+    # > 0.15 on CI's, 7.94 and 0.03 on a fresh one, 2026-12-04.)
+    assert loss[0] == pytest.approx(math.log(2048), abs=0.1)
     assert loss[-1] < loss[0] - 0.15, loss
     assert (out / "checkpoints" / "step_00000008" / ".metadata").is_file()
 

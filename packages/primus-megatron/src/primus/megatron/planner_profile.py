@@ -39,11 +39,13 @@ PROFILE = EngineProfile(
     fsdp_reduce_buffer_bytes=2,
     autocast=False,  # the model itself is bf16: no autocast copies
     activation_scale=1.0,
-    # the optimizer step as measured (H200, bf16, one device: benchmarks/results/turbo_e2e_s7_{1b,3b}.json, mg_core's
-    # traced "optimizer" kernels: 113 ms of 429 for 3.2 G parameters, 56 of 203 for 1.24 G): without apex, megatron
-    # runs torch's fused AdamW on the fp32 master copy, then copies it to the bf16 weights, and its gradient norm and
-    # clipping on torch's foreach kernels, ~170-215 bytes per parameter
-    optimizer_bytes_per_param=190,
+    # the per-parameter work of a step as measured (H200, bf16, one device, core's kernels, seq 4096 micro-batch 2:
+    # benchmarks/results/step_kernels_h200.json, each kernel named there, the same on 1B and 3B): without apex,
+    # torch's fused AdamW on the fp32 master copy (~58 bytes per parameter as timed), the gradient norm and clipping
+    # (foreach, ~11), the bf16 gradients added into the fp32 main-grad buffer (~53), the copy of the master weights
+    # to bf16 (~13) and the buffer's zeroing (~4): 139 on both. (190 before: read from categories that also held
+    # per-token elementwise work.)
+    optimizer_bytes_per_param=139,
     # selective recomputes only core attention, and with flash/cuDNN attention (all our providers) that saves
     # nothing measurable: H200, memory_validation.json (2026-11-29, llama3.2-1b s4096 mbs2): 31.5 GiB peak with and
     # without

@@ -7,8 +7,9 @@ with torchtitan's ``CheckpointManager.dcp_save`` / ``dcp_load`` over the states 
 the model, the optimizers, the LR schedulers, the data loader (its position: a resumed run continues with the
 next unseen samples, also at another data-parallel size) and the train state.
 
-A *seed checkpoint* (``backend.extra.checkpoint.create_seed_checkpoint``) holds only the model at step 0, taken
-by ``checkpoint.initial_load_path`` (as are Hugging Face folders, through the state-dict adapter) as the initial
+A *seed checkpoint* (``backend.extra.checkpoint.create_seed_checkpoint``) holds only the model at step 0 (the
+weights the run would start from: ``train.init`` and ``train.init_from`` applied), taken by
+``checkpoint.initial_load_path`` (as are Hugging Face folders, through the state-dict adapter) as the initial
 weights: :func:`load_initial`.
 """
 

@@ -160,10 +160,6 @@ class TorchTitanEngine:
             "kernels": {op: c.provider if c.fn else "torchtitan" for op, c in kernels.items()},
         }
         self.finished: dict[str, Any] | None = None
-        if seed_only:  # the engine's whole job: the initial weights, for every layout to start from
-            folder = ckpt.save_seed(trainer.checkpointer, checkpoint_dir(cfg), cfg, self.layout)
-            self.finished = {"backend": "torchtitan", "seed_checkpoint": str(folder)}
-            return
         if cfg.train.init == "canonical":  # core's initial weights, the same on every layout and engine
             from primus.torchtitan.hf import init_canonical
 
@@ -172,6 +168,10 @@ class TorchTitanEngine:
             from primus.torchtitan.hf import load_init_from
 
             load_init_from(trainer, cfg)
+        if seed_only:  # the engine's whole job: the weights this run would start from, for every layout to load
+            folder = ckpt.save_seed(trainer.checkpointer, checkpoint_dir(cfg), cfg, self.layout)
+            self.finished = {"backend": "torchtitan", "seed_checkpoint": str(folder)}
+            return
         ckpt.load_initial(trainer.checkpointer, cfg)
         self.data = trainer.batch_generator(trainer.dataloader)
 

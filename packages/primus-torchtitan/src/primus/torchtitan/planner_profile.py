@@ -44,6 +44,11 @@ PROFILE = EngineProfile(
     # benchmarks/results/turbo_e2e_s7_{1b,3b}.json, tt_core's traced "optimizer" kernels: 50.6 ms of 367 for 3.6 G
     # parameters, 21.7 of 170 for 1.5 G): fused AdamW plus clipping's foreach norm and scaling, ~68 bytes per parameter
     optimizer_bytes_per_param=68,
+    # its MoE token routing (index_put / gather / their backward, the router's softmax and top-k) per token: fitted to
+    # the step-time growth from micro-batch 1 to 2 (H200, Qwen3-30B-A3B shape, 6 layers: 155 -> 224 ms,
+    # moe_h200_grouped.json tt_core / moe_h200_mbs2.json tt_grouped), 3.3x megatron's (its routing kernels traced
+    # 14.6 ms a step against megatron's 5.8, moe_h200_profiled_engines.json)
+    moe_dispatch_passes=200,
     # the op-level policy (recompute all but the matmuls' outputs, every other one kept) freed 7.0 of ~10.2 GiB:
     # H200, memory_validation.json (2026-11-29, llama3.2-1b s4096 mbs2)
     selective_kept=0.32,

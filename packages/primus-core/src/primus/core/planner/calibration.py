@@ -106,9 +106,26 @@ MEMORY_BOUND_PASSES = 60
 COMPILE_MEMORY_BOUND_KEPT = 0.6
 # The loss on the logits: bf16 logits read, fp32 softmax written and read back, gradient written (bytes/logit).
 LOSS_BYTES_PER_LOGIT = 16
-# Mixture of experts: the routed experts' GEMMs (a grouped GEMM, or a loop of per-expert GEMMs, over a few hundred
-# tokens each) run at this share of the dense GEMM rate. Assumed, not measured: no MoE run on a GPU yet.
-MOE_GEMM_FRACTION = 0.8
+# Mixture of experts: the routed experts' grouped GEMMs run at the dense GEMM rate when each expert gets enough rows,
+# and slower with fewer: the share of the dense rate is (tokens per expert / MOE_GEMM_FULL_RATE_TOKENS) **
+# MOE_GEMM_RATE_EXPONENT, at most 1. Measured on the H200 (torch's grouped_mm, bf16; traced grouped-GEMM kernel time,
+# benchmarks/results/moe_h200_profiled_engines.json, moe_h200_mixtral.json): Qwen3-30B-A3B's experts (768 wide) at
+# 256 tokens each ran at 484 (Megatron) and 419 (TorchTitan) TFLOP/s, 0.70 and 0.60 of the dense 693 (0.65 here);
+# Mixtral's (14,336 wide) at 1,024 tokens each at 721, the dense rate.
+MOE_GEMM_FULL_RATE_TOKENS = 1024
+MOE_GEMM_RATE_EXPONENT = 0.31
+# The per-parameter work of a step for the routed experts' parameters (bytes per parameter at HBM bandwidth): AdamW,
+# the gradient norm and clipping, gradient accumulation, the copy of the updated weights to bf16 and the gradients'
+# zeroing. A dense model's is its engine's optimizer_bytes_per_param (the rest of it fitted into the per-token terms
+# with the engine's runs, where parameters and tokens grow together); an expert's parameters are mostly idle for a
+# token, so their whole per-parameter work is counted. Measured on the H200 (benchmarks/results/step_kernels_h200.json,
+# moe_h200_profiled_engines.json, the kernels named there): Megatron 108 (Qwen3-30B-A3B and Mixtral shapes alike),
+# TorchTitan 107 (its fused AdamW, autocast's bf16 weight copies, zeroing).
+EXPERT_STEP_BYTES_PER_PARAM = 108
+# An MoE layer's token routing per token (EngineProfile.moe_dispatch_passes), as passes of 2 bytes over the k · d
+# elements of a token's expert copies: the default is megatron's, fitted to the step-time growth from micro-batch 1 to 2
+# on the H200 (Qwen3-30B-A3B shape, 6 layers: 159 -> 204 ms, moe_h200_stacked.json / moe_h200_mbs2.json): 60.
+MOE_DISPATCH_PASSES = 60
 # Fused AdamW per parameter and step: read fp32 param, grad, m, v; write param, m, v (and the bf16 copy). The default
 # of EngineProfile.optimizer_bytes_per_param; each engine's profile gives what its optimizer step measured.
 OPTIMIZER_BYTES_PER_PARAM = 30

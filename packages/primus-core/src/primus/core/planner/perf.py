@@ -22,7 +22,10 @@
   layer's activations, over intra-node links, not overlapped (no TE comm overlap assumed).
 - PP: activations sent forward and gradients back per micro-batch and virtual stage, half hidden.
 - Mixture of experts: a token's GEMMs are the layer's *active* weights (attention, router, its k + shared experts),
-  the routed experts' at ``MOE_GEMM_FRACTION`` of the dense rate; expert parallelism adds per MoE layer and
+  the routed experts' at a share of the dense rate that grows with the tokens each expert gets
+  (:func:`moe_gemm_fraction`); the routed experts' parameters each add their whole per-parameter step work
+  (``EXPERT_STEP_BYTES_PER_PARAM``: optimizer, gradient accumulation, weight copies), and each token's routing
+  (top-k, permute / unpermute) the engine's ``moe_dispatch_passes`` over its k · d copies; expert parallelism adds per MoE layer and
   micro-batch four all-to-alls (dispatch and combine, forward and backward; six with full recompute) of each
   token's k copies of d elements, (ep − 1)/ep of them leaving the device, over intra-node links unless
   tp · cp · ep spans nodes, not overlapped.
@@ -39,7 +42,14 @@ from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import count_params
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
-from primus.core.planner.memory import PLAIN_KERNELS, KernelTerms, Layout, layer_mean, stage_params
+from primus.core.planner.memory import (
+    PLAIN_KERNELS,
+    KernelTerms,
+    Layout,
+    layer_mean,
+    routed_expert_params,
+    stage_params,
+)
 
 # A TP split makes each GEMM narrower and puts collectives between them that stall the stream:
 # the fraction of the unsplit rate kept per doubling of tp (0.9: TP 8 keeps 73%).
@@ -89,11 +99,33 @@ def active_layer_params(model: ModelConfig) -> tuple[float, float]:
     return layer_mean(model, pc.per_layer, pc.moe_layer_active - routed), layer_mean(model, 0.0, routed)
 
 
+def moe_gemm_fraction(tokens_per_expert: float) -> float:
+    """The share of the dense GEMM rate the routed experts' grouped GEMMs reach with this many rows per expert."""
+    return min(1.0, (max(tokens_per_expert, 1.0) / cal.MOE_GEMM_FULL_RATE_TOKENS) ** cal.MOE_GEMM_RATE_EXPONENT)
+
+
+def tokens_per_expert(model: ModelConfig, layout: Layout, seq_len: int) -> float:
+    """Rows each routed expert's GEMM gets per micro-batch (0 without experts): a device's tokens, k copies each, over
+    the experts, times ep (a device's E / ep experts take the tokens of the ep devices of its group)."""
+    if model.moe is None:
+        return 0.0
+    tokens = layout.micro_batch * seq_len / (layout.tp * layout.cp)
+    return tokens * model.moe.experts_per_token * layout.ep / model.moe.num_experts
+
+
 def layer_seconds_per_token(
-    model: ModelConfig, seq_len: int, dev: Device, fp8: str = "off", compiled: bool = False
+    model: ModelConfig,
+    seq_len: int,
+    dev: Device,
+    fp8: str = "off",
+    compiled: bool = False,
+    expert_tokens: float = cal.MOE_GEMM_FULL_RATE_TOKENS,
+    dispatch_passes: float = cal.MOE_DISPATCH_PASSES,
 ) -> dict[str, float]:
     """One transformer layer, forward + backward, one token (no TP, no recompute), by kind of work; ``compiled``:
-    under torch.compile, which fuses the memory-bound work (``calibration.COMPILE_MEMORY_BOUND_KEPT`` of it left)."""
+    under torch.compile, which fuses the memory-bound work (``calibration.COMPILE_MEMORY_BOUND_KEPT`` of it left);
+    ``expert_tokens``: the rows each routed expert's GEMM gets (:func:`tokens_per_expert`); ``dispatch_passes``: the
+    engine's token routing in an MoE layer (EngineProfile.moe_dispatch_passes)."""
     d, f, h, kv, c = (
         model.hidden_size,
         model.ffn_hidden_size,
@@ -108,10 +140,13 @@ def layer_seconds_per_token(
         e = model.moe
         f = layer_mean(model, f, (e.experts_per_token + e.shared_experts) * e.expert_ffn_hidden_size)
     out = {
-        "gemm": 6 * dense / gemm_rate(dev, fp8) + 6 * experts / (gemm_rate(dev, fp8) * cal.MOE_GEMM_FRACTION),
+        "gemm": 6 * dense / gemm_rate(dev, fp8)
+        + 6 * experts / (gemm_rate(dev, fp8) * moe_gemm_fraction(expert_tokens)),
         "attention": 6 * h * c * seq_len / (dev.peak_flops * dev.attention_fraction),  # causal: half of 12·h·c·s
         "memory_bound": cal.MEMORY_BOUND_PASSES * 2 * (d + f) / hbm * fused,
     }
+    if model.moe is not None:  # routing each token's k copies to their experts and back, averaged over the layers
+        out["routing"] = layer_mean(model, 0.0, dispatch_passes * 2 * model.moe.experts_per_token * d / hbm)
     if fp8 != "off" and dev.fp8_peak_flops:
         # forward GEMM inputs (qkv, o, gate/up, down) and backward output gradients, cast to e4m3
         elements = (2 * d + h * c + f) + ((h + 2 * kv) * c + 2 * d + 2 * f)
@@ -132,8 +167,9 @@ def step_time(
     m = layout.micro_batches
     pc = count_params(model)
     hbm = dev.hbm_gbps * 1e9
-    bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev, compiled=kernels.compiled).values())
-    fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8, kernels.compiled).values())
+    rows, passes = tokens_per_expert(model, layout, seq_len), layout.engine_profile.moe_dispatch_passes
+    bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev, "off", kernels.compiled, rows, passes).values())
+    fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8, kernels.compiled, rows, passes).values())
     fp8_share = kernels.fp8_share(model)
     layer_s = fp8_share * fp8_layer + (1 - fp8_share) * bf16_layer
     # the slowest pipeline stage sets the pace: the last one also runs the output head and the loss
@@ -150,12 +186,11 @@ def step_time(
     if kernels.fp8 != "off" and dev.fp8_peak_flops:
         fp8_weight_casts = m * 2 * cal.FP8_CAST_BYTES_PER_ELEMENT * lps * pc.per_layer / layout.tp * fp8_share / hbm
     ep_comm = expert_all_to_all(model, layout, seq_len, dev, gpus_per_node)
-    optimizer = (
-        layout.engine_profile.optimizer_bytes_per_param
-        * params
-        / (layout.dp * layout.cp if layout.dp_mode != "ddp" else 1)
-        / hbm
-    )
+    # the routed experts on this stage, whose whole per-parameter work counts (calibration.EXPERT_STEP_BYTES_PER_PARAM)
+    experts = lps * layer_mean(model, 0.0, routed_expert_params(model) / layout.ep) if model.moe is not None else 0.0
+    per_param_bytes = layout.engine_profile.optimizer_bytes_per_param * (params - experts)
+    per_param_bytes += cal.EXPERT_STEP_BYTES_PER_PARAM * experts
+    optimizer = per_param_bytes / (layout.dp * layout.cp if layout.dp_mode != "ddp" else 1) / hbm
     compute += fp8_weight_casts + optimizer
     bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
 

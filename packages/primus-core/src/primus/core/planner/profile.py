@@ -99,6 +99,9 @@ class EngineProfile:
     # HBM bytes the optimizer step moves per parameter on a device (Adam's update, the master / model copies, clipping's
     # norm, the gradients' zeroing): perf.step_time; the default is one fused AdamW pass (calibration)
     optimizer_bytes_per_param: float = cal.OPTIMIZER_BYTES_PER_PARAM
+    # an MoE layer's token routing (router top-k, permute / unpermute and their backward) per token, as passes of 2
+    # bytes over the k · d elements of its expert copies at HBM bandwidth: perf.layer_seconds_per_token
+    moe_dispatch_passes: float = cal.MOE_DISPATCH_PASSES
     selective_kept: float = 1.0  # the share of a layer's saved activations selective recompute keeps
     # -------------------------------------------------------------------------------------------- kernels
     # whether it uses a cross_entropy provider's fused linear + cross-entropy (KernelProvider feature
