@@ -111,7 +111,8 @@ LOSS_BYTES_PER_LOGIT = 16
 # MOE_GEMM_RATE_EXPONENT, at most 1. Measured on the H200 (torch's grouped_mm, bf16; traced grouped-GEMM kernel time,
 # benchmarks/results/moe_h200_profiled_engines.json, moe_h200_mixtral.json): Qwen3-30B-A3B's experts (768 wide) at
 # 256 tokens each ran at 484 (Megatron) and 419 (TorchTitan) TFLOP/s, 0.70 and 0.60 of the dense 693 (0.65 here);
-# Mixtral's (14,336 wide) at 1,024 tokens each at 721, the dense rate.
+# Mixtral's (14,336 wide) at 1,024 tokens each at 721, the dense rate. Those runs' routing was uneven (the engines' own
+# init on mock tokens: the worst layer's busiest expert took 14-16x the mean), so an even load may run faster.
 MOE_GEMM_FULL_RATE_TOKENS = 1024
 MOE_GEMM_RATE_EXPONENT = 0.31
 # The per-parameter work of a step for the routed experts' parameters (bytes per parameter at HBM bandwidth): AdamW,
