@@ -14,7 +14,10 @@ import re
 import pytest
 
 from primus.core.planner import Cluster, KernelTerms, candidates, device
+from primus.core.planner.auto import to_parallel
+from primus.core.planner.calibration import HEADROOM
 from primus.core.planner.memory import GIB
+from primus.core.planner.ranking import rank
 from primus.core.strategies import estimate_memory, fused_loss
 from primus.core.train import resolve
 from primus.tune.plugin import PRESETS_DIR
@@ -56,3 +59,22 @@ def test_single_node_70b_recipe_is_the_planners_pick():
     best = next(c for c in cands if c.fits).layout
     assert (best.dp_mode, best.dp, best.tp, best.pp, best.recompute) == ("fsdp", 8, 1, 1, "full")
     assert (cfg.parallel.dp_shard, cfg.parallel.recompute) == (8, "full")
+
+
+LONG_CONTEXT = {"llama3.1-8b-128k-cp-h200-1x8": ("H200", 1), "llama3.1-70b-64k-cp-mi300x-8x8": ("MI300X", 8)}
+
+
+@pytest.mark.parametrize("name", sorted(LONG_CONTEXT))
+def test_long_context_recipe_is_the_planners_pick(name):
+    """The planner searches context parallelism for long sequences; each long-context recipe is the layout it ranks
+    first (and its engine accepts) for the recipe's own model, sequence, batch and cluster."""
+    gpu, nodes = LONG_CONTEXT[name]
+    cfg = resolve(name, [], world_size=nodes * 8).config
+    t = cfg.train
+    cluster = Cluster(device(gpu), nodes, 8, HEADROOM)  # as `primus plan` keeps it
+    ranked = rank(cfg, cluster, cfg.backend.name, None, t.micro_batch_size, t.global_batch_size)
+    best = next(c for c in ranked if c.runnable).layout
+    assert best.cp > 1 and cfg.parallel.cp == best.cp
+    want = {k: v for k, v in to_parallel(best).items() if k not in ("fsdp", "pp_schedule")}  # fsdp: auto reads dp_shard
+    got = cfg.parallel.model_dump()
+    assert {k: got[k] for k in want} == want

@@ -475,3 +475,28 @@ def test_routed_experts_count_their_whole_per_parameter_work(registry, monkeypat
         after = step_time(m, lay[ENGINE], 4096, ep, h200, 8).compute
         monkeypatch.undo()
         assert after - before == pytest.approx(100 * experts / hbm, rel=1e-9)
+
+
+def test_context_parallelism_is_searched_for_long_sequences_with_its_ring_counted(registry):
+    """CP layouts are tried from calibration.CP_MIN_SEQ_LEN tokens, each rank keeping CP_MIN_TOKENS_PER_RANK; the
+    ring's K/V exchange hides behind a long sequence's attention (only the per-step cost stays) and shows where the
+    attention is short; at 128k on one H200 node a CP layout is the fastest that fits."""
+    from primus.core.planner import calibration as cal
+    from primus.core.planner import candidates
+    from primus.core.planner.perf import context_parallel_exchange
+    from primus.core.planner.search import _cp_options
+
+    assert _cp_options(8192, 8) == [1]
+    assert _cp_options(131072, 8) == [1, 2, 4, 8]
+    assert _cp_options(32768, 16) == [1, 2, 4, 8]  # cp 16 would leave 2,048 tokens a rank
+    m, h200 = _model(registry, "llama3.1-8b"), device("H200")
+    lay = _on(GENERIC, "ddp", 1, cp=8, micro_batches=2)
+    assert context_parallel_exchange(m, _on(GENERIC, "ddp", 8, micro_batches=2), 131072, h200, 8) == 0.0
+    fixed = m.num_layers * 2 * 3 * 7 * cal.CP_RING_STEP_S  # layers x micro-batches x passes x ring steps
+    assert context_parallel_exchange(m, lay, 131072, h200, 8) == pytest.approx(fixed)  # hidden by the attention
+    assert context_parallel_exchange(m, lay, 1024, h200, 8) > fixed  # 1k tokens: the attention hides little
+    on_two_nodes = context_parallel_exchange(m, lay, 4096, h200, 4)  # the ring crosses nodes
+    assert on_two_nodes > context_parallel_exchange(m, lay, 4096, h200, 8)
+    cands = candidates(m, Cluster(h200, 1, 8, cal.HEADROOM), 131072, 1, 16)
+    assert next(c for c in cands if c.fits).layout.cp > 1
+    assert all(c.layout.cp == 1 for c in candidates(m, Cluster(h200, 1, 8), 8192, 1, 64))

@@ -6,6 +6,7 @@ validation accepts are recommended; a layout must leave a headroom free, and the
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -170,6 +171,13 @@ def test_a_layout_is_the_config_it_names(registry):
     assert (p.dp_replicate, p.dp_shard, p.tp, p.pp, p.vpp, p.cp) == (2, 1, 4, 2, 2, 1)
     assert p.distributed_optimizer and p.sequence_parallel and p.pp_schedule == "interleaved_1f1b"
     assert (t.micro_batch_size, t.global_batch_size, run.backend.name) == (2, 32, "fake")
+    validate_config(run.model_dump(), world_size=16, registry=registry)
+    # a recipe's own partial recompute (block, 11 layers) is not carried into a layout that recomputes otherwise
+    partial, _ = resolve_on("llama3.1-8b", ["parallel.recompute=full", "parallel.recompute_method=block",
+                                            "parallel.recompute_layers=11"], 16, registry)  # fmt: skip
+    run = layout_config(partial.config, replace(lay, recompute="selective"))
+    assert (run.parallel.recompute, run.parallel.recompute_method, run.parallel.recompute_layers) == (
+        "selective", "uniform", None)  # fmt: skip
     validate_config(run.model_dump(), world_size=16, registry=registry)
 
 

@@ -3,6 +3,7 @@ fails when the engine changes under it (then the patch must be revisited)."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import subprocess
 import sys
@@ -356,3 +357,23 @@ def test_qwen3_still_has_no_pipelining_fn():
     init = inspect.getsource(qwen3.Qwen3Model.__init__)
     for name in ("self.tok_embeddings", "self.layers", "self.norm", "self.output"):
         assert name in init, name
+
+
+def test_router_gate_style_still_marks_its_output_gradient_replicated():
+    """compat.router_gate_partial_grad: torchtitan 0.2.2's MoE TP plan parallelizes the router gate with NoParallel,
+    whose local output keeps a replicated gradient placement (torchtitan#2416 adds ``local_output_grad_placements``;
+    once it is there the patch goes). The swap is scoped to the parallelize call."""
+    import torchtitan.models.llama4.infra.parallelize as llama4_parallelize
+    from torchtitan.distributed import NoParallel
+
+    from primus.torchtitan.compat import router_gate_partial_grad
+
+    assert "local_output_grad_placements" not in inspect.signature(NoParallel.__init__).parameters
+    assert "grad_placements" not in inspect.getsource(NoParallel._prepare_output_fn)
+    assert '"moe.router.gate": NoParallel()' in inspect.getsource(llama4_parallelize.apply_moe_ep_tp)
+    assert "score_before_experts=False" in inspect.getsource(importlib.import_module("torchtitan.models.qwen3"))
+    with router_gate_partial_grad():
+        style = llama4_parallelize.NoParallel
+        assert issubclass(style, NoParallel) and style is not NoParallel
+        assert "Partial()" in inspect.getsource(style._prepare_output_fn)
+    assert llama4_parallelize.NoParallel is NoParallel

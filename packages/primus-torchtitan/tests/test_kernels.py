@@ -104,7 +104,10 @@ def test_dtensor_ops_are_left_to_torchtitan_under_tp():
     assert tp["cross_entropy"].fn is None and "loss parallelism" in tp["cross_entropy"].note
     assert tp["attention"].fn is not None and tp["swiglu"].fn is not None  # local tensors under TP
     assert plan(fake, family="llama", tp=2, cp=1, loss_parallel=False)["cross_entropy"].fn is not None
-    assert plan(fake, family="qwen3", tp=2, cp=1, loss_parallel=True)["attention"].fn is None
+    # qwen3 hands its attention DTensors sharded by head under TP: the provider runs on each rank's heads
+    qwen3 = plan(fake, family="qwen3", tp=2, cp=1, loss_parallel=True)["attention"]
+    assert qwen3.fn is not None and qwen3.heads_sharded
+    assert plan(CORE, family="qwen3", tp=2, cp=1, loss_parallel=True)["attention"].fn is reference.attention
 
 
 def test_context_parallel_attention_is_the_providers_entry_point():

@@ -4,7 +4,8 @@ on primus-turbo's grouped_mm (ProviderGroupedExperts) or torchtitan's own (a loo
 
 From core's canonical initial weights (routers and experts by their Hugging Face names), a tiny Qwen3-MoE trains;
 2 ranks with FSDP2 and expert parallelism 2 (each rank holds half the experts, the tokens exchanged all-to-all)
-train world size 1's loss curve and gradient norms (measured: FSDP2 alone equals it too); world size 1's step-3 checkpoint resumed under expert parallelism 2 continues its curve.
+train world size 1's loss curve and gradient norms (measured: FSDP2 alone equals it too), as do TP 2, PP 2 and
+TP 2 x EP 2 x FSDP 2; world size 1's step-3 checkpoint resumed under expert parallelism 2 continues its curve.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ def runs(tmp_path_factory):
     # torchtitan's own experts (core's reference grouped_gemm) here; primus-turbo's grouped_mm under EP (auto)
     primus_train(MOE, root / "ws1", "checkpoint.enabled=true", "checkpoint.interval=3", "kernels.grouped_gemm=torch")
     primus_train(MOE, root / "ep2", "parallel.dp_shard=2", "parallel.ep=2", nproc=2)
+    primus_train(MOE, root / "tp2", "parallel.tp=2", nproc=2)
+    primus_train(MOE, root / "pp2", "parallel.pp=2", nproc=2)
+    primus_train(MOE, root / "tp2_ep2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2", nproc=4)
     ckpt = root / "ckpt"
     ckpt.mkdir()
     shutil.copytree(root / "ws1" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
     resume = (f"checkpoint.dir={ckpt}", "checkpoint.enabled=true", "parallel.dp_shard=2", "parallel.ep=2")
     primus_train(MOE, root / "ep2_resume", *resume, nproc=2, resume=True)
-    out = {name: metrics(root / name) for name in ("ws1", "ep2", "ep2_resume")}
+    out = {name: metrics(root / name) for name in ("ws1", "ep2", "ep2_resume", "tp2", "pp2", "tp2_ep2")}
     out["experts"] = {name: json.loads((root / name / "summary.json").read_text())["kernels"]["grouped_gemm"]
                       for name in ("ws1", "ep2")}  # fmt: skip
     return out
@@ -52,6 +56,21 @@ def test_expert_parallel_2_matches_world_size_1(runs):
     # the routers' expert load, summed over the two ranks' tokens
     for key in ("moe_load_max", "moe_load_min"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=1e-6), key
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_ep2", "pp2"])
+def test_tensor_and_pipeline_parallel_match_world_size_1(runs, layout):
+    """TP 2 (the experts tensor-parallel, the router's gradient reduced over TP: compat.router_gate_partial_grad;
+    without it the gate weights part across ranks from step 1), TP 2 x EP 2 x FSDP 2 (4 ranks, the experts
+    tensor-parallel inside each expert-parallel group) and PP 2 (one MoE layer per stage)."""
+    ref, got = runs["ws1"], runs[layout]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_RTOL)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)
+    # from step 2: torch's pipeline stages run one extra forward at their first step (shape inference), which the
+    # routers' counts see
+    first = 1 if layout == "pp2" else 0
+    for key in ("moe_load_max", "moe_load_min"):
+        assert [r[key] for r in got[first:]] == pytest.approx([r[key] for r in ref[first:]], rel=1e-6), key
 
 
 def test_world_size_1_checkpoint_resumes_under_expert_parallelism(runs):

@@ -35,7 +35,15 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
         (MOE + ["model.moe.balancing=aux_loss"], 1, "model.moe.balancing", "has no auxiliary loss"),
         (MOE + ["model.moe.first_dense_layers=1"], 1, "model.moe.first_dense_layers", "every layer"),
         (MOE + ["model.moe.capacity_factor=1.5"], 1, "model.moe.capacity_factor", "drops no tokens"),
-        (MOE + ["parallel.tp=2"], 2, "parallel.tp", "not wired for mixture-of-experts"),
+        (MOE + ["parallel.cp=2"], 2, "parallel.cp", "not wired for mixture-of-experts"),
+        (
+            MOE
+            + ["parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"]
+            + ["backend.extra.parallelism.expert_tensor_parallel_degree=1"],
+            4,
+            "backend.extra.parallelism.expert_tensor_parallel_degree",
+            "torchtitan#2387",
+        ),
         (MOE + ["model.moe.shared_experts=1", "train.init=canonical"], 1, "train.init", "shared experts have no"),
         (["data.document_mask=true", *QWEN3, "parallel.tp=2"], 2, "data.document_mask", "cannot mask by document"),
         (["model.head_dim=64"], 1, "model.head_dim", "hidden_size / heads"),

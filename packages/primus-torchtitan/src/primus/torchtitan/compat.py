@@ -162,6 +162,16 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_dense_state_dict_adapter_relies_on_llama3s_helpers",
     ),
     Patch(
+        "compat.router_gate_partial_grad (moe_parallelize, _router_gate_parallel)",
+        "torchtitan.models.llama4.infra.parallelize.NoParallel (its router-gate style), while a MoE model is "
+        "parallelized",
+        "under TP, the routed experts' output is a partial sum over the TP ranks, and so is the gradient of the "
+        "router scores that weight it (score_before_experts=False, qwen3's); 0.2.2 marks it replicated, so the "
+        "router's gradient misses the other ranks' part and the gate weights part across ranks (torchtitan#2387, "
+        "fixed after 0.2.2 by #2416, whose fix this is)",
+        "test_compat.py::test_router_gate_style_still_marks_its_output_gradient_replicated",
+    ),
+    Patch(
         "models.train_spec (qwen3 pipelining_fn)",
         "the qwen3 TrainSpec's pipelining_fn, set to torchtitan's pipeline_llm",
         "0.2.2 registers no pipeline split for qwen3; its decoder has llama3's module layout",
@@ -367,6 +377,48 @@ def tied_embedding_fsdp_group(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         llama3_parallelize.fully_shard = original
+
+
+def _router_gate_parallel() -> type:
+    from torch.distributed.tensor import Partial
+    from torchtitan.distributed import NoParallel
+
+    class RouterGateParallel(NoParallel):
+        """torchtitan's NoParallel for the router gate (weights replicated over TP, input all-gathered), whose local
+        output takes its gradient as a partial sum: the DTensor backward then all-reduces it over TP."""
+
+        @staticmethod
+        def _prepare_output_fn(output_layout: Any, use_local_output: bool, mod: Any, outputs: Any, device_mesh: Any):
+            if outputs.placements != (output_layout,):
+                outputs = outputs.redistribute(placements=(output_layout,), async_op=True)
+            return outputs.to_local(grad_placements=(Partial(),)) if use_local_output else outputs
+
+    return RouterGateParallel
+
+
+@contextmanager
+def router_gate_partial_grad() -> Iterator[None]:
+    """While torchtitan's MoE parallelize function (``apply_moe_ep_tp``, used by qwen3) runs, its router gate is
+    parallelized with :func:`_router_gate_parallel`'s style: under TP the router scores weight the experts' partial
+    output (Megatron's order, ``score_before_experts=False``), so their gradient is partial over TP."""
+    import torchtitan.models.llama4.infra.parallelize as llama4_parallelize
+
+    original = llama4_parallelize.NoParallel
+    llama4_parallelize.NoParallel = _router_gate_parallel()
+    try:
+        yield
+    finally:
+        llama4_parallelize.NoParallel = original
+
+
+def moe_parallelize(parallelize_fn: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    """Wrap torchtitan's parallelize function of a MoE model in :func:`router_gate_partial_grad`."""
+
+    def parallelize(model: torch.nn.Module, parallel_dims: Any, job_config: Any) -> torch.nn.Module:
+        with router_gate_partial_grad():
+            return parallelize_fn(model, parallel_dims, job_config)
+
+    return parallelize
 
 
 def register_train_spec(name: str, spec: Any) -> None:

@@ -157,6 +157,9 @@ def build_job_config(cfg: Any, *, model_name: str, flavor: str, output_dir: str,
     par.tensor_parallel_degree, par.context_parallel_degree = p.tp, p.cp
     par.pipeline_parallel_degree = p.pp
     par.expert_parallel_degree = p.ep
+    # the experts tensor-parallel as the dense layers (megatron's default); ETP 1 lends the TP ranks to EP, whose
+    # token split torchtitan 0.2.2 does not reduce in the backward (torchtitan#2387)
+    par.expert_tensor_parallel_degree = p.tp
     if p.pp > 1:
         par.pipeline_parallel_schedule = PP_SCHEDULES[p.pp_schedule]
         par.pipeline_parallel_microbatch_size = t.micro_batch_size

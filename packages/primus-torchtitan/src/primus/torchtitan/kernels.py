@@ -8,7 +8,8 @@ and activation checkpointing see the same model:
 - ``swiglu``: the FeedForward's ``silu(w1 x) * w3 x`` → ``provider(w1 x, w3 x)``.
 - ``attention``: ``attention.inner_attention`` (torchtitan's SDPA wrapper) → ``ProviderAttention``
   (q, k, v ``[b, h, s, d]``, the core contract); under context parallelism → ``ContextParallelAttention``, the
-  provider's context-parallel entry point (primus-turbo's ring attention) on torchtitan's sequence shards.
+  provider's context-parallel entry point (primus-turbo's ring attention) on torchtitan's sequence shards; in qwen3
+  under TP → ``HeadShardedAttention``, the provider on each rank's heads (qwen3 hands DTensors sharded by head).
 - ``cross_entropy``: the TrainSpec's loss (token-sum, as torchtitan's) → provider mean × valid tokens.
 - ``linear_cross_entropy`` (when the cross_entropy provider offers it): the model's ``output`` projection
   and the loss become one fused call that never materialises the logits (:mod:`primus.torchtitan.loss`);
@@ -20,7 +21,7 @@ and activation checkpointing see the same model:
 
 Not swapped (torchtitan's own modules stay, with the reason logged): core's reference providers
 (torchtitan's modules compute the same math, with torch's fused kernels), ops that see DTensors under
-tensor parallelism (norms; the loss with loss parallelism; qwen3's attention), attention under context
+tensor parallelism (norms; the loss with loss parallelism; qwen3's attention under TP × CP), attention under context
 parallelism when the provider has no context-parallel entry point (torch's own context-parallel SDPA runs, GPU
 only).
 """
@@ -73,6 +74,7 @@ class Choice:
     note: str
     documents: bool = False  # attention: masks by document (data.document_mask)
     context_parallel: bool = False  # attention: the provider's context-parallel entry point (parallel.cp > 1)
+    heads_sharded: bool = False  # attention: q, k, v come as DTensors sharded by head (qwen3 under TP)
 
     def describe(self) -> str:
         return f"{self.op}: {self.provider} → {'swapped in' if self.fn else 'torchtitan module'} ({self.note})"
@@ -100,8 +102,9 @@ def plan(
     dtensor = {
         "rms_norm": "norms run on DTensors under tensor parallelism (sequence parallel)" if tp > 1 else "",
         "cross_entropy": "the loss runs on DTensors under loss parallelism" if tp > 1 and loss_parallel else "",
-        "attention": "qwen3's attention runs on DTensors under tensor parallelism"
-        if tp > 1 and family == "qwen3"
+        "attention": "qwen3's attention runs on DTensors of the TP mesh, which torch's context-parallel plan does "
+        "not shard"
+        if tp > 1 and family == "qwen3" and cp > 1
         else "",
         "swiglu": "",
         "grouped_gemm": "",  # the experts take their weights' local shards (to_local), as torchtitan's own
@@ -120,6 +123,10 @@ def plan(
         fn = prov.load()
         if op == "attention" and cp > 1 and not dtensor[op]:
             out[op] = _context_parallel_choice(prov.name, fn)
+        elif op == "attention" and tp > 1 and family == "qwen3" and cp == 1:
+            # swapped even for core's reference: torch has no DTensor rule for SDPA's CPU flash kernel
+            why = "qwen3 hands TP-sharded DTensors: the provider runs on each rank's heads"
+            out[op] = Choice(op, prov.name, fn, why, documents=documents, heads_sharded=True)
         elif op == "attention" and documents and not dtensor[op]:
             out[op] = Choice(op, prov.name, fn, "masks by document (data.document_mask)", documents=True)
         elif fn is REFERENCE[op] and not swap_reference:
@@ -213,6 +220,30 @@ class ContextParallelAttention(ProviderAttention):
         return self.kernel(q, k, v, group=group, **options)
 
 
+class HeadShardedAttention(ProviderAttention):
+    """torchtitan's SDPA wrapper in qwen3 under tensor parallelism, computed by the provider on each rank's heads.
+
+    qwen3's TP plan keeps q, k, v as DTensors sharded on the head dim (its per-head q/k norms run on them); attention
+    is independent per head and a rank's query heads map onto its own KV heads (both split in contiguous blocks), so
+    the provider runs on the local shards and the output goes back as a DTensor of the same placements, as torch's
+    DTensor SDPA would return it (which has no rule for the CPU flash kernel)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
+        if not isinstance(q, DTensor):
+            return super().attend(q, k, v, **options)
+        mesh, placements = q.device_mesh, q.placements
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if (
+                not isinstance(x, DTensor)
+                or x.placements != placements
+                or any(not (p.is_shard(1) or p.is_replicate()) for p in placements)
+            ):
+                got = x.placements if isinstance(x, DTensor) else "a plain tensor"
+                raise RuntimeError(f"head-sharded attention: {name} must be sharded on the head dim as q is: {got}")
+        out = super().attend(q.to_local(), k.to_local(), v.to_local(), **options)
+        return DTensor.from_local(out, mesh, placements, run_check=False)
+
+
 @functools.cache
 def _document_attention_class(base: type) -> type:
     """A subclass of torchtitan's Attention (llama3's or qwen3's) that takes ``attention_masks`` = ``[b, s]``
@@ -288,7 +319,9 @@ def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]
             _retype(module, ProviderRMSNorm, fns["rms_norm"])
             counts["rms_norm"] += 1
         elif "attention" in fns and type(module) is ScaledDotProductAttentionWrapper:
-            cls = ContextParallelAttention if choices["attention"].context_parallel else ProviderAttention
+            choice = choices["attention"]
+            cls = ContextParallelAttention if choice.context_parallel else ProviderAttention
+            cls = HeadShardedAttention if choice.heads_sharded else cls
             _retype(module, cls, fns["attention"])
             counts["attention"] += 1
         elif documents and isinstance(getattr(module, "inner_attention", None), ScaledDotProductAttentionWrapper):

@@ -160,6 +160,8 @@ def train_spec(
 
     spec = base_train_spec(m)
     parallelize = compat.gloo_parallelize(spec.parallelize_fn) if cpu else spec.parallelize_fn
+    if m.moe is not None:
+        parallelize = compat.moe_parallelize(parallelize)
     kernels = kernels or {}
     if any(c.fn is not None for c in kernels.values()):
         parallelize = swapping_parallelize(parallelize, kernels)

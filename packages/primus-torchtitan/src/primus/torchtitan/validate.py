@@ -182,10 +182,17 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if e.capacity_factor is not None:
         why = "torchtitan 0.2.2's MoE drops no tokens (no expert capacity)"
         out.append(ConfigIssue("model.moe.capacity_factor", why, value=e.capacity_factor, allowed="null"))
-    for key, value, ok in (("parallel.tp", p.tp, 1), ("parallel.pp", p.pp, 1), ("parallel.cp", p.cp, 1)):
-        if value != ok:
-            why = "not wired for mixture-of-experts models on the torchtitan backend yet"
-            out.append(ConfigIssue(key, why, value=value, allowed=str(ok)))
+    if p.cp != 1:
+        why = "not wired for mixture-of-experts models on the torchtitan backend yet"
+        out.append(ConfigIssue("parallel.cp", why, value=p.cp, allowed="1"))
+    etp = extra_value(cfg.backend.extra, "parallelism.expert_tensor_parallel_degree")
+    if etp not in (None, p.tp):
+        why = (
+            "the experts are tensor-parallel as the dense layers; torchtitan 0.2.2's other layout (ETP 1: the TP "
+            "ranks lent to EP) leaves the MoE input's gradient unreduced (torchtitan#2387)"
+        )
+        key = "backend.extra.parallelism.expert_tensor_parallel_degree"
+        out.append(ConfigIssue(key, why, value=etp, allowed=f"{p.tp} (parallel.tp)"))
     if cfg.kernels.fp8 != "off":
         why = "FP8 expert linears are not wired"
         out.append(ConfigIssue("kernels.fp8", why, value=cfg.kernels.fp8, allowed="off"))
@@ -358,13 +365,13 @@ def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
 
 def cpu_refusal(cfg: PrimusConfig, cp_attention: bool = False) -> str | None:
     """What cannot run on a CPU (gloo) with torch 2.13, though it runs on GPUs: torch registers no DTensor
-    sharding rule for the CPU flash-attention op that SDPA picks, which torch's own context parallelism and qwen3's
-    tensor parallelism (its attention runs on DTensors) reach. ``cp_attention``: the attention provider has a
-    context-parallel entry point (primus-turbo's ring attention), which runs on local shards instead. Asked by the
-    engine adapter, which knows the device and the provider."""
+    sharding rule for the CPU flash-attention op that SDPA picks, which torch's own context parallelism reaches (and
+    qwen3's attention under TP × CP, on DTensors; under TP alone the provider runs on each rank's heads).
+    ``cp_attention``: the attention provider has a context-parallel entry point (primus-turbo's ring attention),
+    which runs on local shards instead. Asked by the engine adapter, which knows the device and the provider."""
     p = cfg.parallel
-    if cfg.model.family == "qwen3" and p.tp > 1:
-        return "qwen3 with parallel.tp > 1 needs a GPU: no DTensor sharding rule for CPU flash attention"
+    if cfg.model.family == "qwen3" and p.tp > 1 and p.cp > 1:
+        return "qwen3 with parallel.tp > 1 and parallel.cp > 1 needs a GPU: no DTensor rule for CPU flash attention"
     if p.cp > 1 and not cp_attention:
         return (
             "parallel.cp > 1 with torch's own context-parallel attention needs a GPU (no DTensor sharding rule for "

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from primus.core.config.schema import PrimusConfig
+from primus.core.config.schema import ParallelConfig, PrimusConfig
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device, device
 from primus.core.planner.memory import GIB, Layout
@@ -59,6 +59,8 @@ def to_parallel(layout: Layout) -> dict[str, Any]:
     if layout.recompute == "partial":  # in the config the way the engine's profile says (None: it cannot be)
         method = layout.engine_profile.partial_recompute_method
         out.update(recompute_method=method, recompute_layers=layout.recompute_layers)
+    else:  # a recipe's own partial recompute does not carry over to another layout
+        out.update(recompute_method=ParallelConfig.model_fields["recompute_method"].default, recompute_layers=None)
     return out
 
 

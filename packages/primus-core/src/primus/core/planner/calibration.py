@@ -138,3 +138,13 @@ FP8_RATE_VS_BF16 = {"tensorwise": 0.99, "rowwise": 0.95}
 # The casts FP8 adds (memory-bound; not measured): read bf16 + write e4m3 = 3 bytes per element of each
 # GEMM input in forward and each output gradient in backward, and of each weight (twice: the transposed copy).
 FP8_CAST_BYTES_PER_ELEMENT = 3
+
+# Context parallelism (ring attention, primus-turbo's on both engines). The search tries cp > 1 only for sequences of
+# at least CP_MIN_SEQ_LEN tokens, keeping at least CP_MIN_TOKENS_PER_RANK per rank: the model has no term for the
+# lower efficiency of short attention blocks, measured nowhere here, so it would favour CP at lengths where
+# recompute or TP is what published recipes use (8k and below).
+CP_MIN_SEQ_LEN = 32768
+CP_MIN_TOKENS_PER_RANK = 4096
+# The fixed cost of one ring step (a K/V block's send / receive launched and waited on), per layer, micro-batch and
+# pass: assumed from NCCL's point-to-point latency on NVLink / xGMI, not measured here.
+CP_RING_STEP_S = 3e-5

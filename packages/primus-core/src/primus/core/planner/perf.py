@@ -21,6 +21,8 @@
 - TP: 4 collectives per layer per micro-batch (2 forward, 2 backward; 6 with full recompute) of the
   layer's activations, over intra-node links, not overlapped (no TE comm overlap assumed).
 - PP: activations sent forward and gradients back per micro-batch and virtual stage, half hidden.
+- CP (ring attention): each rank's K/V blocks passed around the ring per layer, micro-batch and pass, hidden behind
+  the layer's attention compute where that is longer, plus a fixed cost per ring step (:func:`context_parallel_exchange`).
 - Mixture of experts: a token's GEMMs are the layer's *active* weights (attention, router, its k + shared experts),
   the routed experts' at a share of the dense rate that grows with the tokens each expert gets
   (:func:`moe_gemm_fraction`); the routed experts' parameters each add their whole per-parameter step work
@@ -66,10 +68,11 @@ class StepTime:
     tp_comm: float
     pp_comm: float
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (model.moe)
+    cp_comm: float = 0.0  # context parallelism's K/V ring, the part the attention does not hide
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm + self.ep_comm
+        return self.compute + self.bubble + self.dp_comm + self.tp_comm + self.pp_comm + self.ep_comm + self.cp_comm
 
 
 def recompute_factor(layout: Layout, layers_per_stage: int) -> float:
@@ -217,7 +220,31 @@ def step_time(
     pp_spans_nodes = layout.world > gpus_per_node
     pp_bw = (dev.inter_gbps if pp_spans_nodes else dev.intra_gbps) * 1e9
     pp_comm = 0.5 * 2 * m * layout.vpp * act / layout.tp / pp_bw if layout.pp > 1 else 0.0
-    return StepTime(compute, bubble, dp_exposed, tp_comm, pp_comm, ep_comm)
+    cp_comm = context_parallel_exchange(model, layout, seq_len, dev, gpus_per_node)
+    return StepTime(compute, bubble, dp_exposed, tp_comm, pp_comm, ep_comm, cp_comm)
+
+
+def context_parallel_exchange(
+    model: ModelConfig, layout: Layout, seq_len: int, dev: Device, gpus_per_node: int
+) -> float:
+    """Seconds per step of context parallelism's ring exchange left exposed (0 at cp 1): per layer and micro-batch,
+    each pass (forward; backward: K/V again and dK/dV back; a recomputed forward) moves cp − 1 blocks of a rank's K and
+    V (bf16, its TP share of the KV heads), overlapped with that layer's attention compute, plus a fixed cost per
+    ring step (``calibration.CP_RING_STEP_S``)."""
+    if layout.cp == 1:
+        return 0.0
+    lps = math.ceil(model.num_layers / layout.pp)
+    kv_heads = max(model.num_kv_heads / layout.tp, 1.0)
+    block = layout.micro_batch * seq_len / layout.cp * 2 * kv_heads * model.kv_channels * 2
+    passes = 4 if layout.recompute == "full" else 3
+    spans = layout.tp * layout.cp > gpus_per_node
+    bw = (dev.inter_gbps if spans else dev.intra_gbps) * 1e9
+    comm = passes * (layout.cp - 1) * block / bw
+    tokens = layout.micro_batch * seq_len / (layout.tp * layout.cp)
+    heads, c = model.num_attention_heads, model.kv_channels
+    attention = tokens * 6 * heads * c * seq_len / (dev.peak_flops * dev.attention_fraction)
+    exposed = max(comm - attention, 0.0) + passes * (layout.cp - 1) * cal.CP_RING_STEP_S
+    return lps * layout.micro_batches * exposed
 
 
 def expert_all_to_all(model: ModelConfig, layout: Layout, seq_len: int, dev: Device, gpus_per_node: int) -> float:

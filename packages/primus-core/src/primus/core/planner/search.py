@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from primus.core.config.schema import ModelConfig
 from primus.core.modelmath import flops_per_token
+from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import GIB, PLAIN_KERNELS, KernelTerms, Layout, MemoryBreakdown, estimate
 from primus.core.planner.perf import StepTime, step_time
@@ -92,6 +93,19 @@ def _ep_options(model: ModelConfig, dp: int) -> list[int]:
     if model.moe is None:
         return [1]
     return [e for e in (1, 2, 4, 8, 16, 32, 64, 128) if model.moe.num_experts % e == 0 and dp % e == 0]
+
+
+def _cp_options(seq_len: int, ranks: int) -> list[int]:
+    """Context-parallel sizes for a sequence of ``seq_len`` over ``ranks`` (dp · cp) devices: 1, and for long
+    sequences (``calibration.CP_MIN_SEQ_LEN``) powers of two that divide the ranks and split the sequence into 2 · cp
+    equal chunks (the load-balanced causal layout) of at least ``CP_MIN_TOKENS_PER_RANK`` tokens per rank."""
+    if seq_len < cal.CP_MIN_SEQ_LEN:
+        return [1]
+    return [1] + [
+        c
+        for c in (2, 4, 8, 16, 32)
+        if ranks % c == 0 and seq_len % (2 * c) == 0 and seq_len // c >= cal.CP_MIN_TOKENS_PER_RANK
+    ]
 
 
 def _tp_options(model: ModelConfig, gpus_per_node: int) -> list[int]:
@@ -190,26 +204,27 @@ def candidates(
         for pp in pps:
             if cluster.world % (tp * pp):
                 continue
-            dp = cluster.world // (tp * pp)
             lps = math.ceil(model.num_layers / pp)
-            for mb in sizes:
+            for cp, mb in ((c, b) for c in _cp_options(seq_len, cluster.world // (tp * pp)) for b in sizes):
+                dp = cluster.world // (tp * pp * cp)
                 if gbs % (mb * dp):
                     continue
                 m = gbs // (mb * dp)
                 vpps = [1] + [v for v in (2, 3, 4) if pp > 1 and lps % v == 0 and m % pp == 0]
-                for vpp, ep in ((v, e) for v in vpps for e in _ep_options(model, dp)):
-                    for mode in profile.dp_modes(tp, pp, dp):
+                # experts split the data- and context-parallel ranks (their tokens differ)
+                for vpp, ep in ((v, e) for v in vpps for e in _ep_options(model, dp * cp)):
+                    for mode in profile.dp_modes(tp, pp, dp * cp):  # gradients reduce over dp · cp
                         found = [
                             judged(evaluate(model, lay, seq_len, gbs, cluster, precision, kernels))
                             for lay in (
-                                Layout(name, mode, dp, tp, pp, vpp, 1, rc, 0, mb, m, profile, ep)
+                                Layout(name, mode, dp, tp, pp, vpp, cp, rc, 0, mb, m, profile, ep)
                                 for rc in profile.recompute
                             )
                         ]
                         if profile.partial_recompute is not None:
                             found += _partial(
                                 [
-                                    Layout(name, mode, dp, tp, pp, vpp, 1, "partial", n, mb, m, profile, ep)
+                                    Layout(name, mode, dp, tp, pp, vpp, cp, "partial", n, mb, m, profile, ep)
                                     for n in profile.partial_recompute(lps)
                                 ],
                                 lambda lay: evaluate(model, lay, seq_len, gbs, cluster, precision, kernels),
