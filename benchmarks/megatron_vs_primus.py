@@ -190,6 +190,7 @@ CORE_KERNELS = [
         ("cross_entropy", "torch"),
         ("rope", "torch"),
         ("grouped_gemm", "torch"),
+        ("moe_permute", "torch"),
     )
 ]
 

@@ -65,6 +65,27 @@ def test_grouped_gemm_is_each_tokens_expert_linear():
     assert got[1][1].abs().max() == 0  # the empty group's weight gets no gradient
 
 
+def test_moe_permute_gathers_tokens_by_expert_and_weights_them_back():
+    """routed[i] = x[order[i] // k]; out[t] = sum_j probs[t, j] * routed[slot t*k + j]; gradients of both."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(5, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    indices = torch.tensor([[2, 0], [0, 1], [2, 1], [1, 0], [2, 0]])
+    order = torch.argsort(indices.reshape(-1), stable=True)
+    routed = ref.moe_permute(x, order, 2)
+    by_expert = [t for e in range(3) for t in range(5) for j in range(2) if indices[t, j] == e]
+    torch.testing.assert_close(routed, x[by_expert], rtol=0, atol=0)
+    y = routed * torch.arange(1.0, 11.0, dtype=torch.float64)[:, None]  # each routed row its own factor
+    out = ref.moe_permute.unpermute(y, order, probs)
+    where = {int(s): i for i, s in enumerate(order)}  # slot -> routed row
+    expect = torch.stack([sum(probs[t, j] * y[where[t * 2 + j]] for j in range(2)) for t in range(5)])
+    torch.testing.assert_close(out, expect, rtol=1e-6, atol=1e-6)  # accumulated in fp32, as TorchTitan does
+    dy = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (x, probs), dy, retain_graph=True)  # y is shared by both graphs
+    for a, b in zip(got, torch.autograd.grad(expect, (x, probs), dy), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_auto_selects_core_providers_on_cpu(registry, caplog):
     with caplog.at_level("INFO", logger="primus.kernels"):
         chosen = select_kernels(KernelsConfig(), registry, "cpu")

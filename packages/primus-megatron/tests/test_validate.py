@@ -75,6 +75,7 @@ def test_profiling_health_and_fault_injection_are_accepted():
         ),
         (["model.moe.num_experts=4", "train.init=engine", "kernels.fp8=tensorwise"], 1, "kernels.fp8", "expert"),
         (["model.moe.num_experts=4", "model.moe.balancing=loss_free"], 1, "model.moe.balancing", "sigmoid router"),
+        (["model.moe.num_experts=4", "kernels.moe_permute=triton"], 1, "kernels.moe_permute", "token dispatcher"),
         (["train.compile=true"], 1, "train.compile", "torch.compile"),
         (["backend.extra.bogus=1"], 1, "backend.extra", "bogus"),
         (["data.format=megatron"], 1, "data.source", ".bin/.idx"),

@@ -377,3 +377,23 @@ def test_router_gate_style_still_marks_its_output_gradient_replicated():
         assert issubclass(style, NoParallel) and style is not NoParallel
         assert "Partial()" in inspect.getsource(style._prepare_output_fn)
     assert llama4_parallelize.NoParallel is NoParallel
+
+
+def test_moe_forward_still_gathers_and_combines_inline():
+    """kernels.ProviderMoE re-states MoE.forward with the provider's gather and combine: the calls it keeps and the
+    two steps it replaces must still be torchtitan's."""
+    from torchtitan.models.moe.moe import MoE
+
+    src = inspect.getsource(MoE.forward)
+    for line in (
+        "self.router(x, self.expert_bias)",
+        "self.tokens_per_expert.add_(num_tokens_per_expert)",
+        "self.reorderer(top_scores, selected_experts_indices)",
+        "routed_input = x[token_indices_experts_sorted // self.router.top_k]",
+        "routed_output = self.experts(routed_input, num_tokens_per_expert)",
+        "self.shared_experts(x) if self.shared_experts is not None else None",
+        "routed_output_unsorted[token_indices_experts_sorted] = routed_output",
+        "top_scores.reshape(-1, 1, self.router.top_k)",
+    ):
+        assert line in src, line
+    assert list(inspect.signature(MoE.forward).parameters) == ["self", "x"]

@@ -27,6 +27,7 @@ def primus_kernels() -> list[KernelProvider]:
     desc = {
         "attention": "torch SDPA (cuDNN/flash/efficient on GPU, math on CPU)",
         "grouped_gemm": "a matmul per expert (plain PyTorch reference)",
+        "moe_permute": "index copies by a stable sort of the experts (plain PyTorch reference)",
     }
     return [
         KernelProvider(
@@ -38,7 +39,7 @@ def primus_kernels() -> list[KernelProvider]:
             description=desc.get(op, "plain PyTorch reference"),
             features=frozenset({DOCUMENTS}) if op == "attention" else frozenset(),
         )
-        for op in ("attention", "rms_norm", "swiglu", "cross_entropy", "rope", "grouped_gemm")
+        for op in ("attention", "rms_norm", "swiglu", "cross_entropy", "rope", "grouped_gemm", "moe_permute")
     ]
 
 

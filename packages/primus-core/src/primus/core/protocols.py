@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig
 
-KERNEL_OPS = ("attention", "rms_norm", "swiglu", "cross_entropy", "rope", "grouped_gemm", "gemm")
+KERNEL_OPS = ("attention", "rms_norm", "swiglu", "cross_entropy", "rope", "grouped_gemm", "moe_permute", "gemm")
 
 
 def load_ref(ref: str | Callable[..., Any]) -> Any:

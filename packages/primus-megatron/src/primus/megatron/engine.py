@@ -152,6 +152,7 @@ class MegatronEngine:
             from primus.megatron.layer_spec import experts_impl, experts_layout
 
             swapped["experts"] = experts_impl(ctx.kernels)[1]
+            swapped["moe_permute"] = "megatron's token dispatcher (moe_utils.permute / unpermute)"
             self.experts_layout = experts_layout(ctx.kernels)
             if self.rank == 0:
                 log.info("megatron routed experts: %s", swapped["experts"])

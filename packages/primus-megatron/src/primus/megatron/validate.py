@@ -229,6 +229,9 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         out.append(ConfigIssue("parallel.fsdp", "FSDP2 of expert weights is not wired", True, "false or auto"))
     if cfg.kernels.fp8 != "off":
         out.append(ConfigIssue("kernels.fp8", "FP8 expert linears are not wired", cfg.kernels.fp8, "off"))
+    if cfg.kernels.moe_permute not in ("auto", "torch"):
+        why = "megatron-core's token dispatcher permutes the tokens itself (moe_utils.permute / unpermute)"
+        out.append(ConfigIssue("kernels.moe_permute", why, cfg.kernels.moe_permute, "auto, torch"))
     e = cfg.model.moe
     if e is not None and e.balancing == "loss_free" and e.router != "sigmoid":
         why = "megatron-core 0.16's loss-free balancing (router expert bias) takes a sigmoid router only"

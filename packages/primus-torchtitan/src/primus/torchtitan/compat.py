@@ -149,6 +149,13 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_ops_the_kernel_swap_retypes_are_still_torchtitans",
     ),
     Patch(
+        "kernels.ProviderMoE",
+        "MoE.forward overridden (same router, reorderer, experts and shared-experts calls)",
+        "the moe_permute provider gathers the tokens into the experts' order and combines the outputs back, which "
+        "torchtitan's forward does inline with indexing, a scatter and a batched product",
+        "test_compat.py::test_moe_forward_still_gathers_and_combines_inline",
+    ),
+    Patch(
         "dense.DenseTransformer",
         "subclass of llama3's Transformer: __init__ and init_weights overridden",
         "qkv bias and tied embeddings, which llama3 lacks; init_weights ties again after to_empty",

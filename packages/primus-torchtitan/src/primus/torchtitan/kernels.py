@@ -16,6 +16,8 @@ and activation checkpointing see the same model:
   not under PP, CP or TP (reasons in :func:`plan`), where the plain provider loss above applies.
 - ``grouped_gemm``: the MoE experts (``GroupedExperts``, stacked ``w1 / w2 / w3``) → ``ProviderGroupedExperts``:
   three provider grouped GEMMs (torchtitan's own runs ``torch._grouped_mm`` in bf16 on a GPU, a loop on CPU).
+- ``moe_permute``: the MoE layer (``MoE``) → ``ProviderMoE``: the tokens' gather into the experts' order and the
+  weighted combine back by the provider (the router, reorderer, experts and all-to-alls stay torchtitan's).
 - ``rope`` is never swapped: torchtitan's llama3 rotates interleaved pairs (complex ``freqs_cis``) where
   the provider contract is rotate-half, and qwen3's rotate-half RoPE is inline in its Attention.forward.
 
@@ -45,12 +47,13 @@ from primus.torchtitan.loss import fuse_output, head_loss, token_sum
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper  # noqa: E402
-from torchtitan.models.moe.moe import GroupedExperts  # noqa: E402
+from torchtitan.models.moe.moe import GroupedExperts, MoE  # noqa: E402
 from torchtitan.models.moe.utils import indices_padding_wrapper  # noqa: E402
 
 log = logging.getLogger("primus.torchtitan")
 
-MODULE_OPS = ("attention", "rms_norm", "swiglu", "grouped_gemm")  # swapped in the model; cross_entropy in the loss
+# swapped in the model; cross_entropy in the loss
+MODULE_OPS = ("attention", "rms_norm", "swiglu", "grouped_gemm", "moe_permute")
 SWAPPED_OPS = (*MODULE_OPS, "cross_entropy")
 
 # what torchtitan's own module computes for each op: core's reference provider of that op
@@ -61,6 +64,7 @@ REFERENCE = {
     "cross_entropy": reference.cross_entropy,
     "rope": reference.rope,
     "grouped_gemm": reference.grouped_gemm,
+    "moe_permute": reference.moe_permute,
 }
 
 
@@ -108,6 +112,7 @@ def plan(
         else "",
         "swiglu": "",
         "grouped_gemm": "",  # the experts take their weights' local shards (to_local), as torchtitan's own
+        "moe_permute": "",  # the MoE layer's input is a local tensor in every layout (replicated under TP)
     }
     for op, prov in providers.items():
         if op == "rope":
@@ -285,6 +290,32 @@ class ProviderGroupedExperts(GroupedExperts):
         return run(w1, w2, w3, x, num_tokens_per_expert)
 
 
+class ProviderMoE(MoE):
+    """torchtitan's ``MoE`` layer (same router, reorderer, experts and shared experts, called as its forward calls
+    them), with the tokens' gather into the experts' order and the weighted combine back computed by the moe_permute
+    provider: torchtitan's ``x[order // k]`` and its zeros + index_put + fp32 batched product become the provider's
+    ``moe_permute`` and ``unpermute`` (primus-turbo's Triton row gathers, no scatter in either direction). The
+    scores weight the experts' outputs (``score_before_experts=False``, as Primus builds the model); the other order
+    runs torchtitan's forward."""
+
+    kernel: Callable[..., torch.Tensor]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.score_before_experts:
+            return super().forward(x)
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        top_scores, selected_experts_indices, num_tokens_per_expert = self.router(x, self.expert_bias)
+        with torch.no_grad():  # the expert-bias update's counts, as torchtitan keeps them
+            self.tokens_per_expert.add_(num_tokens_per_expert)
+        _, order, num_tokens_per_expert = self.reorderer(top_scores, selected_experts_indices)
+        k = self.router.top_k
+        routed_output = self.experts(self.kernel(x, order, k), num_tokens_per_expert)
+        out = self.shared_experts(x) if self.shared_experts is not None else None
+        out_experts = self.kernel.unpermute(routed_output, order, top_scores.reshape(-1, k)).to(x.dtype)
+        return (out_experts if out is None else out + out_experts).reshape(bs, slen, dim)
+
+
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.w2(self.kernel(self.w1(x), self.w3(x)))
 
@@ -326,6 +357,9 @@ def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]
             counts["attention"] += 1
         elif documents and isinstance(getattr(module, "inner_attention", None), ScaledDotProductAttentionWrapper):
             module.__class__ = _document_attention_class(type(module))
+        elif "moe_permute" in fns and type(module) is MoE:
+            _retype(module, ProviderMoE, fns["moe_permute"])
+            counts["moe_permute"] += 1
         elif "grouped_gemm" in fns and type(module) is GroupedExperts:
             _retype(module, ProviderGroupedExperts, fns["grouped_gemm"])
             counts["grouped_gemm"] += 1

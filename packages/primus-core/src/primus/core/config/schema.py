@@ -238,6 +238,9 @@ class KernelsConfig(Section):
     cross_entropy: KernelChoice = Field("auto", description="(fused linear +) cross-entropy provider")
     rope: KernelChoice = Field("auto", description="rotary embedding provider")
     grouped_gemm: KernelChoice = Field("auto", description="mixture-of-experts grouped GEMM provider (the experts)")
+    moe_permute: KernelChoice = Field(
+        "auto", description="mixture-of-experts token permute / unpermute provider (tokens to experts' order and back)"
+    )
     gemm_tuning: Literal["off", "online", "offline"] = Field("off", description="GEMM algorithm tuning mode")
     gemm_tuning_file: str | None = Field(None, description="offline tuning results file")
     gemm_tuning_mismatch: Literal["warn", "refuse"] = Field(

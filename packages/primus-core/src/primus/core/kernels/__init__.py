@@ -21,6 +21,12 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
   ``offs[g-1]:offs[g]``), w ``[G, N, K]`` one ``nn.Linear`` weight per expert; y ``[T, N]`` with
   ``y[rows of g] = x[rows of g] @ w[g]ᵀ``, differentiable in x and w. Rows past ``offs[-1]`` (padding) are not
   defined.
+- ``moe_permute(x, order, k) -> routed``: a mixture-of-experts layer's tokens copied into their experts' order.
+  x ``[T, d]``; ``order`` ``[T·k]`` (int64) the token-expert slots (slot ``t·k + j``: token t's j-th expert) sorted
+  by expert, as the engine's router computes it (a stable argsort); ``routed[i] = x[order[i] // k]``. Its attribute
+  ``moe_permute.unpermute(routed, order, probs) -> out`` takes the experts' outputs back: ``out[t] = Σ_j probs[t, j]
+  · routed[i]`` where ``order[i] = t·k + j`` (fp32 accumulation, ``routed``'s dtype). Both differentiable (x;
+  routed and probs).
 
 FP8 linears (``kernels.fp8`` not ``off``) are ``gemm`` providers picked by :func:`select_fp8` and returned
 under the key ``"fp8"``; their impl is ``convert_to_fp8(model, recipe, skip) -> names swapped``.
@@ -92,7 +98,7 @@ def _check(prov: KernelProvider, device: str, documents: bool, constraints: dict
 
 
 # ops only a mixture-of-experts model runs (not selected, not logged, for a dense one)
-MOE_OPS = ("grouped_gemm",)
+MOE_OPS = ("grouped_gemm", "moe_permute")
 
 
 def select_kernels(

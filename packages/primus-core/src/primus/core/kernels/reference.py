@@ -69,5 +69,22 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.
     return torch.cat(parts)
 
 
+def moe_permute(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    # indexing: autograd's backward of x[rows] scatter-adds each token's k copies back (index_put with accumulate)
+    return x[order // k]
+
+
+def _unpermute(routed: torch.Tensor, order: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    # TorchTitan's own combine: the rows back in slot order, then each token's k rows weighted in fp32 (a batched
+    # [1, k] x [k, d] product)
+    tokens, k = probs.shape
+    slots = routed.new_zeros(tokens * k, routed.shape[1]).index_copy(0, order, routed)
+    out = torch.bmm(probs.float().unsqueeze(1), slots.view(tokens, k, -1).float())
+    return out.squeeze(1).to(routed.dtype)
+
+
+moe_permute.unpermute = _unpermute
+
+
 def always(device: str, **_: object) -> Availability:
     return Availability(True)
