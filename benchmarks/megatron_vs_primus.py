@@ -191,6 +191,7 @@ CORE_KERNELS = [
         ("rope", "torch"),
         ("grouped_gemm", "torch"),
         ("moe_permute", "torch"),
+        ("moe_router", "torch"),
     )
 ]
 

@@ -16,9 +16,9 @@ load balancing (the engines' algorithms differ: the same recipe on both), bf16, 
 - ``mg_grouped``: core's providers but primus-turbo's ``grouped_mm`` for the experts (the grouped GEMMs alone);
 - ``tt_core`` / ``tt_turbo``: Primus-TorchTitan (TorchTitan 0.2.2's qwen3 MoE: its own experts, ``torch._grouped_mm``
   / primus-turbo's ``grouped_mm`` provider), the same two kernel settings; ``tt_grouped``: core's providers but
-  primus-turbo's ``grouped_mm`` for the experts; ``tt_turbo_ref_permute``: turbo on but the tokens' gather and
-  combine by TorchTitan's own indexing (``kernels.moe_permute=torch``; ``tt_turbo`` runs primus-turbo's Triton
-  permute / unpermute).
+  primus-turbo's ``grouped_mm`` for the experts; ``tt_turbo_ref_moe``: turbo on but TorchTitan's own router and
+  token gather / combine (``kernels.moe_router=torch``, ``kernels.moe_permute=torch``; ``tt_turbo`` runs
+  primus-turbo's Triton router and permute / unpermute).
 
 Reported per case: tokens/s per device (median of the steps after ``--warmup``), MFU as Primus reports it (active
 parameters, primus.core.modelmath.flops_per_token, against the H200's dense bf16 peak), peak memory (memory_gib) and
@@ -46,7 +46,7 @@ CASES = {
     "tt_core": ("torchtitan", CORE_KERNELS),
     "tt_grouped": ("torchtitan", [*CORE_KERNELS, "kernels.grouped_gemm=grouped_mm"]),
     "tt_turbo": ("torchtitan", []),
-    "tt_turbo_ref_permute": ("torchtitan", ["kernels.moe_permute=torch"]),
+    "tt_turbo_ref_moe": ("torchtitan", ["kernels.moe_permute=torch", "kernels.moe_router=torch"]),
 }
 
 

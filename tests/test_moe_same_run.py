@@ -5,7 +5,8 @@ experts on the grouped_gemm provider, and routes the same tokens to the same exp
 primus.core.expert_load, from each engine's routers). Expert parallelism equals one rank on each engine (their packages' test_moe.py), so EP 2 of either engine
 trains this curve too (checked once, when this test was written: both EP 2 runs within the tolerances below).
 
-No load balancing here: megatron's is an auxiliary loss or a sigmoid router's bias, TorchTitan's a bias update, and
+With one shared expert beside the routed ones (core's names for it, DeepSeek's) the two engines train the same
+curve too. No load balancing here: megatron's is an auxiliary loss or a sigmoid router's bias, TorchTitan's a bias update, and
 the two are different algorithms (each engine's own balancing is tested in its package). Measured (fp32, CPU):
 the engines' losses within 2e-6 relative over 6 steps, grad norms within 5e-5.
 """
@@ -18,9 +19,12 @@ from hf_helpers import train
 
 STEPS = 6
 LOSS_RTOL, GNORM_RTOL = 2e-5, 5e-4
+SHARED = ["model.moe.shared_experts=1"]  # one shared expert every token takes beside its top 2
 RUNS = {
     "megatron": ("megatron", 1, []),
     "torchtitan": ("torchtitan", 1, []),
+    "megatron-shared": ("megatron", 1, SHARED),
+    "torchtitan-shared": ("torchtitan", 1, SHARED),
 }
 RECIPE = {
     "extends": ["tiny-qwen3-moe"],
@@ -55,15 +59,27 @@ def test_moe_trains_the_same_curve_on_both_engines(runs):
     ref = runs["megatron"]
     losses = [r["loss"] for r in ref]
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.4, losses  # it trains
-    for name, rows in runs.items():
+    for name in ("megatron", "torchtitan"):
+        rows = runs[name]
         assert [r["loss"] for r in rows] == pytest.approx(losses, rel=LOSS_RTOL), name
         assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL), name
 
 
-def test_canonical_init_is_the_default_for_routed_experts(runs):
-    """No train.init in the recipe: a MoE model without shared experts starts from the canonical weights (else the
-    engines' own initialisations would differ from the first step)."""
-    assert runs["megatron"][0]["loss"] == pytest.approx(runs["torchtitan"][0]["loss"], rel=1e-6)
+def test_with_shared_experts_too(runs):
+    """Shared experts (canonical weights under core's names for them, mlp.shared_experts.*_proj, DeepSeek's; megatron's
+    SharedExpertMLP, TorchTitan's shared FeedForward): the same curve on both engines, not the routed-only one."""
+    ref = runs["megatron-shared"]
+    rows = runs["torchtitan-shared"]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=LOSS_RTOL)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)
+    assert abs(ref[1]["loss"] - runs["megatron"][1]["loss"]) > 1e-4  # the shared expert changes the run
+
+
+def test_canonical_init_is_the_default_for_routed_and_shared_experts(runs):
+    """No train.init in the recipe: a MoE model starts from the canonical weights (else the engines' own
+    initialisations would differ from the first step)."""
+    for a, b in (("megatron", "torchtitan"), ("megatron-shared", "torchtitan-shared")):
+        assert runs[a][0]["loss"] == pytest.approx(runs[b][0]["loss"], rel=1e-6)
 
 
 def test_both_engines_route_the_same_tokens_to_the_same_experts(runs):

@@ -132,3 +132,19 @@ def test_canonical_init_names_every_routed_expert(preset, router, expert):
     down1 = init.tensor(p + expert.format(j=1, role=roles["down"]), m, seed=3)
     assert down0.shape == (m.hidden_size, e.expert_ffn_hidden_size) and not torch.equal(down0, down1)
     assert down0.std().item() == pytest.approx(m.init_std / (2 * m.num_layers) ** 0.5, rel=0.1)
+
+
+def test_canonical_init_names_the_shared_experts():
+    """model.moe.shared_experts: one SwiGLU MLP of shared_experts x expert width per MoE layer, under DeepSeek's names
+    (mlp.shared_experts.*_proj), its down projection scaled."""
+    from primus.core.plugins import get_registry
+    from primus.core.presets import model_config
+
+    m = model_config("tiny-qwen3-moe", get_registry())
+    m = m.model_copy(update={"moe": m.moe.model_copy(update={"shared_experts": 2})})
+    shapes, width = init.shapes(m), 2 * m.moe.expert_ffn_hidden_size
+    p = "model.layers.0.mlp.shared_experts."
+    assert shapes[p + "gate_proj.weight"] == ((width, m.hidden_size), "normal")
+    assert shapes[p + "up_proj.weight"] == ((width, m.hidden_size), "normal")
+    assert shapes[p + "down_proj.weight"] == ((m.hidden_size, width), "scaled")
+    assert set(shapes) == set(hf_names(m))

@@ -397,3 +397,34 @@ def test_moe_forward_still_gathers_and_combines_inline():
     ):
         assert line in src, line
     assert list(inspect.signature(MoE.forward).parameters) == ["self", "x"]
+
+
+def test_router_forward_still_scores_chooses_and_weighs_as_the_provider_contract():
+    """kernels.ProviderRouter replaces what follows the gate in TokenChoiceTopKRouter.forward with the moe_router
+    provider (core's contract is this math): fp32 softmax / sigmoid, top-k of scores + bias, gather, +1e-20
+    normalisation, route_scale, histc counts."""
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+    src = inspect.getsource(TokenChoiceTopKRouter.forward)
+    for line in (
+        "scores = self.gate(x)",
+        "torch.sigmoid(scores.to(torch.float32))",
+        "F.softmax(scores.to(torch.float32), dim=1)",
+        "scores_for_choice = scores if expert_bias is None else scores + expert_bias",
+        "top_scores = scores.gather(dim=1, index=selected_experts_indices)",
+        "denominator = top_scores.sum(dim=-1, keepdim=True) + 1e-20",
+        "top_scores = top_scores * self.route_scale",
+        "return top_scores, selected_experts_indices, num_tokens_per_expert",
+    ):
+        assert line in src, line
+    assert list(inspect.signature(TokenChoiceTopKRouter.forward).parameters) == ["self", "x", "expert_bias"]
+
+
+def test_qwen3_adapter_maps_layer_keys_through_from_hf_map():
+    """hf.Qwen3SharedExpertsStateDictAdapter adds shared-expert entries to from_hf_map: both directions of torchtitan's
+    qwen3 adapter must still read a layer's non-expert keys from it (and the experts' keys by their own path)."""
+    from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+    assert "new_key = self.from_hf_map[abstract_key]" in inspect.getsource(Qwen3StateDictAdapter.from_hf)
+    assert "to_hf_map = {v: k for k, v in self.from_hf_map.items()}" in inspect.getsource(Qwen3StateDictAdapter.to_hf)
+    assert 'if "mlp.experts" in key' in inspect.getsource(Qwen3StateDictAdapter.from_hf)

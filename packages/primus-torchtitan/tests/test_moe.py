@@ -29,19 +29,22 @@ def runs(tmp_path_factory):
     primus_train(MOE, root / "tp2", "parallel.tp=2", nproc=2)
     primus_train(MOE, root / "pp2", "parallel.pp=2", nproc=2)
     primus_train(MOE, root / "tp2_ep2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2", nproc=4)
-    # primus-turbo's Triton permute / unpermute (Triton's interpreter on the CPU) on the tokens EP's all-to-all hands
+    # primus-turbo's Triton router and permute / unpermute (Triton's interpreter on the CPU) under EP 2 (the tokens
+    # handed over by the all-to-all), loss-free balancing's expert bias choosing
     triton = {"PRIMUS_TEST_TRITON_ON_CPU": "1", "TRITON_INTERPRET": "1"}
     torch_ops = [f"kernels.{op}=torch" for op in ("rms_norm", "swiglu", "cross_entropy")]
-    permute = ("kernels.moe_permute=triton", "parallel.dp_shard=2", "parallel.ep=2", *torch_ops)
-    proc = drive(MOE, root / "permute_ep2", *permute, env=triton, nproc=2)
+    moe_ops = ("kernels.moe_permute=triton", "kernels.moe_router=triton")
+    proc = drive(
+        MOE, root / "turbo_moe_ep2", *moe_ops, "parallel.dp_shard=2", "parallel.ep=2", *torch_ops, env=triton, nproc=2
+    )
     ckpt = root / "ckpt"
     ckpt.mkdir()
     shutil.copytree(root / "ws1" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
     resume = (f"checkpoint.dir={ckpt}", "checkpoint.enabled=true", "parallel.dp_shard=2", "parallel.ep=2")
     primus_train(MOE, root / "ep2_resume", *resume, nproc=2, resume=True)
-    names = ("ws1", "ep2", "ep2_resume", "tp2", "pp2", "tp2_ep2", "permute_ep2")
+    names = ("ws1", "ep2", "ep2_resume", "tp2", "pp2", "tp2_ep2", "turbo_moe_ep2")
     out = {name: metrics(root / name) for name in names}
-    out["permute_kernels"] = summary(proc)["kernels"]
+    out["turbo_moe_kernels"] = summary(proc)["kernels"]
     out["experts"] = {name: json.loads((root / name / "summary.json").read_text())["kernels"]["grouped_gemm"]
                       for name in ("ws1", "ep2")}  # fmt: skip
     return out
@@ -80,12 +83,15 @@ def test_tensor_and_pipeline_parallel_match_world_size_1(runs, layout):
         assert [r[key] for r in got[first:]] == pytest.approx([r[key] for r in ref[first:]], rel=1e-6), key
 
 
-def test_triton_permute_trains_the_same_curve(runs):
-    """ProviderMoE: the tokens' gather and the weighted combine by primus-turbo's Triton kernels, under EP 2."""
-    assert runs["permute_kernels"]["moe_permute"] == "triton"
-    ref, got = runs["ws1"], runs["permute_ep2"]
+def test_triton_router_and_permute_train_the_same_curve(runs):
+    """ProviderRouter and ProviderMoE: the router's scores and top-k, the tokens' gather and the weighted combine by
+    primus-turbo's Triton kernels, under EP 2: world size 1's curve, gradient norms and expert load."""
+    kernels = runs["turbo_moe_kernels"]
+    assert (kernels["moe_router"], kernels["moe_permute"]) == ("triton", "triton")
+    ref, got = runs["ws1"], runs["turbo_moe_ep2"]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_RTOL)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)
+    assert [r["moe_load_max"] for r in got] == pytest.approx([r["moe_load_max"] for r in ref], rel=1e-6)
 
 
 def test_world_size_1_checkpoint_resumes_under_expert_parallelism(runs):

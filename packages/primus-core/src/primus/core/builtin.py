@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from primus.core import hookimpl
-from primus.core.protocols import DOCUMENTS, KernelProvider
+from primus.core.protocols import DOCUMENTS, KERNEL_OPS, KernelProvider
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -28,6 +28,7 @@ def primus_kernels() -> list[KernelProvider]:
         "attention": "torch SDPA (cuDNN/flash/efficient on GPU, math on CPU)",
         "grouped_gemm": "a matmul per expert (plain PyTorch reference)",
         "moe_permute": "index copies by a stable sort of the experts (plain PyTorch reference)",
+        "moe_router": "softmax / sigmoid, topk and gather (plain PyTorch reference)",
     }
     return [
         KernelProvider(
@@ -39,7 +40,8 @@ def primus_kernels() -> list[KernelProvider]:
             description=desc.get(op, "plain PyTorch reference"),
             features=frozenset({DOCUMENTS}) if op == "attention" else frozenset(),
         )
-        for op in ("attention", "rms_norm", "swiglu", "cross_entropy", "rope", "grouped_gemm", "moe_permute")
+        for op in KERNEL_OPS
+        if op != "gemm"  # FP8 linears: providers of their own (primus-turbo, torchao)
     ]
 
 

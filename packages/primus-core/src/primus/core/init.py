@@ -54,6 +54,8 @@ def shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
         ef = m.moe.expert_ffn_hidden_size
         role_shape |= {"router": (m.moe.num_experts, h), "expert.gate": (ef, h), "expert.up": (ef, h)}
         role_shape |= {"expert.down": (h, ef)}
+        sf = m.moe.shared_experts * ef  # the shared experts: one MLP of their summed width
+        role_shape |= {"shared.gate": (sf, h), "shared.up": (sf, h), "shared.down": (h, sf)}
     out = {EMBED: ((v, h), "normal")}
     for i in range(m.num_layers):
         for role, name in layer_names(m, i).items():

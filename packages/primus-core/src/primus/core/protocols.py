@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig
 
-KERNEL_OPS = ("attention", "rms_norm", "swiglu", "cross_entropy", "rope", "grouped_gemm", "moe_permute", "gemm")
+KERNEL_OPS = (
+    "attention",
+    "rms_norm",
+    "swiglu",
+    "cross_entropy",
+    "rope",
+    "grouped_gemm",
+    "moe_permute",
+    "moe_router",
+    "gemm",
+)
 
 
 def load_ref(ref: str | Callable[..., Any]) -> Any:

@@ -153,6 +153,7 @@ class MegatronEngine:
 
             swapped["experts"] = experts_impl(ctx.kernels)[1]
             swapped["moe_permute"] = "megatron's token dispatcher (moe_utils.permute / unpermute)"
+            swapped["moe_router"] = "megatron's TopKRouter"
             self.experts_layout = experts_layout(ctx.kernels)
             if self.rank == 0:
                 log.info("megatron routed experts: %s", swapped["experts"])

@@ -69,6 +69,8 @@ _LAYER_ROLES = {
     "mlp.linear_fc1.weight": ("gate", "up"),
     "mlp.linear_fc2.weight": ("down",),
     "mlp.router.weight": ("router",),
+    "mlp.shared_experts.linear_fc1.weight": ("shared.gate", "shared.up"),
+    "mlp.shared_experts.linear_fc2.weight": ("shared.down",),
 }
 # loss-free balancing's routing bias: training state with no HF tensor (Qwen3-MoE and Mixtral have none): left at
 # megatron's zeros on import, not exported

@@ -232,6 +232,9 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if cfg.kernels.moe_permute not in ("auto", "torch"):
         why = "megatron-core's token dispatcher permutes the tokens itself (moe_utils.permute / unpermute)"
         out.append(ConfigIssue("kernels.moe_permute", why, cfg.kernels.moe_permute, "auto, torch"))
+    if cfg.kernels.moe_router not in ("auto", "torch"):
+        why = "megatron-core's TopKRouter scores and chooses the experts itself (its aux losses hook into it)"
+        out.append(ConfigIssue("kernels.moe_router", why, cfg.kernels.moe_router, "auto, torch"))
     e = cfg.model.moe
     if e is not None and e.balancing == "loss_free" and e.router != "sigmoid":
         why = "megatron-core 0.16's loss-free balancing (router expert bias) takes a sigmoid router only"

@@ -156,6 +156,12 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_moe_forward_still_gathers_and_combines_inline",
     ),
     Patch(
+        "kernels.ProviderRouter",
+        "TokenChoiceTopKRouter.forward overridden (its gate, options and return values kept)",
+        "the moe_router provider computes the scores, top-k and weights after the gate in one call",
+        "test_compat.py::test_router_forward_still_scores_chooses_and_weighs_as_the_provider_contract",
+    ),
+    Patch(
         "dense.DenseTransformer",
         "subclass of llama3's Transformer: __init__ and init_weights overridden",
         "qkv bias and tied embeddings, which llama3 lacks; init_weights ties again after to_empty",
@@ -177,6 +183,12 @@ PATCHES: tuple[Patch, ...] = (
         "router's gradient misses the other ranks' part and the gate weights part across ranks (torchtitan#2387, "
         "fixed after 0.2.2 by #2416, whose fix this is)",
         "test_compat.py::test_router_gate_style_still_marks_its_output_gradient_replicated",
+    ),
+    Patch(
+        "hf.Qwen3SharedExpertsStateDictAdapter",
+        "subclass of Qwen3StateDictAdapter: entries added to its from_hf_map",
+        "shared experts (core's DeepSeek-style names) in the HF mapping that canonical init goes through",
+        "test_compat.py::test_qwen3_adapter_maps_layer_keys_through_from_hf_map",
     ),
     Patch(
         "models.train_spec (qwen3 pipelining_fn)",

@@ -74,7 +74,23 @@ class DenseStateDictAdapter(Llama3StateDictAdapter):
         return out
 
 
-ADAPTERS = {"llama3": Llama3StateDictAdapter, "qwen3": Qwen3StateDictAdapter, "dense": DenseStateDictAdapter}
+class Qwen3SharedExpertsStateDictAdapter(Qwen3StateDictAdapter):
+    """qwen3's adapter plus the shared experts (``moe.shared_experts.w1 / w3 / w2``, one FeedForward), under core's
+    names for them (:data:`primus.core.hf.contract.SHARED_NAMES`, DeepSeek's; Qwen3-MoE has none)."""
+
+    def __init__(self, model_args: Any, hf_assets_path: str | None):
+        from primus.core.hf.contract import SHARED_NAMES
+
+        super().__init__(model_args, hf_assets_path)
+        for role, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            self.from_hf_map[f"model.layers.{{}}.{SHARED_NAMES[role]}"] = f"layers.{{}}.moe.shared_experts.{w}.weight"
+
+
+ADAPTERS = {
+    "llama3": Llama3StateDictAdapter,
+    "qwen3": Qwen3SharedExpertsStateDictAdapter,
+    "dense": DenseStateDictAdapter,
+}
 
 
 def adapter_cls(m: Any) -> type:

@@ -18,6 +18,8 @@ and activation checkpointing see the same model:
   three provider grouped GEMMs (torchtitan's own runs ``torch._grouped_mm`` in bf16 on a GPU, a loop on CPU).
 - ``moe_permute``: the MoE layer (``MoE``) → ``ProviderMoE``: the tokens' gather into the experts' order and the
   weighted combine back by the provider (the router, reorderer, experts and all-to-alls stay torchtitan's).
+- ``moe_router``: the router (``TokenChoiceTopKRouter``) → ``ProviderRouter``: scores, top-k and weights after its
+  gate by the provider.
 - ``rope`` is never swapped: torchtitan's llama3 rotates interleaved pairs (complex ``freqs_cis``) where
   the provider contract is rotate-half, and qwen3's rotate-half RoPE is inline in its Attention.forward.
 
@@ -47,13 +49,13 @@ from primus.torchtitan.loss import fuse_output, head_loss, token_sum
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
 from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.models.attention import ScaledDotProductAttentionWrapper  # noqa: E402
-from torchtitan.models.moe.moe import GroupedExperts, MoE  # noqa: E402
+from torchtitan.models.moe.moe import GroupedExperts, MoE, TokenChoiceTopKRouter  # noqa: E402
 from torchtitan.models.moe.utils import indices_padding_wrapper  # noqa: E402
 
 log = logging.getLogger("primus.torchtitan")
 
 # swapped in the model; cross_entropy in the loss
-MODULE_OPS = ("attention", "rms_norm", "swiglu", "grouped_gemm", "moe_permute")
+MODULE_OPS = ("attention", "rms_norm", "swiglu", "grouped_gemm", "moe_permute", "moe_router")
 SWAPPED_OPS = (*MODULE_OPS, "cross_entropy")
 
 # what torchtitan's own module computes for each op: core's reference provider of that op
@@ -65,6 +67,7 @@ REFERENCE = {
     "rope": reference.rope,
     "grouped_gemm": reference.grouped_gemm,
     "moe_permute": reference.moe_permute,
+    "moe_router": reference.moe_router,
 }
 
 
@@ -113,6 +116,7 @@ def plan(
         "swiglu": "",
         "grouped_gemm": "",  # the experts take their weights' local shards (to_local), as torchtitan's own
         "moe_permute": "",  # the MoE layer's input is a local tensor in every layout (replicated under TP)
+        "moe_router": "",  # the gate's output is local (its TP style returns local tensors)
     }
     for op, prov in providers.items():
         if op == "rope":
@@ -316,6 +320,30 @@ class ProviderMoE(MoE):
         return (out_experts if out is None else out + out_experts).reshape(bs, slen, dim)
 
 
+class ProviderRouter(TokenChoiceTopKRouter):
+    """torchtitan's top-k router (same gate, options and outputs), its scores, top-k and weights computed by the
+    moe_router provider in one call after the gate. Node-limited routing and the debug load balance run torchtitan's
+    own forward."""
+
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+    def forward(
+        self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.num_expert_groups is not None or self._debug_force_load_balance:
+            return super().forward(x, expert_bias)
+        top_scores, selected_experts_indices = self.kernel(
+            self.gate(x),
+            self.top_k,
+            score=self.score_func,
+            bias=expert_bias,
+            normalize=self.route_norm,
+            scale=self.route_scale,
+        )
+        counts = torch.histc(selected_experts_indices.view(-1), bins=self.num_experts, min=0, max=self.num_experts)
+        return top_scores, selected_experts_indices, counts
+
+
 def _swiglu_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.w2(self.kernel(self.w1(x), self.w3(x)))
 
@@ -357,6 +385,9 @@ def swap_modules(model: nn.Module, choices: dict[str, Choice]) -> dict[str, int]
             counts["attention"] += 1
         elif documents and isinstance(getattr(module, "inner_attention", None), ScaledDotProductAttentionWrapper):
             module.__class__ = _document_attention_class(type(module))
+        elif "moe_router" in fns and type(module) is TokenChoiceTopKRouter:
+            _retype(module, ProviderRouter, fns["moe_router"])
+            counts["moe_router"] += 1
         elif "moe_permute" in fns and type(module) is MoE:
             _retype(module, ProviderMoE, fns["moe_permute"])
             counts["moe_permute"] += 1

@@ -237,6 +237,7 @@ REFERENCE_KERNELS = {
     "rope": "torch",
     "grouped_gemm": "torch",
     "moe_permute": "torch",
+    "moe_router": "torch",
 }
 
 

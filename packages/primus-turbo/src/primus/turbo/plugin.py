@@ -5,7 +5,7 @@ flash 10, flex 8, ring 5, core's plain SDPA 0. ``flex`` (FlexAttention, :mod:`pr
 them masks by document (the ``"documents"`` feature): with ``data.document_mask`` selection skips the others, so
 ``auto`` takes it on a GPU and core's SDPA on CPU. ``ring`` (context-parallel attention, :mod:`primus.turbo.context_parallel`)
 declares the ``"context_parallel"`` feature and is available only under the constraint ``cp > 1``, which the other
-attention providers refuse: with ``cp`` passed at selection, ``auto`` picks it exactly when the sequence is split. The Triton kernels (rms_norm, swiglu, rope, cross_entropy, moe_permute) are 20, above
+attention providers refuse: with ``cp`` passed at selection, ``auto`` picks it exactly when the sequence is split. The Triton kernels (rms_norm, swiglu, rope, cross_entropy, moe_permute, moe_router) are 20, above
 core's plain-PyTorch ones (0), on any CUDA or ROCm device with ``triton`` installed.
 
 FP8 linears are ``gemm`` providers, chosen by ``kernels.fp8`` / ``fp8_recipe.implementation`` (not by
@@ -49,6 +49,7 @@ TRITON_OPS = {
     "rope": ("rope:rope", "Triton rotate-half RoPE, cos/sin row shared by the heads of a position"),
     "cross_entropy": ("cross_entropy:cross_entropy", "Triton cross-entropy, online logsumexp over vocab blocks"),
     "moe_permute": ("moe_permute:moe_permute", "Triton MoE token permute / weighted unpermute, row gathers fwd + bwd"),
+    "moe_router": ("moe_router:moe_router", "Triton MoE router: scores, top-k and weights in one program per token"),
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Auto = Literal["auto"]
 
@@ -241,6 +241,9 @@ class KernelsConfig(Section):
     moe_permute: KernelChoice = Field(
         "auto", description="mixture-of-experts token permute / unpermute provider (tokens to experts' order and back)"
     )
+    moe_router: KernelChoice = Field(
+        "auto", description="mixture-of-experts router provider (scores, top-k experts, their weights)"
+    )
     gemm_tuning: Literal["off", "online", "offline"] = Field("off", description="GEMM algorithm tuning mode")
     gemm_tuning_file: str | None = Field(None, description="offline tuning results file")
     gemm_tuning_mismatch: Literal["warn", "refuse"] = Field(
@@ -367,12 +370,3 @@ class PrimusConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
-
-    @model_validator(mode="after")
-    def _shared_experts_start_from_engine_init(self) -> PrimusConfig:
-        # canonical initial weights have no mapping for shared experts yet: unless train.init is set (and then
-        # refused, config/validate.py), such a model starts from its engine's own initialisation
-        moe = self.model.moe
-        if moe is not None and moe.shared_experts and "init" not in self.train.model_fields_set:
-            self.train.init = "engine"
-        return self

@@ -87,14 +87,8 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         )
     if m.moe is not None:
         out.extend(_moe_issues(m))
-        if t.init == "canonical" and m.moe.shared_experts:
-            why = (
-                "core's canonical initial weights name every tensor by its Hugging Face name, and shared experts "
-                "have no mapping yet: a model with shared experts starts from its engine's own initialisation"
-            )
-            out.append(ConfigIssue("train.init", why, value="canonical", allowed="engine"))
         if t.init_from and m.moe.shared_experts:
-            why = "Hugging Face weights of shared experts are not mapped yet"
+            why = "Hugging Face weights of shared experts are not mapped (no Qwen3-MoE or Mixtral checkpoint has them)"
             out.append(ConfigIssue("train.init_from", why, t.init_from, "null, or model.moe.shared_experts 0"))
         if m.moe.num_experts % p.ep:
             out.append(

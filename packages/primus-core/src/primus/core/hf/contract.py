@@ -37,6 +37,11 @@ _MOE_NAMES = {
 }
 
 
+# shared experts (model.moe.shared_experts, one SwiGLU MLP of shared_experts x expert_ffn_hidden_size every token takes),
+# named as DeepSeek-V2/V3 checkpoints hold them; no Qwen3-MoE or Mixtral checkpoint has them (HF interop refuses them)
+SHARED_NAMES = {r: f"mlp.shared_experts.{r}_proj.weight" for r in ("gate", "up", "down")}
+
+
 def expert_role(j: int, role: str) -> str:
     """The role name of routed expert ``j``'s ``role`` (``gate``, ``up`` or ``down``) in :func:`layer_names`."""
     return f"experts.{j}.{role}"
@@ -49,13 +54,16 @@ def _mlp_names(m: ModelConfig, i: int, p: str) -> dict[str, str]:
     names = {"router": p + router}
     for j in range(m.moe.num_experts):
         names |= {expert_role(j, r): p + expert[r].format(j=j) for r in ("gate", "up", "down")}
+    if m.moe.shared_experts:
+        names |= {f"shared.{r}": p + name for r, name in SHARED_NAMES.items()}
     return names
 
 
 def layer_names(m: ModelConfig, i: int) -> dict[str, str]:
     """Role -> HF name of the tensors of layer ``i`` this architecture has. A mixture-of-experts layer has
-    ``router`` and :func:`expert_role` ``(j, gate|up|down)`` in place of the dense ``gate``, ``up``, ``down``
-    (shared experts have no mapping yet: ``train.init: canonical`` and HF interop refuse them)."""
+    ``router`` and :func:`expert_role` ``(j, gate|up|down)`` in place of the dense ``gate``, ``up``, ``down``, and
+    ``shared.gate|up|down`` with shared experts (:data:`SHARED_NAMES`: canonical initial weights; HF interop refuses
+    them)."""
     p = f"model.layers.{i}."
     names = {
         "q": p + "self_attn.q_proj.weight",

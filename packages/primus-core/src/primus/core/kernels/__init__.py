@@ -27,6 +27,11 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
   ``moe_permute.unpermute(routed, order, probs) -> out`` takes the experts' outputs back: ``out[t] = Σ_j probs[t, j]
   · routed[i]`` where ``order[i] = t·k + j`` (fp32 accumulation, ``routed``'s dtype). Both differentiable (x;
   routed and probs).
+- ``moe_router(logits, k, *, score="softmax", bias=None, normalize=False, scale=1.0) -> (probs, indices)``: a
+  mixture-of-experts router after its gate. logits ``[T, E]``; scores = softmax or sigmoid of them in fp32; each
+  token's k experts are the top k of ``scores + bias`` (``bias`` ``[E]``: loss-free balancing's expert bias, selection
+  only); ``probs`` ``[T, k]`` (fp32) their scores, divided by their sum when ``normalize``, times ``scale``;
+  ``indices`` ``[T, k]`` int64. Differentiable in logits.
 
 FP8 linears (``kernels.fp8`` not ``off``) are ``gemm`` providers picked by :func:`select_fp8` and returned
 under the key ``"fp8"``; their impl is ``convert_to_fp8(model, recipe, skip) -> names swapped``.
@@ -98,7 +103,7 @@ def _check(prov: KernelProvider, device: str, documents: bool, constraints: dict
 
 
 # ops only a mixture-of-experts model runs (not selected, not logged, for a dense one)
-MOE_OPS = ("grouped_gemm", "moe_permute")
+MOE_OPS = ("grouped_gemm", "moe_permute", "moe_router")
 
 
 def select_kernels(

@@ -86,5 +86,23 @@ def _unpermute(routed: torch.Tensor, order: torch.Tensor, probs: torch.Tensor) -
 moe_permute.unpermute = _unpermute
 
 
+def moe_router(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    score: str = "softmax",
+    bias: torch.Tensor | None = None,
+    normalize: bool = False,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # TorchTitan's TokenChoiceTopKRouter after its gate (fp32 scores; the bias chooses, the scores weigh)
+    scores = torch.sigmoid(logits.float()) if score == "sigmoid" else F.softmax(logits.float(), dim=-1)
+    indices = torch.topk(scores if bias is None else scores + bias, k=k, dim=-1).indices
+    probs = scores.gather(-1, indices)
+    if normalize:
+        probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    return probs * scale, indices
+
+
 def always(device: str, **_: object) -> Availability:
     return Availability(True)

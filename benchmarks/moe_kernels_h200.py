@@ -1,0 +1,126 @@
+"""MoE kernels, forward and backward, primus-turbo's Triton against TorchTitan's own math (core's references), bf16, one
+GPU: the token permute + weighted unpermute (core's reference: ``x[order // k]``, then zeros + index_copy + an fp32
+batched [1, k] x [k, d] product) and the router after its gate (fp32 softmax / sigmoid, topk, gather, renormalise),
+on the shapes of Qwen3-30B-A3B (d 2048, 128 experts, top 8) and Mixtral 8x7B (d 4096, 8 experts, top 2).
+
+    python3 benchmarks/moe_kernels_h200.py --out benchmarks/results/moe_kernels_h200.json
+    python3 benchmarks/moe_kernels_h200.py --out /tmp/smoke.json --smoke     # CPU: Triton's interpreter, no speed
+
+Per op, shape and implementation: milliseconds per forward + backward (median of --iters after warmup, CUDA events)
+and the largest difference of the outputs and input gradients from the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import versions  # noqa: E402
+
+SHAPES = {  # name: (tokens, d, experts, top k)
+    "qwen3-30b-a3b s4096": (4096, 2048, 128, 8),
+    "qwen3-30b-a3b s8192": (8192, 2048, 128, 8),
+    "mixtral-8x7b s4096": (4096, 4096, 8, 2),
+}
+
+
+def step(impl, x, order, probs, k, grad):
+    routed = impl(x, order, k)
+    out = impl.unpermute(routed * 1.5, order, probs)  # a stand-in for the experts between the two
+    out.backward(grad)
+    return out
+
+
+def router_step(impl, logits, k, grad):
+    probs, _ = impl(logits, k, score="softmax", normalize=True)
+    probs.backward(grad)
+    return probs
+
+
+def timed(fn, iters: int) -> float:
+    """Milliseconds per call: CUDA events on a GPU; wall time on the CPU (--smoke: Triton's interpreter, no speed)."""
+    times = []
+    for i in range(iters + 3):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= 3:
+            times.append(ms)
+    return statistics.median(times)
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+    from primus.core.kernels import reference
+    from primus.turbo.triton import moe_permute as turbo
+    from primus.turbo.triton import moe_router as turbo_router
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, 1 iteration (CPU: Triton's interpreter)")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = {"smoke": (64, 128, 8, 2)} if args.smoke else SHAPES
+    args.iters = 1 if args.smoke else args.iters
+    result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "versions": versions(), "shapes": []}
+    result["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    for name, (tokens, d, experts, k) in shapes.items():
+        torch.manual_seed(0)
+        indices = torch.randn(tokens, experts, device=dev).topk(k, dim=1).indices
+        order = torch.argsort(indices.reshape(-1), stable=True)
+        base = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16)
+        probs0 = torch.rand(tokens, k, device=dev)
+        grad = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16)
+        row = {"shape": name, "tokens": tokens, "d": d, "experts": experts, "k": k}
+        outs = {}
+        for label, impl in (("torch", reference.moe_permute), ("triton", turbo.moe_permute)):
+            x, probs = base.clone().requires_grad_(), probs0.clone().requires_grad_()
+            out = step(impl, x, order, probs, k, grad)
+            outs[label] = (out.detach().float(), x.grad.float(), probs.grad.float())
+            x, probs = base.clone().requires_grad_(), probs0.clone().requires_grad_()
+            row[f"{label}_ms"] = round(timed(lambda: step(impl, x, order, probs, k, grad), args.iters), 4)  # noqa: B023
+        row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 3)
+        for i, what in enumerate(("out", "dx", "dprobs")):
+            row[f"max_diff_{what}"] = float((outs["torch"][i] - outs["triton"][i]).abs().max())
+        print(json.dumps(row), flush=True)
+        result["shapes"].append({"op": "moe_permute", **row})
+        # the router on the same tokens: [T, E] gate logits in bf16
+        logits0 = torch.randn(tokens, experts, device=dev, dtype=torch.bfloat16)
+        rgrad = torch.randn(tokens, k, device=dev)
+        row = {"op": "moe_router", "shape": name, "tokens": tokens, "experts": experts, "k": k}
+        outs = {}
+        for label, impl in (("torch", reference.moe_router), ("triton", turbo_router.moe_router)):
+            logits = logits0.clone().requires_grad_()
+            probs = router_step(impl, logits, k, rgrad)
+            outs[label] = (probs.detach().sort(dim=1).values, logits.grad.float())
+            logits = logits0.clone().requires_grad_()
+            row[f"{label}_ms"] = round(timed(lambda: router_step(impl, logits, k, rgrad), args.iters), 4)  # noqa: B023
+        row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 3)
+        row["max_diff_probs"] = float((outs["torch"][0] - outs["triton"][0]).abs().max())
+        row["max_diff_dlogits"] = float((outs["torch"][1] - outs["triton"][1]).abs().max())
+        print(json.dumps(row), flush=True)
+        result["shapes"].append(row)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
