@@ -54,6 +54,9 @@ LAYOUTS = {
     # alone: measured equal too)
     "qwen3_cp2": (2, ["parallel.cp=2"], QWEN3),
     "tp2_cp2": (4, ["parallel.tp=2", "parallel.cp=2"], ()),
+    "pp2_cp2": (4, ["parallel.pp=2", "parallel.cp=2"], ()),  # each stage's attention a ring over its cp pair
+    # qwen3 under TP hands its attention DTensors sharded by head: the provider runs on each rank's heads
+    "qwen3_tp2": (2, ["parallel.tp=2"], QWEN3),
 }
 
 

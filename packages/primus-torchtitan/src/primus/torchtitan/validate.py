@@ -151,15 +151,6 @@ def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
                 allowed="false, or parallel.dp_shard: 1",
             )
         )
-    if p.cp > 1 and p.pp > 1:
-        out.append(
-            ConfigIssue(
-                "parallel.cp",
-                "context parallelism with pipelining is not exercised in torchtitan 0.2.2's dense models",
-                value=p.cp,
-                allowed="1, or parallel.pp: 1",
-            )
-        )
     return out
 
 
