@@ -3,7 +3,7 @@ dispatch over parallel.ep) from ``model.moe``, its experts as grouped GEMMs (pri
 grouped_mm) or megatron's loop of local SwiGLU MLPs (kernels.grouped_gemm: torch).
 
 From one seed checkpoint (megatron's own initialisation, ``train.init: engine``), a tiny Qwen3-MoE trains, and
-EP 2 (2 ranks, the distributed optimizer) and TP 2 + SP × EP 2 (4 ranks, megatron's SequentialMLP reading the stacked
+EP 2 (2 ranks, the distributed optimizer), EP 4 (4 ranks, 2 experts each) and TP 2 + SP × EP 2 (4 ranks, megatron's SequentialMLP reading the stacked
 experts' seed weights) train the same loss curve and gradient norms as world size 1. EP 2's step-3 checkpoint
 resumes under EP 2 as its straight run, and a resume at EP 1 is refused
 before anything is read (megatron-core 0.16 keeps the experts' optimizer state apart only when ep > 1). A tiny
@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
     per_expert = [f"checkpoint.dir={root / 'ref' / 'checkpoints'}", "kernels.grouped_gemm=torch"]
     out["per_expert_resume"] = primus("train", MOE, root / "per_expert_resume", 1, *per_expert, resume=True)
     out["ep2"] = train(MOE, root / "ep2", 2, seed, "parallel.ep=2", "checkpoint.enabled=true", "checkpoint.interval=3")
+    out["ep4"] = train(MOE, root / "ep4", 4, seed, "parallel.ep=4")  # 2 of the 8 experts a rank
     # megatron's own loop of experts (SequentialMLP: core's reference grouped_gemm) here, grouped GEMMs elsewhere
     out["tp2_ep2"] = train(MOE, root / "tp2_ep2", 4, seed, "parallel.tp=2", "parallel.sequence_parallel=true",
                            "parallel.ep=2", "kernels.grouped_gemm=torch")  # fmt: skip
@@ -56,7 +57,7 @@ def test_moe_models_train(runs):
         assert all(0.5 < a < experts for a in aux), (name, aux)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "tp2_ep2"])
+@pytest.mark.parametrize("layout", ["ep2", "ep4", "tp2_ep2"])
 def test_expert_parallel_layouts_match_world_size_1(runs, layout):
     assert losses(runs[layout]) == pytest.approx(losses(runs["ref"]), abs=LOSS_TOL)
     norms = [r["grad_norm"] for r in runs[layout]]
