@@ -61,20 +61,27 @@ def test_single_node_70b_recipe_is_the_planners_pick():
     assert (cfg.parallel.dp_shard, cfg.parallel.recompute) == (8, "full")
 
 
-LONG_CONTEXT = {"llama3.1-8b-128k-cp-h200-1x8": ("H200", 1), "llama3.1-70b-64k-cp-mi300x-8x8": ("MI300X", 8)}
+# recipes that are the planner's pick on their target: the long-context ones (context parallelism searched for long
+# sequences) and the single-node Megatron FSDP2 ones with partial recompute
+PICKS = {
+    "llama3.1-8b-128k-cp-h200-1x8": ("H200", 1),
+    "llama3.1-70b-64k-cp-mi300x-8x8": ("MI300X", 8),
+    "llama3.1-70b-megatron-fsdp-mi325x-1x8": ("MI325X", 1),
+    "llama3.1-70b-megatron-fsdp-mi355x-1x8": ("MI355X", 1),
+}
 
 
-@pytest.mark.parametrize("name", sorted(LONG_CONTEXT))
-def test_long_context_recipe_is_the_planners_pick(name):
-    """The planner searches context parallelism for long sequences; each long-context recipe is the layout it ranks
-    first (and its engine accepts) for the recipe's own model, sequence, batch and cluster."""
-    gpu, nodes = LONG_CONTEXT[name]
+@pytest.mark.parametrize("name", sorted(PICKS))
+def test_recipe_is_the_planners_pick(name):
+    """Each of these recipes is the layout the planner ranks first (and its engine accepts) for the recipe's own
+    model, sequence, micro-batch, global batch and cluster, with `primus plan`'s headroom."""
+    gpu, nodes = PICKS[name]
     cfg = resolve(name, [], world_size=nodes * 8).config
     t = cfg.train
     cluster = Cluster(device(gpu), nodes, 8, HEADROOM)  # as `primus plan` keeps it
     ranked = rank(cfg, cluster, cfg.backend.name, None, t.micro_batch_size, t.global_batch_size)
     best = next(c for c in ranked if c.runnable).layout
-    assert best.cp > 1 and cfg.parallel.cp == best.cp
+    assert cfg.parallel.cp == best.cp and (best.cp > 1) == ("-cp-" in name)
     want = {k: v for k, v in to_parallel(best).items() if k not in ("fsdp", "pp_schedule")}  # fsdp: auto reads dp_shard
     got = cfg.parallel.model_dump()
     assert {k: got[k] for k in want} == want
