@@ -220,6 +220,13 @@ def _fsdp_issues(cfg: PrimusConfig, dp: int) -> list[ConfigIssue]:
     return out
 
 
+# MoE kernel ops megatron-core runs itself, each with why a provider's cannot take its place
+MEGATRON_MOE_OPS = {
+    "moe_permute": "megatron-core's token dispatcher permutes the tokens itself (moe_utils.permute / unpermute)",
+    "moe_router": "megatron-core's TopKRouter scores and chooses the experts itself (its aux losses hook into it)",
+}
+
+
 def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     """What this backend's mixture-of-experts model (megatron-core's MoE layer: router, all-to-all dispatch over
     parallel.ep, experts as grouped GEMMs or a loop of local MLPs) does not cover yet."""
@@ -229,12 +236,9 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         out.append(ConfigIssue("parallel.fsdp", "FSDP2 of expert weights is not wired", True, "false or auto"))
     if cfg.kernels.fp8 != "off":
         out.append(ConfigIssue("kernels.fp8", "FP8 expert linears are not wired", cfg.kernels.fp8, "off"))
-    if cfg.kernels.moe_permute not in ("auto", "torch"):
-        why = "megatron-core's token dispatcher permutes the tokens itself (moe_utils.permute / unpermute)"
-        out.append(ConfigIssue("kernels.moe_permute", why, cfg.kernels.moe_permute, "auto, torch"))
-    if cfg.kernels.moe_router not in ("auto", "torch"):
-        why = "megatron-core's TopKRouter scores and chooses the experts itself (its aux losses hook into it)"
-        out.append(ConfigIssue("kernels.moe_router", why, cfg.kernels.moe_router, "auto, torch"))
+    for op, why in MEGATRON_MOE_OPS.items():
+        if (choice := getattr(cfg.kernels, op)) not in ("auto", "torch"):
+            out.append(ConfigIssue(f"kernels.{op}", why, choice, "auto, torch"))
     e = cfg.model.moe
     if e is not None and e.balancing == "loss_free" and e.router != "sigmoid":
         why = "megatron-core 0.16's loss-free balancing (router expert bias) takes a sigmoid router only"

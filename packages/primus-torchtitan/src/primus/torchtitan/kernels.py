@@ -241,12 +241,9 @@ class HeadShardedAttention(ProviderAttention):
         if not isinstance(q, DTensor):
             return super().attend(q, k, v, **options)
         mesh, placements = q.device_mesh, q.placements
+        by_head = all(p.is_shard(1) or p.is_replicate() for p in placements)
         for name, x in (("q", q), ("k", k), ("v", v)):
-            if (
-                not isinstance(x, DTensor)
-                or x.placements != placements
-                or any(not (p.is_shard(1) or p.is_replicate()) for p in placements)
-            ):
+            if not by_head or not isinstance(x, DTensor) or x.placements != placements:
                 got = x.placements if isinstance(x, DTensor) else "a plain tensor"
                 raise RuntimeError(f"head-sharded attention: {name} must be sharded on the head dim as q is: {got}")
         out = super().attend(q.to_local(), k.to_local(), v.to_local(), **options)

@@ -244,9 +244,8 @@ def _dtensor_reason(cfg: PrimusConfig, op: str) -> str:
             "torchtitan's loss parallelism runs the loss on DTensors "
             "(backend.extra.parallelism.disable_loss_parallel: true gathers the logits instead)"
         )
-    if op == "attention" and p.tp > 1 and cfg.model.family == "qwen3":
-        # under TP alone a provider runs on each rank's heads, but the document mask is not wired there
-        return "torchtitan's qwen3 attention runs on DTensors under tensor parallelism"
+    if op == "attention" and p.tp > 1 and p.cp > 1 and cfg.model.family == "qwen3":
+        return "torchtitan's qwen3 attention runs on DTensors under tensor × context parallelism"
     return ""
 
 
@@ -269,15 +268,9 @@ def _cp_attention_issue(cfg: PrimusConfig, choice: str, ref: str) -> ConfigIssue
 
 def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     out = []
-    if cfg.data.document_mask and (reason := _dtensor_reason(cfg, "attention")):
-        out.append(
-            ConfigIssue(
-                "data.document_mask",
-                f"{reason}, which cannot mask by document",
-                value=True,
-                allowed="false, or parallel.tp 1",
-            )
-        )
+    if cfg.data.document_mask and cfg.parallel.tp > 1 and cfg.model.family == "qwen3":
+        why = "torchtitan's qwen3 attention under tensor parallelism (head-sharded DTensors) cannot mask by document"
+        out.append(ConfigIssue("data.document_mask", why, value=True, allowed="false, or parallel.tp 1"))
     for op, ref in REFERENCE_KERNELS.items():
         choice = getattr(cfg.kernels, op)
         if op == "attention" and cfg.parallel.cp > 1 and (issue := _cp_attention_issue(cfg, choice, ref)):
@@ -295,8 +288,6 @@ def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
             out.append(ConfigIssue("kernels.rope", why, value=choice, allowed=f"auto, {ref}"))
             continue
         reason = _dtensor_reason(cfg, op)
-        if op == "attention" and cfg.parallel.cp == 1:
-            reason = ""  # qwen3 under TP alone: the provider runs on each rank's heads (kernels.HeadShardedAttention)
         if reason:
             out.append(
                 ConfigIssue(
