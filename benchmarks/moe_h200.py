@@ -18,7 +18,9 @@ load balancing (the engines' algorithms differ: the same recipe on both), bf16, 
   / primus-turbo's ``grouped_mm`` provider), the same two kernel settings; ``tt_grouped``: core's providers but
   primus-turbo's ``grouped_mm`` for the experts; ``tt_turbo_ref_moe``: turbo on but TorchTitan's own router and
   token gather / combine (``kernels.moe_router=torch``, ``kernels.moe_permute=torch``; ``tt_turbo`` runs
-  primus-turbo's Triton router and permute / unpermute).
+  primus-turbo's Triton router and permute / unpermute);
+- ``mg_turbo_fp8`` / ``tt_turbo_fp8``: turbo with ``kernels.fp8=rowwise`` (FP8 linears, the routed experts on
+  primus-turbo's FP8 grouped GEMM, ``torch._scaled_grouped_mm``); MFU still against the bf16 peak.
 
 Reported per case: tokens/s per device (median of the steps after ``--warmup``), MFU as Primus reports it (active
 parameters, primus.core.modelmath.flops_per_token, against the H200's dense bf16 peak), peak memory (memory_gib) and
@@ -47,6 +49,10 @@ CASES = {
     "tt_grouped": ("torchtitan", [*CORE_KERNELS, "kernels.grouped_gemm=grouped_mm"]),
     "tt_turbo": ("torchtitan", []),
     "tt_turbo_ref_moe": ("torchtitan", ["kernels.moe_permute=torch", "kernels.moe_router=torch"]),
+    # FP8 rowwise (a bf16 run, --smoke's fp32 too): attention and shared-expert linears FP8 linears, routed experts
+    # the FP8 grouped GEMM
+    "mg_turbo_fp8": ("megatron", ["kernels.fp8=rowwise", "train.precision=bf16"]),
+    "tt_turbo_fp8": ("torchtitan", ["kernels.fp8=rowwise", "train.precision=bf16"]),
 }
 
 

@@ -1,7 +1,9 @@
 """MoE kernels, forward and backward, primus-turbo's Triton against TorchTitan's own math (core's references), bf16, one
 GPU: the token permute + weighted unpermute (core's reference: ``x[order // k]``, then zeros + index_copy + an fp32
 batched [1, k] x [k, d] product) and the router after its gate (fp32 softmax / sigmoid, topk, gather, renormalise),
-on the shapes of Qwen3-30B-A3B (d 2048, 128 experts, top 8) and Mixtral 8x7B (d 4096, 8 experts, top 2).
+on the shapes of Qwen3-30B-A3B (d 2048, 128 experts, top 8) and Mixtral 8x7B (d 4096, 8 experts, top 2); and the
+experts' first GEMM (gate + up: w ``[E, 2·ffn, d]``) on the routed tokens, primus-turbo's FP8 grouped GEMM (rowwise;
+``torch._scaled_grouped_mm`` on sm90) against the bf16 ``grouped_mm``, with its relative error against fp32.
 
     python3 benchmarks/moe_kernels_h200.py --out benchmarks/results/moe_kernels_h200.json
     python3 benchmarks/moe_kernels_h200.py --out /tmp/smoke.json --smoke     # CPU: Triton's interpreter, no speed
@@ -25,11 +27,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import versions  # noqa: E402
 
-SHAPES = {  # name: (tokens, d, experts, top k)
-    "qwen3-30b-a3b s4096": (4096, 2048, 128, 8),
-    "qwen3-30b-a3b s8192": (8192, 2048, 128, 8),
-    "mixtral-8x7b s4096": (4096, 4096, 8, 2),
+SHAPES = {  # name: (tokens, d, experts, top k, expert ffn)
+    "qwen3-30b-a3b s4096": (4096, 2048, 128, 8, 768),
+    "qwen3-30b-a3b s8192": (8192, 2048, 128, 8, 768),
+    "mixtral-8x7b s4096": (4096, 4096, 8, 2, 14336),
 }
+
+
+def gemm_step(impl, x, w, offs, grad):
+    y = impl(x, w, offs)
+    y.backward(grad)
+    return y
 
 
 def step(impl, x, order, probs, k, grad):
@@ -69,6 +77,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
     from primus.core.kernels import reference
+    from primus.core.kernels.fp8_recipe import Fp8Recipe
+    from primus.turbo.fp8.grouped import grouped_gemm_for, grouped_kernel_runs
+    from primus.turbo.grouped_gemm import grouped_gemm
     from primus.turbo.triton import moe_permute as turbo
     from primus.turbo.triton import moe_router as turbo_router
 
@@ -78,11 +89,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 1 iteration (CPU: Triton's interpreter)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = {"smoke": (64, 128, 8, 2)} if args.smoke else SHAPES
+    shapes = {"smoke": (64, 128, 8, 2, 64)} if args.smoke else SHAPES
     args.iters = 1 if args.smoke else args.iters
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "versions": versions(), "shapes": []}
     result["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    for name, (tokens, d, experts, k) in shapes.items():
+    fp8_gemm = grouped_gemm_for(Fp8Recipe(mode="rowwise"))
+    for name, (tokens, d, experts, k, ffn) in shapes.items():
         torch.manual_seed(0)
         indices = torch.randn(tokens, experts, device=dev).topk(k, dim=1).indices
         order = torch.argsort(indices.reshape(-1), stable=True)
@@ -116,6 +128,30 @@ def main() -> None:
         row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 3)
         row["max_diff_probs"] = float((outs["torch"][0] - outs["triton"][0]).abs().max())
         row["max_diff_dlogits"] = float((outs["torch"][1] - outs["triton"][1]).abs().max())
+        print(json.dumps(row), flush=True)
+        result["shapes"].append(row)
+        # the experts' gate + up GEMM on the routed tokens (T·k rows sorted by expert), bf16 weights
+        offs = torch.bincount(indices.reshape(-1), minlength=experts).cumsum(0).to(torch.int32)
+        x0 = base[order // k]
+        w0 = torch.randn(experts, 2 * ffn, d, device=dev, dtype=torch.bfloat16) / d**0.5
+        ggrad = torch.randn(x0.shape[0], 2 * ffn, device=dev, dtype=torch.bfloat16)
+        row = {"op": "grouped_gemm", "shape": name, "rows": x0.shape[0], "d": d, "experts": experts, "n": 2 * ffn}
+        row["fp8_kernel"] = "torch._scaled_grouped_mm" if grouped_kernel_runs(dev) else "torch._scaled_mm per expert"
+        outs = {}
+        for label, impl in (("bf16", grouped_gemm), ("fp8", fp8_gemm), ("fp32", reference.grouped_gemm)):
+            cast = torch.float32 if label == "fp32" else torch.bfloat16
+            x, w = x0.to(cast).clone().requires_grad_(), w0.to(cast).clone().requires_grad_()
+            y = gemm_step(impl, x, w, offs, ggrad.to(cast))
+            outs[label] = (y.detach().float(), x.grad.float(), w.grad.float())
+            if label != "fp32" or args.smoke:
+                x, w = x0.to(cast).clone().requires_grad_(), w0.to(cast).clone().requires_grad_()
+                fn = lambda: gemm_step(impl, x, w, offs, ggrad.to(cast))  # noqa: B023, E731
+                row[f"{label}_ms"] = round(timed(fn, args.iters), 4)
+        row["speedup_fp8"] = round(row["bf16_ms"] / row["fp8_ms"], 3)
+        for label in ("bf16", "fp8"):
+            for i, what in enumerate(("y", "dx", "dw")):
+                ref = outs["fp32"][i]
+                row[f"rel_err_{label}_{what}"] = float((outs[label][i] - ref).norm() / ref.norm())
         print(json.dumps(row), flush=True)
         result["shapes"].append(row)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -55,3 +55,22 @@ def test_delayed_scaling_is_refused_under_compile():
     assert issue.path == "kernels.fp8_recipe.scaling" and "torch.compile" in issue.message
     eager = cfg.model_copy(update={"train": cfg.train.model_copy(update={"compile": False})})
     assert config_issues(eager, engine="torchtitan") == []
+
+
+def test_mixture_of_experts_refusals_name_the_key():
+    """FP8 experts run on the FP8 provider's grouped GEMM: current scaling, primus-turbo's provider, expert widths
+    that are multiples of 16."""
+    base = {"train": {"precision": "bf16"}, "model": {"moe": {"num_experts": 4}}}
+    assert config_issues(PrimusConfig.model_validate({**base, "kernels": {"fp8": "rowwise"}}), engine="e") == []
+    bad = PrimusConfig.model_validate(
+        {
+            "train": {"precision": "bf16"},
+            "model": {"moe": {"num_experts": 4, "expert_ffn_hidden_size": 72}},
+            "kernels": {"fp8": "tensorwise", "fp8_recipe": {"scaling": "delayed", "implementation": "torchao"}},
+        }
+    )
+    issues = {i.path: i for i in config_issues(bad, engine="e") if "expert" in i.message}
+    assert set(issues) == {"kernels.fp8", "kernels.fp8_recipe.scaling", "kernels.fp8_recipe.implementation"}
+    assert "expert_ffn_hidden_size" in issues["kernels.fp8"].message and "72" in issues["kernels.fp8"].message
+    assert issues["kernels.fp8_recipe.scaling"].value == "delayed"
+    assert "no grouped GEMM" in issues["kernels.fp8_recipe.implementation"].message

@@ -3,8 +3,8 @@ dispatch over parallel.ep) from ``model.moe``, its experts as grouped GEMMs (pri
 grouped_mm) or megatron's loop of local SwiGLU MLPs (kernels.grouped_gemm: torch).
 
 From one seed checkpoint (megatron's own initialisation, ``train.init: engine``), a tiny Qwen3-MoE trains, and
-EP 2 (2 ranks, the distributed optimizer), EP 4 (4 ranks, 2 experts each) and TP 2 + SP × EP 2 (4 ranks, megatron's SequentialMLP reading the stacked
-experts' seed weights) train the same loss curve and gradient norms as world size 1. EP 2's step-3 checkpoint
+EP 2 (2 ranks, the distributed optimizer), EP 4 (4 ranks, 2 experts each), TP 2 + SP × EP 2 (4 ranks, megatron's SequentialMLP reading the stacked
+experts' seed weights) and CP 2 × EP 2 (2 ranks) train the same loss curve and gradient norms as world size 1. EP 2's step-3 checkpoint
 resumes under EP 2 as its straight run, and a resume at EP 1 is refused
 before anything is read (megatron-core 0.16 keeps the experts' optimizer state apart only when ep > 1). A tiny
 Mixtral trains too, with an expert capacity that drops tokens. Core's expert-load metrics (primus.core.expert_load)
@@ -38,6 +38,8 @@ def runs(tmp_path_factory):
     # megatron's own loop of experts (SequentialMLP: core's reference grouped_gemm) here, grouped GEMMs elsewhere
     out["tp2_ep2"] = train(MOE, root / "tp2_ep2", 4, seed, "parallel.tp=2", "parallel.sequence_parallel=true",
                            "parallel.ep=2", "kernels.grouped_gemm=torch")  # fmt: skip
+    # each rank half of every sequence (the primus ring attention), the experts split over the same two ranks
+    out["cp2_ep2"] = train(MOE, root / "cp2_ep2", 2, seed, "parallel.cp=2", "parallel.ep=2")
     ckpt = root / "ckpt"
     ckpt.mkdir()
     shutil.copytree(root / "ep2" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
@@ -57,15 +59,15 @@ def test_moe_models_train(runs):
         assert all(0.5 < a < experts for a in aux), (name, aux)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep4", "tp2_ep2"])
+@pytest.mark.parametrize("layout", ["ep2", "ep4", "tp2_ep2", "cp2_ep2"])
 def test_expert_parallel_layouts_match_world_size_1(runs, layout):
     assert losses(runs[layout]) == pytest.approx(losses(runs["ref"]), abs=LOSS_TOL)
     norms = [r["grad_norm"] for r in runs[layout]]
     assert norms == pytest.approx([r["grad_norm"] for r in runs["ref"]], rel=1e-4)
-    # the routers' expert load, summed over ranks (EP: each rank routes its own tokens; TP + SP: its sequence shard)
+    # the routers' expert load, summed over ranks (EP: each rank routes its own tokens; TP + SP, CP: its sequence shard)
     for key in ("moe_load_max", "moe_load_min"):
         assert [r[key] for r in runs[layout]] == pytest.approx([r[key] for r in runs["ref"]], rel=1e-6), key
-    # megatron's aux loss per routed batch: TP + SP ranks each hold part of a batch's, EP ranks their own batches'
+    # megatron's aux loss per routed batch: TP + SP and CP ranks each hold part of a batch's, EP ranks their own batches'
     aux = [r["moe_aux_loss"] for r in runs[layout]]
     assert aux == pytest.approx([r["moe_aux_loss"] for r in runs["ref"]], rel=1e-5)
 

@@ -67,7 +67,12 @@ def test_profiling_health_and_fault_injection_are_accepted():
             "exceeds",
         ),
         (["train.precision=fp16"], 1, "train.precision", "loss scaling"),
-        (["model.moe.num_experts=4", "train.init=engine", "kernels.fp8=tensorwise"], 1, "kernels.fp8", "expert"),
+        (
+            ["model.moe.num_experts=4", "train.precision=bf16", "kernels.fp8=rowwise", "kernels.grouped_gemm=torch"],
+            1,
+            "kernels.grouped_gemm",
+            "stacked expert weights",
+        ),
         (["model.moe.num_experts=4", "model.moe.balancing=loss_free"], 1, "model.moe.balancing", "sigmoid router"),
         (["model.moe.num_experts=4", "kernels.moe_permute=triton"], 1, "kernels.moe_permute", "token dispatcher"),
         (["model.moe.num_experts=4", "kernels.moe_router=triton"], 1, "kernels.moe_router", "TopKRouter"),

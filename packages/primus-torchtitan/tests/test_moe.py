@@ -4,8 +4,8 @@ on primus-turbo's grouped_mm (ProviderGroupedExperts) or torchtitan's own (a loo
 
 From core's canonical initial weights (routers and experts by their Hugging Face names), a tiny Qwen3-MoE trains;
 2 ranks with FSDP2 and expert parallelism 2 (each rank holds half the experts, the tokens exchanged all-to-all)
-train world size 1's loss curve and gradient norms (measured: FSDP2 alone equals it too), as do TP 2, PP 2 and
-TP 2 x EP 2 x FSDP 2; world size 1's step-3 checkpoint resumed under expert parallelism 2 continues its curve.
+train world size 1's loss curve and gradient norms (measured: FSDP2 alone equals it too), as do TP 2, PP 2,
+TP 2 x EP 2 x FSDP 2 and CP 2 x EP 2; world size 1's step-3 checkpoint resumed under expert parallelism 2 continues its curve.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def runs(tmp_path_factory):
     primus_train(MOE, root / "tp2", "parallel.tp=2", nproc=2)
     primus_train(MOE, root / "pp2", "parallel.pp=2", nproc=2)
     primus_train(MOE, root / "tp2_ep2", "parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2", nproc=4)
+    primus_train(MOE, root / "cp2_ep2", "parallel.cp=2", "parallel.ep=2", nproc=2)  # EP borrows the CP ranks
     # primus-turbo's Triton router and permute / unpermute (Triton's interpreter on the CPU) under EP 2 (the tokens
     # handed over by the all-to-all), loss-free balancing's expert bias choosing
     triton = {"PRIMUS_TEST_TRITON_ON_CPU": "1", "TRITON_INTERPRET": "1"}
@@ -44,7 +45,7 @@ def runs(tmp_path_factory):
     shutil.copytree(root / "ws1" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
     resume = (f"checkpoint.dir={ckpt}", "checkpoint.enabled=true", "parallel.dp_shard=2", "parallel.ep=2")
     primus_train(MOE, root / "ep2_resume", *resume, nproc=2, resume=True)
-    names = ("ws1", "ep2", "ep4", "ep2_resume", "tp2", "pp2", "tp2_ep2", "turbo_moe_ep2")
+    names = ("ws1", "ep2", "ep4", "ep2_resume", "tp2", "pp2", "tp2_ep2", "cp2_ep2", "turbo_moe_ep2")
     out = {name: metrics(root / name) for name in names}
     out["turbo_moe_kernels"] = summary(proc)["kernels"]
     out["experts"] = {name: json.loads((root / name / "summary.json").read_text())["kernels"]["grouped_gemm"]
@@ -70,11 +71,13 @@ def test_expert_parallel_2_matches_world_size_1(runs):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=1e-6), key
 
 
-@pytest.mark.parametrize("layout", ["ep4", "tp2", "tp2_ep2", "pp2"])
+@pytest.mark.parametrize("layout", ["ep4", "tp2", "tp2_ep2", "pp2", "cp2_ep2"])
 def test_other_layouts_match_world_size_1(runs, layout):
     """EP 4 × FSDP 4 (2 experts a rank), TP 2 (the experts tensor-parallel, the router's gradient reduced over TP: compat.router_gate_partial_grad;
     without it the gate weights part across ranks from step 1), TP 2 x EP 2 x FSDP 2 (4 ranks, the experts
-    tensor-parallel inside each expert-parallel group) and PP 2 (one MoE layer per stage)."""
+    tensor-parallel inside each expert-parallel group), PP 2 (one MoE layer per stage) and CP 2 x EP 2 (each rank
+    half of every sequence, ring attention; the experts split over the same two ranks, torchtitan's EP borrowing the
+    CP dimension; the expert load summed over both halves)."""
     ref, got = runs["ws1"], runs[layout]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_RTOL)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)

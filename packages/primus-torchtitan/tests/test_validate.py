@@ -35,7 +35,6 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
         (MOE + ["model.moe.balancing=aux_loss"], 1, "model.moe.balancing", "has no auxiliary loss"),
         (MOE + ["model.moe.first_dense_layers=1"], 1, "model.moe.first_dense_layers", "every layer"),
         (MOE + ["model.moe.capacity_factor=1.5"], 1, "model.moe.capacity_factor", "drops no tokens"),
-        (MOE + ["parallel.cp=2"], 2, "parallel.cp", "not wired for mixture-of-experts"),
         (
             MOE
             + ["parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"]

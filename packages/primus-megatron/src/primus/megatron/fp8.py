@@ -22,6 +22,11 @@ Refused (:func:`issues`): ``fp8_recipe.implementation: torchao`` (torchao swaps
 never in its state dict. The recipe's first/last bf16 blocks are counted in global layer numbers
 (pipeline stages and virtual stages included); the output head is megatron's vocab-parallel linear and
 stays bf16 (``bf16_output_head: false`` is refused).
+
+Mixture-of-experts blocks in FP8 (:func:`primus.megatron.layer_spec.moe_spec`): the routed experts
+(:class:`~primus.megatron.experts.StackedExperts`) run on the provider's FP8 grouped GEMM (``grouped_gemm_for``), the
+shared experts' linears are these FP8 linears, the router stays bf16. Megatron's per-expert SequentialMLP
+(``kernels.grouped_gemm: torch``) is refused with FP8.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks
 from primus.core.protocols import ConfigIssue
 
 log = logging.getLogger("primus.megatron")
+
+
+# why FP8 experts must be StackedExperts (megatron's SequentialMLP keeps one linear pair per expert)
+FP8_EXPERTS_NEED = "FP8 experts run as the FP8 provider's grouped GEMM over stacked expert weights"
 
 
 def fp8_layer_numbers(kernels: Any, num_layers: int) -> set[int]:

@@ -167,40 +167,65 @@ def experts_layout(kernels: dict[str, KernelProvider]) -> str:
     return PER_EXPERT if experts_impl(kernels)[0] is None else STACKED
 
 
-def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules) -> ModuleSpec:
+def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules, fp8: Any = None) -> ModuleSpec:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     gemm, _ = experts_impl(kernels)
     if gemm is None:
+        if fp8 is not None:  # validation refuses kernels.grouped_gemm: torch with fp8; here `auto` found no other
+            from primus.megatron.fp8 import FP8_EXPERTS_NEED
+
+            raise RuntimeError(
+                f"FP8 experts: {FP8_EXPERTS_NEED}, and no grouped_gemm provider but core's loop is available"
+            )
         return ModuleSpec(module=SequentialMLP, submodules=submodules)
     from primus.megatron.experts import StackedExperts
 
-    params = {"gemm": gemm.impl, "swiglu": _impl(kernels, "swiglu")}
+    gemm_impl = gemm.impl if fp8 is None else fp8_grouped_gemm(fp8, kernels["fp8"])
+    params = {"gemm": gemm_impl, "swiglu": _impl(kernels, "swiglu")}
     return ModuleSpec(module=StackedExperts, submodules=submodules, params=params)
 
 
-def moe_spec(kernels: dict[str, KernelProvider], shared: bool) -> ModuleSpec:
+def fp8_grouped_gemm(fp8: Any, provider: KernelProvider) -> Any:
+    """The FP8 provider's grouped GEMM (``grouped_gemm_for``) under the config's recipe (``fp8`` the KernelsConfig)."""
+    from primus.core.kernels.fp8_recipe import Fp8Recipe
+
+    impl = provider.load()
+    if not hasattr(impl, "grouped_gemm_for"):
+        raise RuntimeError(f"FP8 provider {provider.name!r} has no grouped GEMM for the routed experts")
+    return impl.grouped_gemm_for(Fp8Recipe.from_config(fp8))
+
+
+def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None) -> ModuleSpec:
     """megatron-core's MoE layer (router, token dispatcher) with its routed experts as grouped GEMMs
     (:class:`~primus.megatron.experts.StackedExperts`: the ``grouped_gemm`` and ``swiglu`` providers over all local
     experts' stacked weights at once) or, with core's reference loop as the ``grouped_gemm`` provider, as megatron's
     own loop of local MLPs (SequentialMLP, which computes the same) with core's SwiGLU (:data:`EXPERT_SWIGLU`).
     Shared experts (one MLP of their summed width, when the model has them) take the ``swiglu`` provider, as a
-    dense MLP."""
+    dense MLP. ``fp8`` (the KernelsConfig, in an FP8 block): the stacked experts on the FP8 provider's grouped GEMM,
+    the shared experts' linears FP8 ones; the router stays bf16."""
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-    def mlp(swiglu: Any) -> MLPSubmodules:
+    lin = {"linear_fc1": ColumnParallelLinear, "linear_fc2": RowParallelLinear}
+    if fp8 is not None:
+        from primus.megatron.fp8 import linear_specs
+
+        lin.update((k, v) for k, v in linear_specs(fp8, kernels["fp8"]).items() if k in lin)
+
+    def mlp(swiglu: Any, linears: dict[str, Any]) -> MLPSubmodules:
         return MLPSubmodules(
-            linear_fc1=ColumnParallelLinear,
-            linear_fc2=RowParallelLinear,
+            linear_fc1=linears["linear_fc1"],
+            linear_fc2=linears["linear_fc2"],
             activation_func=ModuleSpec(module=KernelSwiGLU, params={"kernel": swiglu}),
         )
 
+    plain = {"linear_fc1": ColumnParallelLinear, "linear_fc2": RowParallelLinear}
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(
-            experts=_experts_spec(kernels, mlp(EXPERT_SWIGLU)),
-            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp(_impl(kernels, "swiglu")))
+            experts=_experts_spec(kernels, mlp(EXPERT_SWIGLU, plain), fp8),
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp(_impl(kernels, "swiglu"), lin))
             if shared
             else None,
         ),
@@ -272,16 +297,25 @@ def _layer_specs(config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bo
     """This chunk's n block specs; with ``fp8`` (KernelsConfig, fp8 on) the blocks the recipe keeps in FP8
     (global layer numbers: pipeline offset included) get FP8 linears; with experts (``config.moe_layer_freq``, one
     flag per global layer) the MoE layers get megatron's MoE layer."""
+    if fp8 is not None and fp8.fp8 != "off":
+        from primus.megatron.fp8 import chunk_fp8_flags
+
+        fp8_flags = chunk_fp8_flags(config, fp8, vp_stage=vp_stage, n=n)
+    else:
+        fp8_flags = [False] * n
+    moe_flags = [False] * n
     if config.num_moe_experts:
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        moe = moe_spec(kernels, shared=bool(config.moe_shared_expert_intermediate_size))
-        flags = config.moe_layer_freq[offset : offset + n]
-        return [layer_spec(kernels, qk_norm=qk_norm, moe=moe if on else None) for on in flags]
-    if fp8 is None or fp8.fp8 == "off":
-        return [layer_spec(kernels, qk_norm=qk_norm)] * n
-    from primus.megatron.fp8 import chunk_fp8_flags
+        moe_flags = config.moe_layer_freq[offset : offset + n]
+    shared = bool(config.moe_shared_expert_intermediate_size)
 
-    plain, fp8_spec = layer_spec(kernels, qk_norm=qk_norm), layer_spec(kernels, qk_norm=qk_norm, fp8=fp8)
-    return [fp8_spec if on else plain for on in chunk_fp8_flags(config, fp8, vp_stage=vp_stage, n=n)]
+    @functools.cache
+    def spec(moe: bool, in_fp8: bool) -> ModuleSpec:
+        block_fp8 = fp8 if in_fp8 else None
+        return layer_spec(
+            kernels, qk_norm=qk_norm, fp8=block_fp8, moe=moe_spec(kernels, shared, block_fp8) if moe else None
+        )
+
+    return [spec(bool(moe), in_fp8) for moe, in_fp8 in zip(moe_flags, fp8_flags, strict=True)]

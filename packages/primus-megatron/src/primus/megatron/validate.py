@@ -234,8 +234,9 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     out: list[ConfigIssue] = []
     if p.fsdp is True and p.shard_size(1) > 1:
         out.append(ConfigIssue("parallel.fsdp", "FSDP2 of expert weights is not wired", True, "false or auto"))
-    if cfg.kernels.fp8 != "off":
-        out.append(ConfigIssue("kernels.fp8", "FP8 expert linears are not wired", cfg.kernels.fp8, "off"))
+    if cfg.kernels.fp8 != "off" and cfg.kernels.grouped_gemm == "torch":
+        why = f"{fp8.FP8_EXPERTS_NEED}; kernels.grouped_gemm: torch gives megatron's per-expert SequentialMLP"
+        out.append(ConfigIssue("kernels.grouped_gemm", why, "torch", "auto or a grouped provider (grouped_mm)"))
     for op, why in MEGATRON_MOE_OPS.items():
         if (choice := getattr(cfg.kernels, op)) not in ("auto", "torch"):
             out.append(ConfigIssue(f"kernels.{op}", why, choice, "auto, torch"))

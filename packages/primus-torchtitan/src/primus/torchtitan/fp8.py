@@ -1,8 +1,11 @@
 """FP8 linears in torchtitan's model (``kernels.fp8``): the block linears swapped for the selected FP8
 provider's (primus-turbo's ``Float8Linear`` or torchao's), before TP / FSDP / AC / compile are applied.
 
-Swapped: ``layers.<i>.attention.{wq,wk,wv,wo}`` and ``layers.<i>.feed_forward.{w1,w2,w3}`` of blocks
-outside the recipe's first/last ``bf16_*_layers``; the output head only with ``bf16_output_head: false``.
+Swapped: ``layers.<i>.attention.{wq,wk,wv,wo}``, ``layers.<i>.feed_forward.{w1,w2,w3}`` and a mixture-of-experts
+block's shared experts ``layers.<i>.moe.shared_experts.{w1,w2,w3}`` of blocks outside the recipe's first/last
+``bf16_*_layers``; the output head only with ``bf16_output_head: false``. The routed experts of those blocks
+(``layers.<i>.moe.experts``) run on the provider's FP8 grouped GEMM (``grouped_gemm_for``,
+:mod:`primus.turbo.fp8.grouped`); the routers stay in bf16.
 Under FSDP primus-turbo's linear gets its parameters all-gathered in bf16 as usual and casts them to fp8 inside
 each GEMM; torchao's tensorwise linear has FSDP2 all-gather them in e4m3 (:func:`fsdp_fp8_all_gather`).
 Under tensor parallelism primus-turbo's linear runs its GEMMs on the DTensor shards
@@ -18,12 +21,15 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks
+from primus.core.kernels.fp8_recipe import FP8_EXPERTS_NOTE, config_issues, fp8_blocks
 from primus.core.protocols import ConfigIssue
 
 log = logging.getLogger("primus.torchtitan")
 
-BLOCK_LINEAR = re.compile(r"^layers\.(\d+)\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3))$")
+BLOCK_LINEAR = re.compile(
+    r"^layers\.(\d+)\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3)|moe\.shared_experts\.(w1|w2|w3))$"
+)
+EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts$")
 OUTPUT_HEAD = "output"
 
 
@@ -32,9 +38,9 @@ def keeps_bf16(name: str, *, num_layers: int, recipe: Any) -> bool:
     config section: bf16_first_layers / bf16_last_layers / bf16_output_head)."""
     if name == OUTPUT_HEAD:
         return recipe.bf16_output_head
-    match = BLOCK_LINEAR.match(name)
+    match = BLOCK_LINEAR.match(name) or EXPERTS.match(name)
     if match is None:
-        return True  # not a dense block linear (e.g. an MoE router): left alone
+        return True  # not a block linear or the routed experts (e.g. an MoE router): left alone
     block = int(match.group(1))
     return block not in fp8_blocks(num_layers, recipe.bf16_first_layers, recipe.bf16_last_layers)
 
@@ -68,11 +74,26 @@ def fp8_swap(cfg: Any, provider: Any) -> Callable[[Any], list[str]]:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         recipe = replace(config_recipe, fp8_all_gather=fsdp_fp8_all_gather(cfg, provider, world))
         names = convert(model, recipe, skip)
+        experts = fp8_experts(model, convert.grouped_gemm_for(recipe), skip) if cfg.model.moe is not None else []
         gather = "fp8" if recipe.fp8_all_gather else "bf16"
-        log.info("fp8 (%s, %s): %d linears swapped; FSDP all-gather %s", provider.name, recipe.mode, len(names), gather)
-        return names
+        log.info(
+            "fp8 (%s, %s): %d linears swapped, %d layers' routed experts on FP8 grouped GEMMs; FSDP all-gather %s",
+            provider.name, recipe.mode, len(names), len(experts), gather,
+        )  # fmt: skip
+        return names + experts
 
     return swap
+
+
+def fp8_experts(model: Any, gemm: Callable[..., Any], skip: Callable[[str, Any], bool]) -> list[str]:
+    """The routed experts of the FP8 blocks onto the FP8 grouped GEMM ``gemm`` (whatever ran them before: torchtitan's
+    own or the grouped_gemm provider; the parameters are the same). Returns their names."""
+    from primus.torchtitan.kernels import use_grouped_gemm
+
+    names = [name for name, module in model.named_modules() if EXPERTS.match(name) and not skip(name, module)]
+    for name in names:
+        use_grouped_gemm(model.get_submodule(name), gemm)
+    return names
 
 
 def choice(cfg: Any, provider: Any) -> Any:
@@ -87,11 +108,18 @@ def choice(cfg: Any, provider: Any) -> Any:
             "kernels.fp8: torchao's FP8 linears cannot run under parallel.tp > 1 in this backend, and "
             "primus-turbo's FP8 linear is not available here; use parallel.tp: 1 or kernels.fp8: off"
         )
+    if cfg.model.moe is not None and not hasattr(provider.load(), "grouped_gemm_for"):
+        raise UserError(
+            f"kernels.fp8: FP8 provider {provider.name!r} has no grouped GEMM for the routed experts, and "
+            "primus-turbo's FP8 provider is not available here; use kernels.fp8: off"
+        )
     r = cfg.kernels.fp8_recipe
     note = (
         f"{cfg.kernels.fp8}, grads {r.grad_dtype}, {r.scaling} scaling; bf16 first {r.bf16_first_layers} / last "
         f"{r.bf16_last_layers} blocks{', output head bf16' if r.bf16_output_head else ''}"
     )
+    if cfg.model.moe is not None:
+        note += f"; {FP8_EXPERTS_NOTE}"
     return Choice("fp8", provider.name, fp8_swap(cfg, provider), note)
 
 

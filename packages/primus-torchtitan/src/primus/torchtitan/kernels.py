@@ -356,6 +356,11 @@ def _retype(module: nn.Module, cls: type, kernel: Callable[..., Any]) -> None:
     module.kernel = kernel
 
 
+def use_grouped_gemm(module: nn.Module, kernel: Callable[..., torch.Tensor]) -> None:
+    """torchtitan's ``GroupedExperts`` (or a :class:`ProviderGroupedExperts`) onto the grouped GEMM ``kernel``."""
+    _retype(module, ProviderGroupedExperts, kernel)
+
+
 def _is_feed_forward(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("w1", "w2", "w3")) and not hasattr(
         module, "experts"

@@ -173,9 +173,6 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if e.capacity_factor is not None:
         why = "torchtitan 0.2.2's MoE drops no tokens (no expert capacity)"
         out.append(ConfigIssue("model.moe.capacity_factor", why, value=e.capacity_factor, allowed="null"))
-    if p.cp != 1:
-        why = "not wired for mixture-of-experts models on the torchtitan backend yet"
-        out.append(ConfigIssue("parallel.cp", why, value=p.cp, allowed="1"))
     etp = extra_value(cfg.backend.extra, "parallelism.expert_tensor_parallel_degree")
     if etp not in (None, p.tp):
         why = (
@@ -184,9 +181,6 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         )
         key = "backend.extra.parallelism.expert_tensor_parallel_degree"
         out.append(ConfigIssue(key, why, value=etp, allowed=f"{p.tp} (parallel.tp)"))
-    if cfg.kernels.fp8 != "off":
-        why = "FP8 expert linears are not wired"
-        out.append(ConfigIssue("kernels.fp8", why, value=cfg.kernels.fp8, allowed="off"))
     return out
 
 

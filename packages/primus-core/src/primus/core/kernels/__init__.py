@@ -34,7 +34,9 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
   ``indices`` ``[T, k]`` int64. Differentiable in logits.
 
 FP8 linears (``kernels.fp8`` not ``off``) are ``gemm`` providers picked by :func:`select_fp8` and returned
-under the key ``"fp8"``; their impl is ``convert_to_fp8(model, recipe, skip) -> names swapped``.
+under the key ``"fp8"``; their impl is ``convert_to_fp8(model, recipe, skip) -> names swapped``. One that also offers
+``convert_to_fp8.grouped_gemm_for(recipe) -> grouped_gemm`` (the ``grouped_gemm`` contract with FP8 operands) runs a
+mixture-of-experts model's experts in the FP8 blocks.
 """
 
 from __future__ import annotations

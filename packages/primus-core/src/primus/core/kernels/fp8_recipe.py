@@ -11,6 +11,9 @@ E5M2_MAX = 57344.0  # torch.float8_e5m2
 # NaN, exponent bias one higher, so e4m3fnuz tops out at 240)
 FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX, "e4m3fnuz": 240.0, "e5m2fnuz": 57344.0}
 GEMM_ALIGN = 16  # torch._scaled_mm on CUDA: every GEMM dim a multiple of 16
+# what a run's kernel plan says of a mixture-of-experts model's experts under kernels.fp8 (the limits of torch's
+# grouped FP8 kernel, which primus-turbo's grouped GEMM follows on every device)
+FP8_EXPERTS_NOTE = "routed experts on FP8 grouped GEMMs (e4m3 gradients, bf16 out)"
 
 
 def fp8_blocks(num_layers: int, bf16_first: int, bf16_last: int) -> range:
@@ -91,8 +94,8 @@ def delayed_rowwise_reason() -> str:
 
 def config_issues(cfg: Any, *, engine: str) -> list[Any]:
     """What both engines refuse for ``kernels.fp8`` (without importing torch): fp32 compute, delayed
-    rowwise, delayed under torch.compile, no block left in FP8, and GEMM dims ``_scaled_mm`` cannot take
-    (each named)."""
+    rowwise, delayed under torch.compile, no block left in FP8, GEMM dims ``_scaled_mm`` cannot take
+    (each named), and for a mixture-of-experts model what its FP8 experts cannot do (:func:`_moe_issues`)."""
     from primus.core.protocols import ConfigIssue
 
     k, m, t = cfg.kernels, cfg.model, cfg.train
@@ -143,6 +146,9 @@ def config_issues(cfg: Any, *, engine: str) -> list[Any]:
     }
     if not r.bf16_output_head:
         dims["model.vocab_size (output head out features)"] = m.vocab_size
+    if m.moe is not None:
+        dims["model.moe.expert_ffn_hidden_size (each expert's width)"] = m.moe.expert_ffn_hidden_size
+        out.extend(_moe_issues(k))
     for what, dim in dims.items():
         if dim % GEMM_ALIGN:
             out.append(
@@ -154,4 +160,20 @@ def config_issues(cfg: Any, *, engine: str) -> list[Any]:
                     allowed="off, or dims that are multiples of 16",
                 )
             )
+    return out
+
+
+def _moe_issues(k: Any) -> list[Any]:
+    """FP8 experts run on the FP8 provider's grouped GEMM (primus-turbo's: ``torch._scaled_grouped_mm``), which scales
+    by the current amax only (delayed histories would be one per expert and group of tokens); torchao's FP8 provider
+    swaps ``nn.Linear`` modules only and has no grouped GEMM here."""
+    from primus.core.protocols import ConfigIssue
+
+    out = []
+    if k.fp8_recipe.scaling == "delayed":
+        why = "a mixture-of-experts model's FP8 experts scale by the current amax (no history per expert and group)"
+        out.append(ConfigIssue("kernels.fp8_recipe.scaling", why, value="delayed", allowed="current"))
+    if k.fp8_recipe.implementation == "torchao":
+        why = "torchao's FP8 provider has no grouped GEMM for a mixture-of-experts model's experts here"
+        out.append(ConfigIssue("kernels.fp8_recipe.implementation", why, value="torchao", allowed="primus or auto"))
     return out

@@ -168,7 +168,6 @@ def step_time(
 ) -> StepTime:
     lps = math.ceil(model.num_layers / layout.pp)
     m = layout.micro_batches
-    pc = count_params(model)
     hbm = dev.hbm_gbps * 1e9
     rows, passes = tokens_per_expert(model, layout, seq_len), layout.engine_profile.moe_dispatch_passes
     bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev, "off", kernels.compiled, rows, passes).values())
@@ -183,11 +182,12 @@ def step_time(
     tokens_per_micro_batch = layout.micro_batch * seq_len / (layout.tp * layout.cp)
     tp_slowdown = TP_EFFICIENCY ** math.log2(layout.tp)
     compute = m * tokens_per_micro_batch * token_s / tp_slowdown
-    params, _ = stage_params(model, layout)
+    params, layer_params = stage_params(model, layout)
     fp8_weight_casts = 0.0
-    # each micro-batch casts the stage's weights (and a transposed copy)
+    # each micro-batch casts the stage's weights (and a transposed copy): a device's share of each layer's, its
+    # E / ep routed experts included
     if kernels.fp8 != "off" and dev.fp8_peak_flops:
-        fp8_weight_casts = m * 2 * cal.FP8_CAST_BYTES_PER_ELEMENT * lps * pc.per_layer / layout.tp * fp8_share / hbm
+        fp8_weight_casts = m * 2 * cal.FP8_CAST_BYTES_PER_ELEMENT * lps * layer_params * fp8_share / hbm
     ep_comm = expert_all_to_all(model, layout, seq_len, dev, gpus_per_node)
     # the routed experts on this stage, whose whole per-parameter work counts (calibration.EXPERT_STEP_BYTES_PER_PARAM)
     experts = lps * layer_mean(model, 0.0, routed_expert_params(model) / layout.ep) if model.moe is not None else 0.0

@@ -311,8 +311,17 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, skip: Skip = None) -> li
     return swapped
 
 
+def grouped_gemm_for(recipe: Fp8Recipe) -> Callable[..., torch.Tensor]:
+    """The experts' ``grouped_gemm(x, w, offs)`` in FP8 under ``recipe`` (:mod:`primus.turbo.fp8.grouped`)."""
+    from primus.turbo.fp8.grouped import grouped_gemm_for as bind
+
+    return bind(recipe)
+
+
 # What an engine that keeps its own linear modules (megatron's tensor-parallel ones) takes from this provider:
-# the provider's impl is convert_to_fp8, and the function and state it is built on ride along with it.
+# the provider's impl is convert_to_fp8, and the function and state it is built on ride along with it; and what a
+# mixture-of-experts model's experts run on.
 convert_to_fp8.fp8_linear = fp8_linear
 convert_to_fp8.Fp8State = Fp8State
 convert_to_fp8.for_device = for_device
+convert_to_fp8.grouped_gemm_for = grouped_gemm_for
