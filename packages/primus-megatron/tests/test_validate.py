@@ -74,6 +74,7 @@ def test_profiling_health_and_fault_injection_are_accepted():
             "stacked expert weights",
         ),
         (["model.moe.num_experts=4", "model.moe.balancing=loss_free"], 1, "model.moe.balancing", "sigmoid router"),
+        (["model.moe.num_experts=4", "parallel.fsdp=true", "parallel.dp_shard=2"], 2, "parallel.fsdp", "save hangs"),
         (["model.moe.num_experts=4", "kernels.moe_permute=triton"], 1, "kernels.moe_permute", "token dispatcher"),
         (["model.moe.num_experts=4", "kernels.moe_router=triton"], 1, "kernels.moe_router", "TopKRouter"),
         (["train.compile=true"], 1, "train.compile", "torch.compile"),

@@ -233,7 +233,14 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     p = cfg.parallel
     out: list[ConfigIssue] = []
     if p.fsdp is True and p.shard_size(1) > 1:
-        out.append(ConfigIssue("parallel.fsdp", "FSDP2 of expert weights is not wired", True, "false or auto"))
+        why = (
+            "FSDP2 of expert weights is not wired: measured, FSDP2 at ep 1 trains one rank's MoE curve but its "
+            "checkpoint fails (stacked experts: no sharded tensor matches the FSDP2 parameter; megatron's per-expert "
+            "SequentialMLP: the save hangs), and ep > 1 needs the experts sharded over their own data-parallel group, "
+            "which megatron-core 0.16's TorchFullyShardedDataParallel does not do; the distributed optimizer "
+            "(parallel.fsdp: false) shards the experts' optimizer state"
+        )
+        out.append(ConfigIssue("parallel.fsdp", why, True, "false or auto"))
     if cfg.kernels.fp8 != "off" and cfg.kernels.grouped_gemm == "torch":
         why = f"{fp8.FP8_EXPERTS_NEED}; kernels.grouped_gemm: torch gives megatron's per-expert SequentialMLP"
         out.append(ConfigIssue("kernels.grouped_gemm", why, "torch", "auto or a grouped provider (grouped_mm)"))
