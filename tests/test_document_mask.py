@@ -4,7 +4,7 @@ its own document (documents end at the tokenizer's EOS).
 From core's canonical initial weights (fp32, gloo), Megatron and TorchTitan train the same masked loss curve, which
 differs from the unmasked one from the same weights; TP 2 with sequence parallelism on Megatron (the documents of
 the whole sequence at the core attention) and PP 2 on TorchTitan (the documents split by micro-batch and handed to
-both stages) train it too, and evaluation (forward only) masks the same way on both. That the mask is causal
+both stages) train it too, as does TorchTitan's qwen3 under TP 2 its own one-rank curve, and evaluation (forward only) masks the same way on both. That the mask is causal
 attention within each document is core's unit test (packages/primus-core/tests/test_kernels.py). Refused: a layout
 whose attention cannot mask by document, before anything is written.
 """
@@ -20,12 +20,16 @@ from hf_helpers import run_config, train
 STEPS = 4
 LOSS_RTOL = 1e-5  # fp32: reduction order only (measured: equal to 1e-6)
 EVAL = {"holdout": 0.1, "interval": STEPS, "batches": 1}
+QWEN3 = ["model.family=qwen3", "model.qk_norm=true", "model.head_dim=64"]
 RUNS = {
     "megatron": ("megatron", 1, []),
     "torchtitan": ("torchtitan", 1, []),
     "megatron-tp2-sp": ("megatron", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "torchtitan-pp2": ("torchtitan", 2, ["parallel.pp=2"]),
     "megatron-unmasked": ("megatron", 1, ["data.document_mask=false"]),
+    # qwen3 (per-head q/k norms): under TP its attention runs on each rank's heads (HeadShardedAttention), documents too
+    "torchtitan-qwen3": ("torchtitan", 1, QWEN3),
+    "torchtitan-qwen3-tp2": ("torchtitan", 2, [*QWEN3, "parallel.tp=2"]),
 }
 
 
@@ -60,6 +64,15 @@ def test_both_engines_and_layouts_train_the_same_masked_curve(runs):
     assert max(abs(a - b) for a, b in zip(unmasked, ref, strict=True)) > 1e-3
 
 
+def test_qwen3_under_tensor_parallelism_masks_by_document(runs):
+    """TorchTitan's qwen3 under TP 2 (its attention on head-sharded DTensors, the provider on each rank's heads with
+    the whole sequence's documents): one rank's masked curve and evaluation loss."""
+    ref = runs["torchtitan-qwen3"]
+    for key in ("loss", "eval_loss"):
+        assert _losses(runs["torchtitan-qwen3-tp2"], key) == pytest.approx(_losses(ref, key), rel=LOSS_RTOL), key
+    assert _losses(ref) != pytest.approx(_losses(runs["torchtitan"]), rel=1e-3)  # a different model: qwen3 ran
+
+
 def test_evaluation_masks_by_document_too(runs):
     ref = _losses(runs["megatron"], "eval_loss")
     assert len(ref) == 1
@@ -72,7 +85,6 @@ def test_evaluation_masks_by_document_too(runs):
     ("backend", "overrides", "says"),
     [
         ("megatron", ["parallel.cp=2"], "data.document_mask: with parallel.cp=2"),
-        ("torchtitan", ["model.family=qwen3", "parallel.tp=2"], "data.document_mask: torchtitan's qwen3 attention"),
         ("megatron", ["kernels.attention=ring"], "cannot mask attention by document"),
     ],
 )

@@ -477,6 +477,25 @@ def test_routed_experts_count_their_whole_per_parameter_work(registry, monkeypat
         assert after - before == pytest.approx(100 * experts / hbm, rel=1e-9)
 
 
+def test_sharded_experts_step_their_share_whatever_the_expert_parallelism(registry, monkeypatch):
+    """Under FSDP or the distributed optimizer a device steps its E / ep experts' share over their own data-parallel
+    group (dp / ep ranks): 1 / dp of all the experts' parameters, the same at every ep (not divided by ep once more)."""
+    from primus.core.planner import calibration as cal
+    from primus.core.planner.memory import routed_expert_params
+    from primus.core.planner.perf import step_time
+
+    m, h200 = _model(registry, "qwen3-30b-a3b"), device("H200")
+    share = m.num_layers * routed_expert_params(m) / 8
+    for mode in ("fsdp", "ddp_distopt"):
+        for ep in (1, 2, 8):
+            lay = _on(ENGINE, mode, 8, ep=ep, micro_batch=1)
+            before = step_time(m, lay, 4096, 8, h200, 8).compute
+            monkeypatch.setattr(cal, "EXPERT_STEP_BYTES_PER_PARAM", cal.EXPERT_STEP_BYTES_PER_PARAM + 100)
+            after = step_time(m, lay, 4096, 8, h200, 8).compute
+            monkeypatch.undo()
+            assert after - before == pytest.approx(100 * share / (h200.hbm_gbps * 1e9), rel=1e-9), (mode, ep)
+
+
 def test_context_parallelism_is_searched_for_long_sequences_with_its_ring_counted(registry):
     """CP layouts are tried from calibration.CP_MIN_SEQ_LEN tokens, each rank keeping CP_MIN_TOKENS_PER_RANK; the
     ring's K/V exchange hides behind a long sequence's attention (only the per-step cost stays) and shows where the

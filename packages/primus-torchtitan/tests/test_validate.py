@@ -43,7 +43,6 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
             "backend.extra.parallelism.expert_tensor_parallel_degree",
             "torchtitan#2387",
         ),
-        (["data.document_mask=true", *QWEN3, "parallel.tp=2"], 2, "data.document_mask", "cannot mask by document"),
         (["model.head_dim=64"], 1, "model.head_dim", "hidden_size / heads"),
         (["model.qk_norm=true"], 1, "model.qk_norm", "llama3 model has no qk_norm"),
         (["train.precision=fp16"], 1, "train.precision", "no fp16 loss scaling"),

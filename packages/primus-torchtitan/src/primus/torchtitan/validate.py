@@ -262,9 +262,6 @@ def _cp_attention_issue(cfg: PrimusConfig, choice: str, ref: str) -> ConfigIssue
 
 def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     out = []
-    if cfg.data.document_mask and cfg.parallel.tp > 1 and cfg.model.family == "qwen3":
-        why = "torchtitan's qwen3 attention under tensor parallelism (head-sharded DTensors) cannot mask by document"
-        out.append(ConfigIssue("data.document_mask", why, value=True, allowed="false, or parallel.tp 1"))
     for op, ref in REFERENCE_KERNELS.items():
         choice = getattr(cfg.kernels, op)
         if op == "attention" and cfg.parallel.cp > 1 and (issue := _cp_attention_issue(cfg, choice, ref)):

@@ -191,9 +191,13 @@ def step_time(
     ep_comm = expert_all_to_all(model, layout, seq_len, dev, gpus_per_node)
     # the routed experts on this stage, whose whole per-parameter work counts (calibration.EXPERT_STEP_BYTES_PER_PARAM)
     experts = lps * layer_mean(model, 0.0, routed_expert_params(model) / layout.ep) if model.moe is not None else 0.0
-    per_param_bytes = layout.engine_profile.optimizer_bytes_per_param * (params - experts)
-    per_param_bytes += cal.EXPERT_STEP_BYTES_PER_PARAM * experts
-    optimizer = per_param_bytes / (layout.dp * layout.cp if layout.dp_mode != "ddp" else 1) / hbm
+    dense_bytes = layout.engine_profile.optimizer_bytes_per_param * (params - experts)
+    expert_bytes = cal.EXPERT_STEP_BYTES_PER_PARAM * experts
+    if layout.dp_mode != "ddp":  # sharded: the dense weights over dp · cp, the E / ep experts over their own
+        # data-parallel group (dp · cp / ep ranks: the experts differ across the ep ranks)
+        dense_bytes /= layout.dp * layout.cp
+        expert_bytes /= max(1.0, layout.dp * layout.cp / layout.ep)
+    optimizer = (dense_bytes + expert_bytes) / hbm
     compute += fp8_weight_casts + optimizer
     bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
 

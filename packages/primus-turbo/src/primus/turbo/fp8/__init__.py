@@ -5,6 +5,8 @@ GEMM operands are cast).
 - :mod:`.recipe`: :class:`Fp8Recipe` (mode, grad dtype, current/delayed scaling) from ``kernels.fp8*``.
 - :mod:`.quantize`: amax → scale → cast, PyTorch everywhere, fused Triton on a GPU.
 - :mod:`.linear`: the autograd function, :class:`Float8Linear` and :func:`convert_to_fp8`.
+- :mod:`.grouped`: the FP8 grouped GEMM for mixture-of-experts experts (``convert_to_fp8.grouped_gemm_for``).
+- :mod:`.device`: the device's FP8 formats (fnuz on the MI300 series) and the compute dtype, for both.
 - :mod:`.torchao_backend`: the same swap through ``torchao.float8`` where torchao is installed.
 
 Where what runs: ``torch._scaled_mm`` runs on CUDA (compute capability 8.9+, FP8 tensor cores) and, in

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 
 from primus.turbo.availability import rocm_arch
-from primus.turbo.fp8.linear import compute_dtype, for_device
+from primus.turbo.fp8.device import compute_dtype, for_device
 from primus.turbo.fp8.quantize import Impl, quantize, resolve_impl
 from primus.turbo.fp8.recipe import FP8_MAX, Fp8Recipe
 from primus.turbo.fp8.scaling import AMAX_EPS, DTYPES, scale_inv_from_amax

@@ -27,7 +27,6 @@ gradients stay on hipBLASLt, which AITER's kernel does not write.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from functools import partial
 
 import torch
@@ -38,7 +37,8 @@ try:
 except ImportError:  # a torch built without torch.distributed
     DTensor = None
 
-from primus.turbo.availability import rocm_arch
+from primus.turbo.fp8.device import compute_dtype, for_device
+from primus.turbo.fp8.grouped import grouped_gemm_for
 from primus.turbo.fp8.quantize import Impl, Quantized, quantize, resolve_impl
 from primus.turbo.fp8.recipe import GEMM_ALIGN, Fp8Recipe
 
@@ -76,21 +76,6 @@ def _quantize(t: torch.Tensor, fmt: str, role: str, recipe: Fp8Recipe, state: Fp
     q = quantize(t, fmt, rowwise=False, amax=scale_amax, impl=impl)
     state.record(role, q.amax)
     return q
-
-
-def rocm_fp8_formats_are_fnuz() -> bool:
-    """Whether this process's GPU multiplies the fnuz FP8 formats: AMD's gfx94x (MI300 series). gfx950 (MI350
-    series) and NVIDIA take the OCP ones."""
-    if not getattr(torch.version, "hip", None) or not torch.cuda.is_available():
-        return False
-    return rocm_arch().startswith("gfx94")
-
-
-def for_device(recipe: Fp8Recipe) -> Fp8Recipe:
-    """``recipe`` with this device's FP8 formats (``fnuz`` on the MI300 series) and its ROCm GEMM library
-    where there is one (``rocm_gemm`` means nothing elsewhere)."""
-    rocm = bool(getattr(torch.version, "hip", None))
-    return replace(recipe, fnuz=rocm_fp8_formats_are_fnuz(), rocm_gemm=recipe.rocm_gemm if rocm else "hipblaslt")
 
 
 def aiter_scaled_mm(a, b, scale_a, scale_b, out_dtype):
@@ -190,13 +175,6 @@ class _Fp8Linear(torch.autograd.Function):
         dx = mm(dyq, wt, ctx.x_dtype, rowwise=False)
         dw = mm(_transposed(dyq), _transposed(Quantized(xd, xs, xs)), ctx.w_dtype, rowwise=False)
         return dx, dw, None, None, None, None
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype an ``nn.Linear`` would produce here: autocast's when it is on, else the input's."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def fp8_linear(
@@ -309,13 +287,6 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe, skip: Skip = None) -> li
         make_fp8(module, recipe)
         swapped.append(name)
     return swapped
-
-
-def grouped_gemm_for(recipe: Fp8Recipe) -> Callable[..., torch.Tensor]:
-    """The experts' ``grouped_gemm(x, w, offs)`` in FP8 under ``recipe`` (:mod:`primus.turbo.fp8.grouped`)."""
-    from primus.turbo.fp8.grouped import grouped_gemm_for as bind
-
-    return bind(recipe)
 
 
 # What an engine that keeps its own linear modules (megatron's tensor-parallel ones) takes from this provider:
