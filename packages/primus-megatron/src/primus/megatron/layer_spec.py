@@ -207,11 +207,12 @@ def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None) 
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-    lin = {"linear_fc1": ColumnParallelLinear, "linear_fc2": RowParallelLinear}
+    plain = {"linear_fc1": ColumnParallelLinear, "linear_fc2": RowParallelLinear}
+    shared_linears = dict(plain)  # FP8 linears in an FP8 block, as a dense MLP's
     if fp8 is not None:
         from primus.megatron.fp8 import linear_specs
 
-        lin.update((k, v) for k, v in linear_specs(fp8, kernels["fp8"]).items() if k in lin)
+        shared_linears.update((k, v) for k, v in linear_specs(fp8, kernels["fp8"]).items() if k in plain)
 
     def mlp(swiglu: Any, linears: dict[str, Any]) -> MLPSubmodules:
         return MLPSubmodules(
@@ -220,12 +221,11 @@ def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None) 
             activation_func=ModuleSpec(module=KernelSwiGLU, params={"kernel": swiglu}),
         )
 
-    plain = {"linear_fc1": ColumnParallelLinear, "linear_fc2": RowParallelLinear}
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(
             experts=_experts_spec(kernels, mlp(EXPERT_SWIGLU, plain), fp8),
-            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp(_impl(kernels, "swiglu"), lin))
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp(_impl(kernels, "swiglu"), shared_linears))
             if shared
             else None,
         ),
