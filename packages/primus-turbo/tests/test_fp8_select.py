@@ -32,6 +32,20 @@ def test_auto_prefers_primus_fp8_where_both_run(registry, monkeypatch):
     assert select_fp8(asked, registry, "cuda").name == "torchao"
 
 
+def test_a_mixture_of_experts_model_takes_a_provider_with_an_fp8_grouped_gemm(registry, monkeypatch):
+    """Only primus-turbo's FP8 provider offers the experts' FP8 grouped GEMM (its fp8_grouped_gemm feature): chosen
+    for an MoE model; torchao's, even where it runs, is passed over with the reason."""
+    ok = availability.Availability(True, "")
+    monkeypatch.setattr(availability, "fp8", lambda device, **_: ok)
+    monkeypatch.setattr(availability, "torchao_fp8", lambda device, **_: ok)
+    fp8 = select_fp8(KernelsConfig(fp8="rowwise"), registry, "cuda", moe=True)
+    assert fp8.name == "fp8" and hasattr(fp8.load(), "grouped_gemm_for")
+    asked = KernelsConfig(fp8="tensorwise", fp8_recipe={"implementation": "torchao"})
+    assert select_fp8(asked, registry, "cuda").name == "torchao"  # a dense model
+    with pytest.raises(KernelUnavailable, match="torchao: has no FP8 grouped GEMM for a mixture-of-experts"):
+        select_fp8(asked, registry, "cuda", moe=True)
+
+
 def test_torchao_asked_for_on_cpu_names_why(registry):
     cfg = KernelsConfig(fp8="tensorwise", fp8_recipe={"implementation": "torchao"})
     with pytest.raises(KernelUnavailable, match=r"kernels.fp8=tensorwise: cannot run on cpu \(torchao: .*CUDA"):

@@ -107,6 +107,10 @@ DOCUMENTS = "documents"
 #: chunks ``r`` and ``2·cp-1-r`` of ``2·cp``, q ``[b, h, s_local, d]``
 CONTEXT_PARALLEL = "context_parallel"
 
+#: KernelProvider.features entry of an FP8 (``gemm``) provider whose impl offers ``impl.grouped_gemm_for(recipe)``: the
+#: ``grouped_gemm`` contract with FP8 operands, which a mixture-of-experts model's experts run on under ``kernels.fp8``
+FP8_GROUPED_GEMM = "fp8_grouped_gemm"
+
 
 @dataclass(frozen=True)
 class KernelProvider:

@@ -187,13 +187,11 @@ def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules,
 
 
 def fp8_grouped_gemm(fp8: Any, provider: KernelProvider) -> Any:
-    """The FP8 provider's grouped GEMM (``grouped_gemm_for``) under the config's recipe (``fp8`` the KernelsConfig)."""
+    """The FP8 provider's grouped GEMM (``grouped_gemm_for``: core's selection took one with that feature for an MoE
+    model) under the config's recipe (``fp8`` the KernelsConfig)."""
     from primus.core.kernels.fp8_recipe import Fp8Recipe
 
-    impl = provider.load()
-    if not hasattr(impl, "grouped_gemm_for"):
-        raise RuntimeError(f"FP8 provider {provider.name!r} has no grouped GEMM for the routed experts")
-    return impl.grouped_gemm_for(Fp8Recipe.from_config(fp8))
+    return provider.load().grouped_gemm_for(Fp8Recipe.from_config(fp8))
 
 
 def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None) -> ModuleSpec:

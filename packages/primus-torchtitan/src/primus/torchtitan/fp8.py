@@ -108,11 +108,6 @@ def choice(cfg: Any, provider: Any) -> Any:
             "kernels.fp8: torchao's FP8 linears cannot run under parallel.tp > 1 in this backend, and "
             "primus-turbo's FP8 linear is not available here; use parallel.tp: 1 or kernels.fp8: off"
         )
-    if cfg.model.moe is not None and not hasattr(provider.load(), "grouped_gemm_for"):
-        raise UserError(
-            f"kernels.fp8: FP8 provider {provider.name!r} has no grouped GEMM for the routed experts, and "
-            "primus-turbo's FP8 provider is not available here; use kernels.fp8: off"
-        )
     r = cfg.kernels.fp8_recipe
     note = (
         f"{cfg.kernels.fp8}, grads {r.grad_dtype}, {r.scaling} scaling; bf16 first {r.bf16_first_layers} / last "

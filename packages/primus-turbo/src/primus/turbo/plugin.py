@@ -22,7 +22,7 @@ Their impl is the model swap ``convert_to_fp8(model, recipe, skip) -> names swap
 from __future__ import annotations
 
 from primus.core import hookimpl
-from primus.core.protocols import DOCUMENTS, KernelProvider
+from primus.core.protocols import DOCUMENTS, FP8_GROUPED_GEMM, KernelProvider
 
 _CHECK = "primus.turbo.availability"
 
@@ -39,7 +39,7 @@ PROVIDERS = [
     ("grouped_gemm", "grouped_mm", "grouped_gemm:grouped_gemm", "grouped_mm", 20, "torch grouped_mm: every expert's GEMM in one launch (CUTLASS on CUDA, CK on ROCm)", ()),
     # FP8 linears (kernels.fp8)
     ("gemm", "torchao", "fp8.torchao_backend:convert_to_fp8", "torchao_fp8", 20, "FP8 training linears from torchao.float8 (CUDA sm_89+)", ()),
-    ("gemm", "fp8", "fp8.linear:convert_to_fp8", "fp8", 30, "primus-turbo FP8 linear: torch._scaled_mm e4m3 / e5m2, Triton quantization", ()),
+    ("gemm", "fp8", "fp8.linear:convert_to_fp8", "fp8", 30, "primus-turbo FP8 linear: torch._scaled_mm e4m3 / e5m2, Triton quantization", (FP8_GROUPED_GEMM,)),
 ]  # fmt: skip
 
 # op -> (module:function under primus.turbo.triton, description)

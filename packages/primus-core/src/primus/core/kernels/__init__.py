@@ -35,8 +35,8 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
 
 FP8 linears (``kernels.fp8`` not ``off``) are ``gemm`` providers picked by :func:`select_fp8` and returned
 under the key ``"fp8"``; their impl is ``convert_to_fp8(model, recipe, skip) -> names swapped``. One that also offers
-``convert_to_fp8.grouped_gemm_for(recipe) -> grouped_gemm`` (the ``grouped_gemm`` contract with FP8 operands) runs a
-mixture-of-experts model's experts in the FP8 blocks.
+``convert_to_fp8.grouped_gemm_for(recipe) -> grouped_gemm`` (the ``grouped_gemm`` contract with FP8 operands; its
+:data:`~primus.core.protocols.FP8_GROUPED_GEMM` feature) runs a mixture-of-experts model's experts in the FP8 blocks.
 """
 
 from __future__ import annotations
@@ -45,7 +45,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from primus.core.errors import UserError
-from primus.core.protocols import CONTEXT_PARALLEL, DOCUMENTS, KERNEL_OPS, Availability, KernelProvider
+from primus.core.protocols import (
+    CONTEXT_PARALLEL,
+    DOCUMENTS,
+    FP8_GROUPED_GEMM,
+    KERNEL_OPS,
+    Availability,
+    KernelProvider,
+)
 
 if TYPE_CHECKING:
     from primus.core.config.schema import KernelsConfig
@@ -155,7 +162,7 @@ def select_kernels(
             raise KernelUnavailable(
                 f"kernels.{op}: no provider available on {device} ({'; '.join(reasons) or 'none installed'})"
             )
-    if (fp8 := select_fp8(kernels, registry, device)) is not None:
+    if (fp8 := select_fp8(kernels, registry, device, moe=moe)) is not None:
         chosen["fp8"] = fp8
     return chosen
 
@@ -164,9 +171,10 @@ def select_kernels(
 FP8_PROVIDERS = {"primus": "fp8", "torchao": "torchao"}
 
 
-def select_fp8(kernels: KernelsConfig, registry: Registry, device: str) -> KernelProvider | None:
+def select_fp8(kernels: KernelsConfig, registry: Registry, device: str, *, moe: bool = False) -> KernelProvider | None:
     """The FP8 linear provider for ``kernels.fp8`` (None when off); raises :class:`KernelUnavailable`
-    naming why when none can run here."""
+    naming why when none can run here. ``moe``: the model has experts, so only a provider with the
+    :data:`~primus.core.protocols.FP8_GROUPED_GEMM` feature can run it."""
     if kernels.fp8 == "off":
         return None
     recipe = kernels.fp8_recipe
@@ -186,6 +194,9 @@ def select_fp8(kernels: KernelsConfig, registry: Registry, device: str) -> Kerne
         )
     reasons = []
     for prov in candidates:
+        if moe and FP8_GROUPED_GEMM not in prov.features:
+            reasons.append(f"{prov.name}: has no FP8 grouped GEMM for a mixture-of-experts model's experts")
+            continue
         ok = prov.check(device, **constraints)
         if ok:
             log.info("fp8: %s (%s, %s)", prov.name, kernels.fp8, "asked for" if want else "auto")
