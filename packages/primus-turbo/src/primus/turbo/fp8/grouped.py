@@ -43,7 +43,7 @@ from primus.turbo.availability import rocm_arch
 from primus.turbo.fp8.device import compute_dtype, for_device
 from primus.turbo.fp8.quantize import Impl, quantize, resolve_impl
 from primus.turbo.fp8.recipe import FP8_MAX, Fp8Recipe
-from primus.turbo.fp8.scaling import AMAX_EPS, DTYPES, scale_inv_from_amax
+from primus.turbo.fp8.scaling import DTYPES, scale_from_amax, scale_inv_from_amax
 
 ALIGN = 16  # tokens: the wgrad's group starts, 16 bytes of fp8
 
@@ -122,8 +122,7 @@ def _jagged(t: torch.Tensor, group: torch.Tensor, groups: int, fmt: str, rowwise
     else:
         amax = tf.abs().amax().expand(groups + 1, cols)
     fmax = FP8_MAX[fmt]
-    scale = torch.where(torch.isfinite(amax), fmax / amax.clamp(min=AMAX_EPS), 1.0)
-    data = (tf * scale[group]).clamp(-fmax, fmax).to(DTYPES[fmt])
+    data = (tf * scale_from_amax(amax, fmt)[group]).clamp(-fmax, fmax).to(DTYPES[fmt])
     return data, scale_inv_from_amax(amax[:groups], fmt)
 
 

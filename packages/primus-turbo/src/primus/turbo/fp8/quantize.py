@@ -24,7 +24,7 @@ import torch
 from primus.turbo.fp8.recipe import FP8_MAX
 
 # The pieces the Triton quantizer shares live in .scaling (imported by both), and stay importable from here.
-from primus.turbo.fp8.scaling import AMAX_EPS, DTYPES, Quantized, scale_inv_from_amax
+from primus.turbo.fp8.scaling import AMAX_EPS, DTYPES, Quantized, scale_from_amax, scale_inv_from_amax  # noqa: F401
 
 Impl = Literal["auto", "torch", "triton"]
 
@@ -62,9 +62,7 @@ def quantize_torch(x: torch.Tensor, fmt: str, *, rowwise: bool, amax: torch.Tens
     own = xf.abs().amax(dim=-1, keepdim=True) if rowwise else xf.abs().amax()
     scale_amax = own if amax is None else amax.float()
     fmax = FP8_MAX[fmt]
-    finite = torch.isfinite(scale_amax)
-    scale = torch.where(finite, fmax / scale_amax.clamp(min=AMAX_EPS), 1.0)
-    data = (xf * scale).clamp(-fmax, fmax).to(DTYPES[fmt])
+    data = (xf * scale_from_amax(scale_amax, fmt)).clamp(-fmax, fmax).to(DTYPES[fmt])
     return Quantized(data, scale_inv_from_amax(scale_amax, fmt), own)
 
 

@@ -25,6 +25,11 @@ class Quantized(NamedTuple):
     amax: torch.Tensor  # fp32 amax of this input (() or (rows, 1)); for delayed scaling's history
 
 
+def scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``fp8_max / amax`` (amax floored at :data:`AMAX_EPS`), 1 where amax is not finite (see :mod:`.quantize`)."""
+    return torch.where(torch.isfinite(amax), FP8_MAX[fmt] / amax.clamp(min=AMAX_EPS), 1.0)
+
+
 def scale_inv_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
     """``amax / fp8_max`` in fp32, NaN where amax is not finite (see :mod:`.quantize`)."""
     amax = amax.float()
