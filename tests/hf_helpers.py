@@ -38,7 +38,14 @@ MOE = {
 
 
 def make_hf(
-    folder: Path, family: str, *, tied: bool = False, llama3_rope: bool = False, moe: bool = False, seed: int = 0
+    folder: Path,
+    family: str,
+    *,
+    tied: bool = False,
+    llama3_rope: bool = False,
+    moe: bool = False,
+    seed: int = 0,
+    vocab: int = VOCAB,
 ) -> Path:
     """A randomly initialised 2-layer HF model (norm weights and biases randomised too), saved to ``folder``;
     ``moe``: its mixture-of-experts version (Qwen3-MoE, Mixtral)."""
@@ -49,7 +56,7 @@ def make_hf(
     if moe:
         cls[family], expert_fields = MOE[family]
         kw |= expert_fields
-    kw |= dict(num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=tied)
+    kw |= dict(num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256, tie_word_embeddings=tied)
     if llama3_rope:  # long-context scaling; the original context is short so that it changes frequencies
         kw["rope_scaling"] = {**LLAMA3_ROPE, "original_max_position_embeddings": 64, "rope_theta": kw["rope_theta"]}
     torch.manual_seed(seed)

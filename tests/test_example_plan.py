@@ -48,9 +48,10 @@ def test_the_numbers_are_its_facts():
     [row] = _rows(run.stdout)
     weights, grads, optimizer = (float(row[k]) for k in HEADER)
     assert weights == pytest.approx(grads, abs=0.1) and optimizer == pytest.approx(2 * weights, abs=0.1)
-    generic = primus("plan", "--preset", "llama3.2-1b", "--engine", "no-such-engine", "--gpus", "1", "--device", "H200")
-    assert "no-such-engine" in generic.stderr and "generic engine" in generic.stderr
+    generic = primus("plan", "--preset", "llama3.2-1b", "--engine", "generic", "--gpus", "1", "--device", "H200")
     plain = _rows(generic.stdout)[0]
+    unknown = primus("plan", "--preset", "llama3.2-1b", "--engine", "no-such-engine", check=False)
+    assert unknown.returncode == 2 and "no-such-engine" in unknown.stderr and "example" in unknown.stderr
     assert float(plain["weights"]) == pytest.approx(weights / 2, abs=0.1)
 
 

@@ -41,6 +41,7 @@ def test_sigterm_mid_run_saves_once_and_the_same_command_continues(tmp_path, bac
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=180)[0]
     assert proc.returncode == PREEMPTED_EXIT, log[-4000:]
+    assert "Traceback" not in log and "SignalException" not in log, log[-4000:]  # torchrun's, the workers'
 
     stopped = _rows(out)[-1]["step"]
     assert 2 <= stopped < 500

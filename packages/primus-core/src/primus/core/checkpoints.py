@@ -202,6 +202,7 @@ def atomic_save(
     write: Callable[[Path], None],
     barrier: Callable[[], None],
     world: int = 1,
+    naming: Naming = NAMING,
 ) -> None:
     """Every rank calls ``write(tmp)`` (its own files into the temporary folder); then the ranks record the files
     (size and checksum), rank 0 writes the manifest with them and renames the folder to ``final``. Returns on every
@@ -210,29 +211,47 @@ def atomic_save(
     The checksums are split over the ranks (``world`` of them call this; 1: rank 0 reads every file): rank ``r``
     reads the files whose index in the sorted listing is ``r`` modulo ``world`` and writes their records to a
     sidecar; rank 0 merges the sidecars into the manifest and records itself any file no sidecar has (a rank whose
-    listing lagged the shared file system's), so the manifest lists every file rank 0 sees."""
+    listing lagged the shared file system's), so the manifest lists every file rank 0 sees. A save that fails on a
+    full file system removes its temporary folder and raises :class:`primus.core.rundir.NoSpaceLeft` (one line)."""
     tmp = tmp_folder(final)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a partial save of the same step by a run that died
-        tmp.mkdir(parents=True)
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save of the same step by a run that died
+            tmp.mkdir(parents=True)
+        barrier()
+        write(tmp)
+        barrier()  # every rank's files are on disk
+        mine = records(tmp, [f for i, f in enumerate(_listing(tmp)) if i % world == rank])
+        if rank != 0:
+            _sidecar(tmp, rank).write_text(json.dumps(mine))
+        barrier()  # every rank's records are on disk
+        if rank == 0:
+            files = dict(mine)
+            for p in sorted(tmp.iterdir()):
+                if _SIDECAR.match(p.name):
+                    files.update(json.loads(p.read_text()))
+                    p.unlink()
+            files |= records(tmp, [f for f in _listing(tmp) if f not in files])
+            (tmp / MANIFEST).write_text(json.dumps({**man, "files": dict(sorted(files.items()))}, indent=1))
+            shutil.rmtree(final, ignore_errors=True)  # a folder of that name without a manifest
+            tmp.rename(final)
+    except BaseException as exc:  # (torch's CheckpointException is a BaseException)
+        _no_space(exc, tmp, final, naming)
+        raise
     barrier()
-    write(tmp)
-    barrier()  # every rank's files are on disk
-    mine = records(tmp, [f for i, f in enumerate(_listing(tmp)) if i % world == rank])
-    if rank != 0:
-        _sidecar(tmp, rank).write_text(json.dumps(mine))
-    barrier()  # every rank's records are on disk
-    if rank == 0:
-        files = dict(mine)
-        for p in sorted(tmp.iterdir()):
-            if _SIDECAR.match(p.name):
-                files.update(json.loads(p.read_text()))
-                p.unlink()
-        files |= records(tmp, [f for f in _listing(tmp) if f not in files])
-        (tmp / MANIFEST).write_text(json.dumps({**man, "files": dict(sorted(files.items()))}, indent=1))
-        shutil.rmtree(final, ignore_errors=True)  # a folder of that name without a manifest
-        tmp.rename(final)
-    barrier()
+
+
+def _no_space(exc: BaseException, tmp: Path, final: Path, naming: Naming) -> None:
+    """A save that failed on a full file system: remove its partial folder (the space goes back; the newest complete
+    checkpoint was never touched) and raise one line naming the device, the folder and what can resume."""
+    from primus.core.rundir import no_space
+
+    if (full := no_space(exc, [tmp, final.parent])) is None:
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
+    found = complete_checkpoints(final.parent, naming)
+    kept = f"; {found[-1][1]} (step {found[-1][0]}) is intact: free space and resume" if found else ""
+    raise type(full)(tmp, kept) from None
 
 
 def verify(folder: Path, *, checksums: bool = True, share: tuple[int, int] = (0, 1)) -> list[str]:
@@ -344,3 +363,44 @@ def check_compatible(path: Path, cfg: PrimusConfig, backend: str) -> dict[str, A
     if mine != saved:
         log.warning("checkpoint %s was written with %s; this run has %s", path, saved, mine)
     return man
+
+
+# -- the data order ---------------------------------------------------------------------------------------------
+# A checkpoint records what decides its run's data order (manifest key "data": primus.core.data.fingerprint); a
+# resume over other data files, another seed, sequence length or holdout would continue over another order unsaid.
+DATA_KEY = "data"
+
+
+def check_data_order(path: Path, man: dict[str, Any], now: dict[str, Any], allow: bool, *, warn: bool = True) -> None:
+    """Refuses resuming ``path`` (its manifest ``man``) when this run's data fingerprint ``now`` differs from the
+    one it records, naming each change (old and new); with ``allow`` (``checkpoint.allow_data_change``) a warning
+    names them instead, but a changed ``train.global_batch_size`` is always refused: the data position is the step
+    times the global batch. A checkpoint that records none (written before Primus recorded them) resumes with a
+    warning that nothing was compared."""
+    from primus.core.data import fingerprint as fp
+
+    saved = man.get(DATA_KEY)
+    if saved is None or saved.get("version") != fp.VERSION:
+        if warn:
+            log.warning(
+                "checkpoint %s records no data fingerprint (written by an earlier Primus): its data files, "
+                "train.seed and train.global_batch_size are not compared with this run's",
+                path,
+            )
+        return
+    found = fp.changes(saved, now)
+    if found and found[0].startswith(fp.SETTINGS[0]):
+        raise CheckpointMismatch(
+            f"cannot resume {path}: {found[0]}: a resumed run continues at step × global batch; resume with the "
+            f"checkpoint's train.global_batch_size, or start a new run from its weights (train.init_from={path})"
+        )
+    if found and not allow:
+        raise CheckpointMismatch(
+            f"cannot resume {path}: its data order would change: {'; '.join(found)} (resume with the checkpoint's "
+            "data and settings, or set checkpoint.allow_data_change=true to continue on these)"
+        )
+    if warn:
+        for change in found:
+            log.warning("checkpoint.allow_data_change: resuming %s although %s", path, change)
+        for note in fp.notes(saved, now):
+            log.warning("resuming %s: %s", path, note)

@@ -28,11 +28,13 @@ def _fail(exc: Exception) -> typer.Exit:
 
 
 def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
-    """The resolved config of ``config`` + ``overrides`` whose model is the HF folder's architecture."""
+    """The resolved config of ``config`` + ``overrides`` whose model is the HF folder's architecture, and whose
+    tokenizer is the folder's (unless the user set ``data.tokenizer``, as with ``train.init_from``)."""
     import json
 
     from primus.core.config.validate import resolve_parallel, validate_config
     from primus.core.hf.config import model_fields_from_hf
+    from primus.core.init_from import takes_model_tokenizer
     from primus.core.train import resolve
 
     res = resolve(config, overrides)
@@ -49,6 +51,8 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
     if isinstance(fields.get("moe"), dict) and isinstance(data["model"].get("moe"), dict):
         fields["moe"] = {**data["model"]["moe"], **fields["moe"]}  # the run's balancing / capacity stay
     data["model"] = {**data["model"], **fields}
+    if (Path(hf_dir) / "tokenizer.json").is_file() and takes_model_tokenizer(res.layers.sources.get("data.tokenizer")):
+        data["data"]["tokenizer"] = str(Path(hf_dir).absolute())  # as train.init_from takes it: the embedding's own
     cfg = validate_config(data, world_size=res.world_size, registry=res.registry)
     return resolve_parallel(cfg, res.world_size)
 

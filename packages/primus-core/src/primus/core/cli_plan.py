@@ -14,6 +14,10 @@ from rich.table import Table
 
 from primus.core.planner.calibration import HEADROOM
 
+#: ``--engine generic``: plan core's generic engine (:data:`primus.core.planner.profile.GENERIC`) by name. Primus's own
+#: engines not installed here are planned as it too (and said so); any other name no backend has is refused.
+GENERIC_ENGINE = "generic"
+
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
 OVERHEAD = ("workspace", "fragmentation", "context")  # shown summed as "overhead"
 
@@ -30,7 +34,9 @@ def plan(
     gpu_memory: Annotated[float | None, typer.Option(help="GiB per GPU (default: the device's)")] = None,
     engine: Annotated[
         str | None,
-        typer.Option(help="an installed backend, planned with its profile (default: backend.name)"),
+        typer.Option(
+            help="an installed backend, planned with its profile (default: backend.name); generic: core's generic engine"
+        ),
     ] = None,
     top: Annotated[int, typer.Option(help="layouts shown")] = 10,
     headroom: Annotated[
@@ -51,6 +57,7 @@ def plan(
     from primus.core.planner.memory import GIB
     from primus.core.planner.profile import backend_spec, load_profile
     from primus.core.planner.ranking import global_batch, rank, resolve_on, searched_micro_batches
+    from primus.core.plugins import KNOWN_BACKEND_DISTS
     from primus.core.strategies import kernel_terms
 
     if preset and config:  # with --preset, positional words are all overrides
@@ -71,14 +78,29 @@ def plan(
             style="yellow",
             markup=False,
         )
+    key = "--engine" if engine else "backend.name"
     engine = engine or cfg.backend.name
     spec = backend_spec(engine, res.registry)
+    if spec is None and engine != GENERIC_ENGINE and engine not in KNOWN_BACKEND_DISTS:  # a typo is no engine
+        from primus.core.config.fields import suggest
+        from primus.core.planner.profile import installed_backends
+
+        names = sorted({*res.registry.backends, *installed_backends()})
+        hint = suggest(engine, [*names, GENERIC_ENGINE])
+        err.print(
+            f"error: {key} {engine!r}: no installed backend has that name"
+            + (f"; did you mean {hint!r}?" if hint else "")
+            + f"; allowed: {', '.join(names) or 'none installed'}, or {GENERIC_ENGINE!r} (core's generic engine)",
+            style="red",
+            markup=False,
+        )
+        raise typer.Exit(2)
     try:
         load_profile(spec)  # a broken planner= is reported here, before the search loads it
     except (ImportError, AttributeError, TypeError) as exc:  # the backend's planner= is broken
         err.print(f"error: --engine {engine!r}: its planner profile does not load: {exc}", style="red", markup=False)
         raise typer.Exit(2) from None
-    if spec is None or spec.planner is None:  # still planned: as the engine that honours every parallel setting
+    if (spec is None and engine != GENERIC_ENGINE) or (spec is not None and spec.planner is None):  # generic, said
         why = res.registry.missing_backend_message(engine) if spec is None else f"backend {engine!r} gives no profile"
         err.print(
             f"note: {why}; planned as the generic engine (primus.core.planner.profile.GENERIC)",

@@ -4,8 +4,10 @@ Importing this module imports neither torch nor an engine: the work is imported 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -27,55 +29,98 @@ def train(
     ] = None,
 ) -> None:
     """Train: resolve + validate the config, then run it on the backend named by backend.name."""
+    from primus.core import stop
+
+    with stop.listen_early():  # a stop signal while the run starts stops it after its first step, with a checkpoint
+        _train(config, overrides, resume, nproc_per_node, nnodes, node_rank, master_addr, master_port, rdzv)
+
+
+def _train(
+    config: str,
+    overrides: list[str] | None,
+    resume: bool,
+    nproc_per_node: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    rdzv: str | None,
+) -> None:
+    from primus.core import stop
     from primus.core.train import LAUNCHED_ENV, launch_torchrun, run_rank
 
     _setup_logging()
     world = nproc_per_node * nnodes
     inside = os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ
     res = _resolve(config, overrides, None if inside else world)  # refuse bad configs before launching
-    if not inside:
-        from primus.core.data.checks import check_data
-        from primus.core.errors import UserError
-        from primus.core.run_checks import check_folders, resume_warning
-        from primus.core.train import check_output_dir
-
-        try:
-            check_folders(res.config)  # a file, or no write permission, where the run folder goes
-            check_output_dir(res.config, resume)
-            if world > 1:
-                check_data(res.config)  # once, before the ranks start (each rank's run_rank checks it too)
-        except UserError as exc:
-            raise _fail(exc) from None
-        if (resume or res.config.checkpoint.resume is True) and (warning := resume_warning(res.config)):
-            err.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
-    if world > 1 and not inside:
-        argv = ["train", config, *(overrides or [])] + (["--resume"] if resume else [])
-        from primus.core.rundir import output_dir
-
-        raise typer.Exit(
-            launch_torchrun(
-                argv,
-                output=output_dir(res.config),
-                nproc_per_node=nproc_per_node,
-                nnodes=nnodes,
-                node_rank=node_rank,
-                master_addr=master_addr,
-                master_port=master_port,
-                rdzv=rdzv,
-            )
-        )
     from primus.core.errors import UserError
-    from primus.core.run_checks import fp8_warning
+    from primus.core.rundir import LOCK_HELD_ENV, check_free, output_dir
 
-    if int(os.environ.get("RANK", "0")) == 0 and (warning := fp8_warning(res.config)):
-        err.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
     try:
-        summary = run_rank(res, resume=resume)
+        with _one_line_if_full(res.config):
+            if not inside:
+                from primus.core.data.checks import check_data
+                from primus.core.run_checks import check_folders, resume_warning
+                from primus.core.train import check_output_dir, claim_output_dir
+
+                check_folders(res.config)  # a file, or no write permission, where the run folder goes
+                check_free(output_dir(res.config))  # another run writes there: name it (creates nothing)
+                check_output_dir(res.config, resume)
+                if world > 1:
+                    check_data(res.config)  # once, before the ranks start (each rank's run_rank checks it too)
+                if (resume or res.config.checkpoint.resume is True) and (warning := resume_warning(res.config)):
+                    err.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
+            if world > 1 and not inside:
+                if reason := stop.pending():
+                    err.print(f"stopped by {reason} before the run started", style="yellow", highlight=False)
+                    raise typer.Exit(stop.PREEMPTED_EXIT)
+                # one node: this process holds the output folder's lock for the whole job (torchrun inherits it);
+                # several: each node has a launcher, and global rank 0 takes it
+                fd = claim_output_dir(res.config, resume) if nnodes == 1 else None
+                if fd is not None:
+                    os.environ[LOCK_HELD_ENV] = "1"
+                argv = ["train", config, *(overrides or [])] + (["--resume"] if resume else [])
+                raise typer.Exit(
+                    launch_torchrun(
+                        argv,
+                        output=output_dir(res.config),
+                        keep_fd=fd,
+                        nproc_per_node=nproc_per_node,
+                        nnodes=nnodes,
+                        node_rank=node_rank,
+                        master_addr=master_addr,
+                        master_port=master_port,
+                        rdzv=rdzv,
+                    )
+                )
+            from primus.core.run_checks import fp8_warning
+
+            if int(os.environ.get("RANK", "0")) == 0 and (warning := fp8_warning(res.config)):
+                err.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
+            summary = run_rank(res, resume=resume)
     except UserError as exc:
-        raise _fail(exc) from None
+        raise _fail(exc, getattr(exc, "exit_code", 2)) from None
     if int(os.environ.get("RANK", "0")) == 0:
         err.print(f"done: {json.dumps(summary, default=str)}", highlight=False)
     if summary.get("status") == "preempted":  # checkpoint committed; the same command continues the run
-        from primus.core.stop import PREEMPTED_EXIT
+        raise typer.Exit(stop.PREEMPTED_EXIT)
 
-        raise typer.Exit(PREEMPTED_EXIT)
+
+@contextlib.contextmanager
+def _one_line_if_full(cfg):
+    """A write that failed on a full file system (the run folder, the checkpoints, the data cache, the temporary
+    folder) becomes :class:`primus.core.rundir.NoSpaceLeft`: one line naming the device and the path."""
+    try:
+        yield
+    except (typer.Exit, KeyboardInterrupt, SystemExit):  # (click's Exit is a RuntimeError)
+        raise
+    except BaseException as exc:  # (torch's CheckpointException is a BaseException)
+        import tempfile
+
+        from primus.core.data.cache import cache_root
+        from primus.core.rundir import checkpoint_root, no_space, output_dir
+
+        folders = [output_dir(cfg), checkpoint_root(cfg), cache_root(), Path(tempfile.gettempdir())]
+        if (full := no_space(exc, folders)) is not None:
+            raise full from None
+        raise

@@ -3,7 +3,8 @@
 The samples are ``eval.holdout`` of the training samples (never trained on) or those of ``eval.source``
 (:mod:`primus.core.data.splits`); an evaluation reads the first ``eval.batches`` global batches of them, in order,
 so every evaluation of a run, on any engine and layout, covers the same tokens. The engine runs the forward passes
-(:meth:`primus.core.loop.Engine.evaluate`): no gradient, optimizer state or training data position is touched.
+(:meth:`primus.core.loop.Engine.evaluate`): no gradient, optimizer state or training data position is touched,
+and the model is left as training left it (the parameters the optimizer holds: a checkpoint may follow at once).
 """
 
 from __future__ import annotations

@@ -126,8 +126,11 @@ def apply_layers(layers: Layered) -> None:
     except UserError as exc:
         raise ConfigError([ConfigIssue(KEY, str(exc).removeprefix(f"{KEY}: "), value=value)]) from None
     if src.kind != "hf":
+        _checkpoint_tokenizer(layers, src)
         return
-    fields = model_fields_from_hf(json.loads((src.path / "config.json").read_text()), name=src.path.name)
+    hf = json.loads((src.path / "config.json").read_text())
+    fields = model_fields_from_hf(hf, name=src.path.name)
+    _check_tensors(src.path, hf, value)
     label = f"config.json {src.path}"
     model = layers.data.setdefault("model", {})
     clashes = []
@@ -139,14 +142,49 @@ def apply_layers(layers: Layered) -> None:
                 clashes.append(f"model.{key} {model.get(key)!r} vs {theirs!r} (set in {where})")
             continue
         layers.merge({"model": {key: theirs}}, label)
-    tok_where = layers.sources.get("data.tokenizer", "default")
-    if (src.path / "tokenizer.json").is_file() and (tok_where == "default" or tok_where.startswith("preset ")):
+    if (src.path / "tokenizer.json").is_file() and takes_model_tokenizer(layers.sources.get("data.tokenizer")):
         layers.merge({"data": {"tokenizer": str(src.path)}}, label)  # the model's own tokenizer (and chat template)
     if clashes:
         message = f"the model you set disagrees with {src.path / 'config.json'} (yours first): " + "; ".join(clashes)
         raise ConfigError(
             [ConfigIssue(KEY, message, allowed="leave those fields out: the folder's config.json sets them")]
         )
+
+
+def takes_model_tokenizer(where: str | None) -> bool:
+    """Whether a run takes the tokenizer of the weights it starts from (a HF folder's, an imported checkpoint's):
+    unless the user set ``data.tokenizer`` (``where``: its layer) in their file or on the command line."""
+    return where in (None, "default") or where.startswith("preset ")
+
+
+def _check_tensors(folder: Path, hf: dict[str, Any], value: str) -> None:
+    """Refuse, before the run, a folder whose tensors are not the model's: missing, or some Primus would drop."""
+    from primus.core.hf.config import model_config_from_hf
+    from primus.core.hf.contract import tensor_problem
+    from primus.core.hf.safetensors_io import HFReader
+
+    try:
+        problem = tensor_problem(model_config_from_hf(hf), HFReader(folder))
+    except (UserError, ValueError):  # an architecture Primus cannot build: validation names it
+        return
+    if problem:
+        raise ConfigError([ConfigIssue(KEY, f"{folder}: {problem}", value=value)])
+
+
+def _checkpoint_tokenizer(layers: Layered, src: Source) -> None:
+    """A checkpoint's tokenizer (``data.tokenizer`` of its run's, or its import's, config.yaml) where it names files
+    still there, unless the user set one: the tokenizer its embedding was trained with."""
+    import yaml
+
+    run_config = find_run_config(src.path)
+    if run_config is None or not takes_model_tokenizer(layers.sources.get("data.tokenizer")):
+        return
+    try:
+        spec = ((yaml.safe_load(run_config.read_text()) or {}).get("data") or {}).get("tokenizer")
+    except (OSError, yaml.YAMLError):
+        return
+    if isinstance(spec, str) and spec != "bundled" and Path(spec).expanduser().exists():
+        layers.merge({"data": {"tokenizer": spec}}, f"config.yaml {run_config}")
 
 
 def prepare(cfg: PrimusConfig, rank: int, output_dir: Path, timeout_s: float) -> PrimusConfig:

@@ -28,7 +28,10 @@ over evaluation samples), ``save`` / ``load`` (its state into / from a folder co
   applied updates) rides in the manifest. ``--resume`` / ``checkpoint.resume`` loads the newest complete one
   that verifies against the sizes and checksums its manifest records (a broken newer one is skipped with a warning
   naming its files; none verifying is refused), or warns and starts at step 0 when there is none (``auto`` says so
-  quietly); a fresh run refuses a folder that holds checkpoints;
+  quietly); a fresh run refuses a folder that holds checkpoints. Each manifest records what decides the data order
+  (:mod:`primus.core.data.fingerprint`: each data source's size, time and sampled bytes, blend weights, seed, global
+  batch, sequence length, holdout); a resume where any changed is refused naming it, old and new
+  (``checkpoint.allow_data_change: true``: a warning instead; another global batch is always refused);
 - **evaluation** (``eval``): every ``eval.interval`` steps and at the last step, the engine's forward-only loss over
   the evaluation samples (:mod:`primus.core.evaluation`), in that step's metrics row and the run's summary;
 - **stopping early** (:mod:`primus.core.stop`): SIGTERM / SIGUSR1 or ``train.max_minutes``: the step finishes on
@@ -153,6 +156,14 @@ class _Checkpoints:
         self.root = checkpoint_root(cfg)
         self.faults = FaultInjection.from_extra(cfg.backend.extra)
         self.saved: Path | None = None
+        self.data: dict[str, Any] | None = None  # the data order's fingerprint, recorded in each manifest
+
+    def fingerprint_data(self) -> None:
+        """This run's data fingerprint (:mod:`primus.core.data.fingerprint`), taken once the engine has read the data:
+        by rank 0 (one reader of the files), handed to every rank so that each takes the same resume decision."""
+        from primus.core.data.fingerprint import fingerprint
+
+        self.data = self._from_rank0(lambda: fingerprint(self.cfg))
 
     def refuse_earlier_run(self) -> None:
         """A fresh run never writes over an earlier run's checkpoints (checked before the engine is built)."""
@@ -176,6 +187,9 @@ class _Checkpoints:
             return 0, 0
         step, folder = ckpt.newest_verified(found, self._problems, warn=self.rank == 0)
         man = ckpt.check_compatible(folder, self.cfg, self.backend)
+        if self.data is not None:
+            allow = self.cfg.checkpoint.allow_data_change
+            ckpt.check_data_order(folder, man, self.data, allow, warn=self.rank == 0)
         self.engine.load(folder)
         self.engine.barrier()
         if self.rank == 0:  # a run killed between a commit and its purge left one too many
@@ -205,6 +219,24 @@ class _Checkpoints:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def _from_rank0(self, compute: Callable[[], Any]) -> Any:
+        """``compute()`` on rank 0, its result (or the error it raised) on every rank."""
+        if self.world == 1 or not self._distributed():
+            return compute()
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box = [(True, compute())]
+            except Exception as exc:  # every rank raises it: none waits for a broadcast that never comes
+                box = [(False, exc)]
+        dist.broadcast_object_list(box, src=0)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
     @staticmethod
     def _distributed() -> bool:
         try:
@@ -216,6 +248,8 @@ class _Checkpoints:
     def save(self, step: int, applied: int) -> None:
         man = ckpt.manifest(self.cfg, step, self.engine.layout, self.engine.distributions)
         man["applied_steps"] = applied
+        if self.data is not None:
+            man[ckpt.DATA_KEY] = self.data
         final = NAMING.folder(self.root, step)
 
         def write(tmp: Path) -> None:
@@ -248,6 +282,8 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
         ctx.model_ready(engine.model_parts)
         if getattr(engine, "finished", None) is not None:
             return dict(engine.finished)
+        if cfg.checkpoint.enabled or ctx.resume:
+            checkpoints.fingerprint_data()
         if eval_data is not None:
             evaluation.require_evaluate(engine, spec.name)
         start = applied = 0

@@ -9,9 +9,11 @@ continue from that checkpoint (``primus slurm script`` requeues the job with it)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger("primus.stop")
@@ -24,12 +26,44 @@ SIGNALS = ("SIGTERM", "SIGUSR1")
 #: the stop signals.
 TORCHRUN_SIGNALS = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *SIGNALS]))
 _stopped_early = False  # set once this process's run has stopped early (read by exit_code)
+_pending: str | None = None  # a stop signal received before the loop listened (see listen_early)
 
 
 def exit_code() -> int:
     """What a successful process exits with: :data:`PREEMPTED_EXIT` after an early stop, else 0 (for code that
     must leave with ``os._exit``, which skips ``sys.exit``'s code)."""
     return PREEMPTED_EXIT if _stopped_early else 0
+
+
+@contextlib.contextmanager
+def listen_early() -> Iterator[None]:
+    """Record a stop signal while in this block (``primus train`` runs in it): one that arrives while the run starts
+    (config, engine build, resume) stops it after its first step, with a checkpoint, as it would later, instead of
+    killing the process (exit 143, and on several ranks a torchrun failure). The handlers before it come back."""
+
+    def record(num: int, frame: Any) -> None:
+        global _pending
+        if _pending is None:
+            _pending = signal.Signals(num).name
+            log.warning("%s received while the run starts: it stops after its first step, with a checkpoint", _pending)
+
+    previous = {}
+    for name in SIGNALS:
+        num = getattr(signal, name)
+        try:
+            previous[num] = signal.signal(num, record)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for num, handler in previous.items():
+            signal.signal(num, handler)
+
+
+def pending() -> str | None:
+    """The stop signal received before the loop listened, if any."""
+    return _pending
 
 
 class StopRequest:
@@ -42,6 +76,8 @@ class StopRequest:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
+        global _pending
+        self.reason, _pending = self.reason or _pending, None
         for name in SIGNALS:
             num = getattr(signal, name)
             try:

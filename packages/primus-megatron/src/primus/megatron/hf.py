@@ -216,11 +216,11 @@ class _Engine:
 
         self.rank, world, _ = init_distributed(timedelta(minutes=10))
         if single or world == 1:  # a dist checkpoint loads under any layout: one process builds the whole model
-            parallel = cfg.parallel.model_copy(update={"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "sequence_parallel": False})
-            cfg = cfg.model_copy(update={"parallel": parallel})
+            one = {"tp": 1, "pp": 1, "vpp": 1, "cp": 1, "ep": 1, "sequence_parallel": False}
+            cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=one)})
         self.cfg = cfg
         p = cfg.parallel
-        init_parallel(p.tp, p.pp, p.vpp, p.cp)
+        init_parallel(p.tp, p.pp, p.vpp, p.cp, ep=p.ep)
         seed(cfg.train.seed)
         if registry is None:
             from primus.core.plugins import get_registry
@@ -250,7 +250,7 @@ def init_canonical(chunks: list[Any], cfg: PrimusConfig) -> None:
 def load_init_from(chunks: list[Any], cfg: PrimusConfig) -> None:
     """``train.init_from``: this rank's chunks take the weights of a HF folder (checked to match the model) or of
     a megatron checkpoint of any layout (its model part; core converts another engine's to a HF folder first)."""
-    from primus.core.hf.config import check_matches
+    from primus.core.hf.contract import check_folder
     from primus.core.hf.safetensors_io import HFReader
     from primus.core.init_from import source
     from primus.megatron import checkpoint as ckpt
@@ -260,7 +260,7 @@ def load_init_from(chunks: list[Any], cfg: PrimusConfig) -> None:
         ckpt.load_seed(src.path, chunks, cfg)
         return
     reader = HFReader(src.path)
-    check_matches(cfg.model, reader.config, f"train.init_from {src.path}")
+    check_folder(cfg.model, reader, f"train.init_from {src.path}")
     n = fill_from_hf(chunks, reader.get, cfg.model)
     log.info("initialised %d tensors from Hugging Face weights in %s", n, src.path)
 

@@ -108,7 +108,7 @@ def adapter(cfg: PrimusConfig, hf_dir: str | Path | None = None) -> Any:
 def load_init_from(trainer: Any, cfg: PrimusConfig) -> None:
     """``train.init_from``: the model parts take the weights of a HF folder (checked to match the model; through
     the state-dict adapter, layer by layer) or of a torchtitan checkpoint of any layout (its model states, DCP)."""
-    from primus.core.hf.config import check_matches
+    from primus.core.hf.contract import check_folder
     from primus.core.hf.safetensors_io import HFReader
     from primus.core.init_from import source
     from primus.torchtitan.checkpoint import load_model
@@ -118,7 +118,7 @@ def load_init_from(trainer: Any, cfg: PrimusConfig) -> None:
         load_model(trainer.checkpointer, src.path, cfg)
         return
     reader = HFReader(src.path)
-    check_matches(cfg.model, reader.config, f"train.init_from {src.path}")
+    check_folder(cfg.model, reader, f"train.init_from {src.path}")
     n = fill_from_hf(trainer.model_parts, cfg, reader.get)
     log.info("initialised %d tensors from Hugging Face weights in %s", n, src.path)
 

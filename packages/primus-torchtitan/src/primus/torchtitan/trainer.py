@@ -49,6 +49,21 @@ def exempt_from_weight_decay(optimizers: Any) -> None:
         optimizer.param_groups = groups
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 module of ``model`` back to its sharded parameters after a forward-only pass.
+
+    FSDP2 modules built with ``reshard_after_forward=False`` (torchtitan's norm + output group, the root, every
+    block under PP) stay unsharded after their forward until the backward reshards them. A forward without a
+    backward (an evaluation) would leave the unsharded tensors registered as the module's parameters, not the
+    sharded DTensors the optimizer holds, and the next checkpoint's optimizer state dict could not name them
+    (``KeyError`` in DCP's ``_get_optim_state_dict``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 class PrimusTrainer(Trainer):
     def __init__(self, job_config: Any) -> None:
         super().__init__(job_config)
@@ -139,7 +154,8 @@ class PrimusTrainer(Trainer):
     def evaluate(self, batches: Any) -> float:
         """Forward only over ``batches`` (``(input_dict, labels)`` pairs of this rank), as torchtitan's Validator
         runs it (the pipeline schedule's ``eval``, else the model and loss function): the mean token loss over the
-        world's tokens, the same on every rank. No gradient is made; the optimizer and training data are untouched.
+        world's tokens, the same on every rank. No gradient is made; the optimizer and training data are untouched;
+        FSDP2 modules are resharded after (:func:`reshard`).
         """
         dims = self.parallel_dims
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -170,6 +186,7 @@ class PrimusTrainer(Trainer):
         finally:
             for part in self.model_parts:
                 part.train()
+                reshard(part)
         if dims.world_size > 1:
             torch.distributed.all_reduce(sums)
         return (sums[0] / sums[1]).item()

@@ -13,38 +13,26 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import NoneType, UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel
 
 from primus.core.config.errors import ConfigError
 from primus.core.config.fields import coerce
+from primus.core.config.schema import PrimusConfig
+from primus.core.config.yaml_reader import Loader, YAMLRefused
 from primus.core.protocols import ConfigIssue
 
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader (no object construction) that reads ``3e-4`` as a float, as YAML 1.2 does."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+][0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
+_Loader = Loader  # SafeLoader with a config's limits (yaml_reader)
 
 
 def parse_scalar(text: str) -> Any:
     """Parse one YAML scalar (command-line values, ``${VAR}`` values)."""
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: an int of more than 4300 digits
         return text
 
 
@@ -60,10 +48,22 @@ def read_yaml(path: Path) -> dict[str, Any]:
         ) from None
     except OSError as exc:  # unreadable (permissions), a folder, ...
         raise ConfigError([ConfigIssue(str(path), f"cannot read it: {exc.strerror or exc}")]) from None
+    except YAMLRefused as exc:
+        raise ConfigError([ConfigIssue(str(path), str(exc))]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([ConfigIssue(str(path), f"not valid YAML: {exc}")]) from None
-    if data is None:
-        return {}
+    except RecursionError:  # the reader's depth limit comes first; this is the last guard
+        raise ConfigError([ConfigIssue(str(path), "nested too deeply to read")]) from None
+    except ValueError as exc:  # what PyYAML's constructors let through: an int of more than 4300 digits
+        raise ConfigError([ConfigIssue(str(path), f"a value cannot be read: {exc}")]) from None
+    if data is None:  # an empty file (or comments only) is a mistake, not a request for every default
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    str(path), "is empty (no keys)", allowed="a mapping of config sections, e.g. train: {steps: 10}"
+                )
+            ]
+        )
     if not isinstance(data, dict):
         raise ConfigError([ConfigIssue(str(path), f"top level must be a mapping, got {type(data).__name__}")])
     return data
@@ -72,13 +72,24 @@ def read_yaml(path: Path) -> dict[str, Any]:
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
 
 
-def substitute_env(node: Any, path: str, env: Mapping[str, str], source: str) -> Any:
+def substitute_env(
+    node: Any, path: str, env: Mapping[str, str], source: str, done: dict[int, Any] | None = None
+) -> Any:
     """Replace ``${VAR}`` / ``${VAR:default}`` in string values. A whole-value reference is parsed as
-    YAML, so ``steps: ${STEPS:10}`` stays an int."""
-    if isinstance(node, dict):
-        return {k: substitute_env(v, f"{path}.{k}" if path else str(k), env, source) for k, v in node.items()}
-    if isinstance(node, list):
-        return [substitute_env(v, f"{path}[{i}]", env, source) for i, v in enumerate(node)]
+    YAML, so ``steps: ${STEPS:10}`` stays an int. A mapping or list that YAML aliases share is substituted once
+    and stays shared (``done``, by identity): an alias is never expanded into copies here."""
+    done = {} if done is None else done
+    if isinstance(node, dict | list):
+        if id(node) in done:
+            return done[id(node)]
+        if isinstance(node, dict):
+            out: Any = done.setdefault(id(node), {})
+            for k, v in node.items():
+                out[k] = substitute_env(v, f"{path}.{k}" if path else str(k), env, source, done)
+        else:
+            out = done.setdefault(id(node), [])
+            out.extend(substitute_env(v, f"{path}[{i}]", env, source, done) for i, v in enumerate(node))
+        return out
     if not isinstance(node, str) or "${" not in node:
         return node
 
@@ -159,12 +170,50 @@ def load_layers(
         # plugins see the whole config, overrides included; their changes go under the overrides
         preview = Layered(copy.deepcopy(out.data))
         for key, value in parsed:
-            preview.merge(nest(key, coerce(key, value)), "")
+            preview.merge(nest(key, coerce(key, value)), "command line")
+        if issues := section_issues(preview.data, {**out.sources, **preview.sources}):
+            raise ConfigError(issues)  # before plugins read a section that is not one
         for source, change in configure(preview.data):
             out.merge(change, source)
     for key, value in parsed:
         out.merge(nest(key, coerce(key, value)), "command line")
+    if issues := section_issues(out.data, out.sources):
+        raise ConfigError(issues)
     return out
+
+
+def _section_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The section model a field holds (``train: TrainConfig``, ``moe: MoEConfig | None``) and whether null is
+    allowed; (None, False) for any other field (a list of models is not a section)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    if get_origin(annotation) in (Union, UnionType):
+        args = [a for a in get_args(annotation) if a is not NoneType]
+        if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            return args[0], NoneType in get_args(annotation)
+    return None, False
+
+
+def section_issues(data: Mapping[str, Any], sources: Mapping[str, str], model: Any = None, prefix: str = ""):
+    """Each section (a key the schema holds a mapping under) given a scalar or a list, named with the layer that
+    set it: refused here, before code that reads the raw layers (``train.init_from``) looks inside it."""
+    model = PrimusConfig if model is None else model
+    issues: list[ConfigIssue] = []
+    for key, value in data.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        section, nullable = _section_model(field.annotation) if field is not None else (None, False)
+        if section is None:
+            continue  # not a section; unknown keys are the schema's to name
+        path = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict):
+            issues += section_issues(value, sources, section, path)
+        elif not (value is None and nullable):
+            where = f" (set by {sources[path]})" if path in sources else ""
+            allowed = f"a mapping of {section.__name__} keys, e.g. {path}: {{...}}" + (" or null" if nullable else "")
+            issues.append(
+                ConfigIssue(path, f"must be a mapping of keys, not {type(value).__name__}{where}", value, allowed)
+            )
+    return issues
 
 
 def _locate(ref: str, base: Path | None, resolve_preset: PresetResolver | None) -> Path:

@@ -14,9 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 Auto = Literal["auto"]
 
 
+#: ``train.seed``'s largest value: both engines seed torch's generators with it plus per-rank offsets (megatron adds
+#: 2718 + its tensor / expert ranks, torchtitan its pipeline rank), which must stay below 2**64.
+MAX_SEED = 2**32 - 1
+
+
 class Section(BaseModel):
-    # strict: a YAML string is not silently taken for a number; unknown keys are errors.
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    # strict: a YAML string is not silently taken for a number; unknown keys are errors; no float is inf or nan
+    # (`lr: .inf` would pass `gt=0` and train a step before failing).
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
 class RopeScaling(Section):
@@ -127,7 +133,7 @@ class TrainConfig(Section):
         None, gt=0, description="samples per optimizer step (default micro_batch_size × data-parallel size)"
     )
     steps: int = Field(20, gt=0, description="optimizer steps")
-    seed: int = Field(1234, ge=0, description="seed for init and data order")
+    seed: int = Field(1234, ge=0, description=f"seed for init and data order, 0..{MAX_SEED}")
     precision: Literal["bf16", "fp32", "fp16"] = Field("bf16", description="compute dtype (params/optimizer fp32)")
     grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 disables clipping")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -155,6 +161,15 @@ class TrainConfig(Section):
         gt=0,
         description="wall-clock limit: once reached, finish the step, save a checkpoint and stop as if preempted",
     )
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, value: int) -> int:
+        if value > MAX_SEED:
+            raise ValueError(
+                f"must be 0..{MAX_SEED} (2**32 - 1): both engines seed torch's generators with it plus per-rank offsets"
+            )
+        return value
 
 
 class ParallelConfig(Section):
@@ -223,6 +238,12 @@ class Fp8Recipe(Section):
     bf16_output_head: bool = Field(True, description="the output projection (vocab GEMM) stays bf16")
     implementation: Literal["auto", "primus", "torchao"] = Field(
         "auto", description="primus: primus-turbo's torch._scaled_mm linear; torchao: torchao.float8 where installed"
+    )
+    experts: Literal["auto", "fp8", "bf16"] = Field(
+        "auto",
+        description="a mixture-of-experts model's routed experts in the FP8 blocks: auto = FP8 grouped GEMMs only "
+        "where the provider measured them faster than bf16 on this device, else bf16 (said in the kernel log); "
+        "fp8 forces them (a warning gives the measured ratio); bf16 keeps them",
     )
     rocm_gemm: Literal["hipblaslt", "aiter"] = Field(
         "hipblaslt",
@@ -318,6 +339,12 @@ class CheckpointConfig(Section):
         False,
         description="continue from the newest complete checkpoint; auto: when there is one, else start fresh "
         "(a requeued job simply runs again)",
+    )
+    allow_data_change: bool = Field(
+        False,
+        description="resume although the data sources, blend weights, train.seed, train.seq_len or eval.holdout "
+        "changed since the checkpoint (the data order then changes; a warning names what changed); without it such "
+        "a resume is refused. A changed train.global_batch_size is always refused",
     )
 
 

@@ -53,7 +53,7 @@ def issues_from_pydantic(exc: ValidationError) -> list[ConfigIssue]:
             grouped[path] = ConfigIssue(path, msg, allowed=", ".join(fields) or None)
             continue
         path, _ = _walk_loc(loc)
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")  # a validator's own message says what is wrong
         if err["type"] == "model_type" or err["type"] == "model_attributes_type":
             msg = "must be a mapping of keys"
         prev = grouped.get(path)

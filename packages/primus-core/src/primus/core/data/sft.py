@@ -1,10 +1,11 @@
 """Fine-tuning samples (``train.objective: sft``): chat or prompt / completion records, loss on the answers only.
 
 Records (.jsonl, one per line) are either ``{"prompt": ..., "completion": ...}`` or ``{"messages": [{"role": ...,
-"content": ...}, ...]}``. A ``messages`` record is rendered with the tokenizer's chat template (``chat_template`` of
-``tokenizer_config.json`` beside ``tokenizer.json`` in the ``data.tokenizer`` folder, as ``transformers`` renders
-it); each assistant message is trained on, everything before it (system, user turns, the template's assistant
-header) is context. A prompt / completion record trains on the completion and its end-of-sequence token.
+"content": ...}, ...]}``. A ``messages`` record is rendered with the tokenizer's chat template (the ``data.tokenizer``
+folder's ``chat_template.jinja``, as ``transformers`` 5 saves it, or the ``chat_template`` of its
+``tokenizer_config.json``, as 4.x did: :mod:`.chat_template`), as ``transformers`` renders it; each assistant
+message is trained on, everything before it (system, user turns, the template's assistant header) is context.
+A prompt / completion record trains on the completion and its end-of-sequence token.
 
 Records are packed one after another into one stream of tokens with a parallel trainable mask, and cut into
 windows of ``train.seq_len + 1`` like pretraining text (:class:`~primus.core.data.packed.PackedDataset`); the label
@@ -17,28 +18,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from primus.core.data.chat_template import chat_template, special_tokens
 from primus.core.data.documents import Input
 from primus.core.data.errors import DataError
 
 IGNORE_INDEX = -100  # the label both engines skip (torch's cross_entropy default)
-
-
-def chat_template(tokenizer_spec: str) -> str | None:
-    """The ``chat_template`` of the tokenizer folder's ``tokenizer_config.json`` (None where there is none)."""
-    path = Path(tokenizer_spec)
-    folder = path if path.is_dir() else path.parent
-    config = folder / "tokenizer_config.json"
-    if not config.is_file():
-        return None
-    template = json.loads(config.read_text()).get("chat_template")
-    if isinstance(template, list):  # named templates: the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template
 
 
 class ChatRenderer:
@@ -58,20 +46,49 @@ class ChatRenderer:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
 
-def segments(record: Any, render: ChatRenderer | None, where: str) -> list[tuple[str, bool]]:
-    """``record`` as (text, trainable) pieces in order."""
+#: Roles a chat record's messages may have: an assistant message is trained on, the others are context (a
+#: misspelt role would silently be context, so any other is refused).
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_record(record: Any, where: str) -> None:
+    """Refuse (:class:`DataError` naming ``where``, the file and line) a record that is not a fine-tuning record:
+    ``messages`` (a non-empty list of {role, content} objects with roles of :data:`ROLES`, string content, at
+    least one assistant message and none empty) or string ``prompt`` and non-empty ``completion``. Cheap: no
+    template is rendered, nothing tokenized."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: a record is a JSON object, got {type(record).__name__}")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise DataError(f"{where}: 'messages' is a list of {{role, content}} objects")
+        for i, message in enumerate(messages):
+            role, content = message["role"], message.get("content")
+            if role not in ROLES:
+                raise DataError(f"{where}: message {i} has role {role!r}; allowed roles: {', '.join(ROLES)}")
+            if not isinstance(content, str):
+                raise DataError(f"{where}: message {i} ({role}): 'content' is a string, got {type(content).__name__}")
+            if role == "assistant" and not content.strip():
+                raise DataError(f"{where}: message {i} is an empty assistant message: nothing to train on")
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"{where}: no assistant message to train on")
+        return
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise DataError(f"{where}: a record has 'messages', or string 'prompt' and 'completion' fields")
+    if not completion.strip():
+        raise DataError(f"{where}: an empty 'completion': nothing to train on")
+
+
+def segments(record: Any, render: ChatRenderer | None, where: str) -> list[tuple[str, bool]]:
+    """``record`` (checked by :func:`check_record`) as (text, trainable) pieces in order."""
+    check_record(record, where)
+    if "messages" in record:
+        messages = record["messages"]
         if render is None:
             raise DataError(
-                f"{where}: 'messages' records need a chat template: data.tokenizer names a folder whose "
-                "tokenizer_config.json has one (a Hugging Face model folder)"
+                f"{where}: 'messages' records need a chat template: data.tokenizer names a folder with "
+                "chat_template.jinja, or a tokenizer_config.json with a chat_template (a Hugging Face model folder)"
             )
         out: list[tuple[str, bool]] = []
         done = ""
@@ -86,10 +103,7 @@ def segments(record: Any, render: ChatRenderer | None, where: str) -> list[tuple
             out.append((text[len(done) :], message["role"] == "assistant"))
             done = text
         return [(t, trainable) for t, trainable in out if t]
-    prompt, completion = record.get("prompt"), record.get("completion")
-    if not isinstance(prompt, str) or not isinstance(completion, str):
-        raise DataError(f"{where}: a record has 'messages', or string 'prompt' and 'completion' fields")
-    return [(prompt, False), (completion, True)]
+    return [(record["prompt"], False), (record["completion"], True)]
 
 
 def records(item: Input) -> Iterator[tuple[Any, str]]:
@@ -146,12 +160,7 @@ class SFTDataset:
 
 def renderer_for(tokenizer_spec: str, tokenizer: Any) -> ChatRenderer | None:
     template = chat_template(tokenizer_spec)
-    if template is None:
-        return None
-    folder = Path(tokenizer_spec) if Path(tokenizer_spec).is_dir() else Path(tokenizer_spec).parent
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
-    return ChatRenderer(template, special)
+    return None if template is None else ChatRenderer(template, special_tokens(tokenizer_spec))
 
 
 def sft_dataset(data: Any, tokenizer: Any, seq_len: int) -> SFTDataset:

@@ -66,6 +66,9 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any] | None:
     experts = hf.get("num_experts") or hf.get("num_local_experts")  # transformers 4.x / 5.x spelling
     if model_type != "qwen3_moe" or not experts:
         return None
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):  # Qwen2-MoE's, DeepSeek's: no Qwen3-MoE has one
+        if hf.get(key):
+            raise HFConfigError(f"config.json {key} {hf[key]} is not supported (shared experts); allowed: 0 or absent")
     if int(hf.get("decoder_sparse_step", 1)) != 1:
         raise HFConfigError(f"config.json decoder_sparse_step {hf['decoder_sparse_step']} is not supported; allowed: 1")
     dense = sorted(int(i) for i in hf.get("mlp_only_layers") or [])

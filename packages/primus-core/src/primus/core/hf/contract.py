@@ -11,6 +11,9 @@ object with the :class:`HFInterop` methods (imported only when used; core import
 from __future__ import annotations
 
 import logging
+import os
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,6 +21,7 @@ from primus.core.errors import UserError
 
 if TYPE_CHECKING:
     from primus.core.config.schema import ModelConfig, PrimusConfig
+    from primus.core.hf.safetensors_io import HFReader
     from primus.core.plugins import Registry
 
 log = logging.getLogger("primus.hf")
@@ -106,19 +110,19 @@ class HFInterop(Protocol):
         ...
 
 
-# A checkpoint is read (and an import written) by one process: a run's layout does not apply, nor where its
-# weights came from (the folder of train.init_from may be gone by then).
-OFFLINE_OVERRIDES = (
-    "parallel.strategy=manual",
-    "parallel.dp_replicate=1",
-    "parallel.dp_shard=auto",
-    "parallel.tp=1",
-    "parallel.pp=1",
-    "parallel.vpp=1",
-    "parallel.cp=1",
-    "parallel.sequence_parallel=false",
-    "train.init_from=null",
-)
+def _offline_overrides() -> tuple[str, ...]:
+    """A checkpoint is read (and an import written) by one process: every ``parallel`` key back to its default (a
+    checkpoint of any layout loads under any other: tp, pp, cp, ep, dp_shard, fsdp ... of the run do not apply), and
+    not where its weights came from (the folder of train.init_from may be gone by then)."""
+    import json
+
+    from primus.core.config.schema import ParallelConfig
+
+    reset = [f"parallel.{k}={json.dumps(f.default)}" for k, f in ParallelConfig.model_fields.items()]
+    return (*reset, "train.init_from=null")
+
+
+OFFLINE_OVERRIDES = _offline_overrides()
 
 
 def _registry() -> Registry:
@@ -144,9 +148,17 @@ def interop(cfg: PrimusConfig, registry: Registry) -> HFInterop:
     return load_ref(ref)
 
 
-def tokenizer_source(cfg: PrimusConfig) -> Path | None:
-    """The tokenizer.json the run used (the bundled one from its cache), or None."""
+TOKENIZER_DIR = "tokenizer"  # an imported checkpoint's copy of its tokenizer files
+
+
+def tokenizer_source(cfg: PrimusConfig, checkpoint: Path | None = None) -> Path | None:
+    """The tokenizer.json the run used (the bundled one from its cache), or None; for ``checkpoint``, an imported
+    one's own copy when ``data.tokenizer`` names a folder no longer there (the checkpoint was moved)."""
     spec = cfg.data.tokenizer
+    if checkpoint is not None and spec != "bundled" and not Path(spec).expanduser().exists():
+        for folder in (checkpoint, checkpoint.parent):
+            if (folder / TOKENIZER_DIR / "tokenizer.json").is_file():
+                return folder / TOKENIZER_DIR / "tokenizer.json"
     if spec == "bundled":
         from primus.core.data.tokenizer import bundled_dir, load_tokenizer
 
@@ -157,21 +169,70 @@ def tokenizer_source(cfg: PrimusConfig) -> Path | None:
     return path if path.is_file() else None
 
 
+# Tensors a HF folder may hold that transformers itself skips on load: RoPE's inverse frequencies (computed, not
+# learned; old Llama checkpoints saved them); and, in unmapped(), a tied model's lm_head (tied over the embedding).
+_IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def unmapped(names: Iterable[str], m: ModelConfig) -> list[str]:
+    """The tensors of a HF folder (``names``) that are none of the model's (:func:`hf_names`), sorted; the ones
+    ``transformers`` itself ignores are allowed."""
+    known = set(hf_names(m)) | ({LM_HEAD} if m.tie_word_embeddings else set())
+    return sorted(n for n in names if n not in known and not _IGNORED.match(n))
+
+
+def tensor_problem(m: ModelConfig, reader: HFReader) -> str | None:
+    """Why the tensors of the HF folder of ``reader`` are not those of the model ``m`` (missing ones, or ones Primus
+    does not map: a part of the model it would silently drop, e.g. shared experts; the first few and their count),
+    or None."""
+    from primus.core.hf.safetensors_io import missing
+
+    if lacking := missing(reader, hf_names(m)):
+        return f"the folder lacks {len(lacking)} tensor(s) of the model, e.g. {lacking[:3]}"
+    if extra := unmapped(reader.weight_map, m):
+        return (
+            f"{len(extra)} tensor(s) of the folder are not part of the model Primus builds from its config.json, "
+            f"e.g. {extra[:4]}: refused rather than dropped (Primus maps the tensors of {', '.join(SUPPORTED)})"
+        )
+    return None
+
+
+def check_folder(m: ModelConfig, reader: HFReader, where: str) -> None:
+    """Refuse to load the HF folder of ``reader`` into the model ``m`` unless every tensor of the one is one of the
+    other: another architecture (naming the differing keys), or a :func:`tensor_problem`."""
+    from primus.core.hf.config import check_matches
+    from primus.core.hf.safetensors_io import HFCheckpointError
+
+    check_matches(m, reader.config, where)
+    if problem := tensor_problem(m, reader):
+        raise HFCheckpointError(f"{where}: {problem}")
+
+
+SUPPORTED = ("Llama", "Qwen2", "Qwen3", "Mistral", "Qwen3-MoE", "Mixtral")
+
+
 def import_checkpoint(
     cfg: PrimusConfig, hf_dir: str | Path, out: str | Path, *, registry: Registry | None = None
 ) -> Path:
     """HF folder -> the checkpoint of ``cfg.backend.name`` under ``out`` (``cfg.model`` must describe it).
 
-    ``registry``: the installed plugins' (the CLI's); the process's own when not given."""
-    from primus.core.hf.config import check_matches
-    from primus.core.hf.safetensors_io import HFReader, missing
+    The run's tokenizer (``data.tokenizer``: the folder's own, where ``primus checkpoint import`` took it) goes
+    along: its files are copied to ``out/tokenizer``, which the checkpoint's ``config.yaml`` names, so an export or
+    a run started from the checkpoint uses the tokenizer of its embedding.
 
-    reader = HFReader(hf_dir)
-    check_matches(cfg.model, reader.config, f"HF folder {hf_dir}")
-    lacking = missing(reader, hf_names(cfg.model))
-    if lacking:
-        raise UserError(f"HF folder {hf_dir} lacks {len(lacking)} tensor(s) of the model, e.g. {lacking[:3]}")
-    return interop(cfg, registry or _registry()).import_hf(cfg, Path(hf_dir), Path(out))
+    ``registry``: the installed plugins' (the CLI's); the process's own when not given."""
+    from primus.core.hf.safetensors_io import HFReader, copy_tokenizer
+
+    check_folder(cfg.model, HFReader(hf_dir), f"HF folder {hf_dir}")
+    out = Path(out)
+    tokenizer = None if cfg.data.tokenizer == "bundled" else tokenizer_source(cfg)
+    if tokenizer is not None:
+        data = cfg.data.model_copy(update={"tokenizer": str((out / TOKENIZER_DIR).absolute())})
+        cfg = cfg.model_copy(update={"data": data})
+    path = interop(cfg, registry or _registry()).import_hf(cfg, Path(hf_dir), out)
+    if tokenizer is not None and int(os.environ.get("RANK", "0")) == 0:  # after the engine: a save replaces out
+        copy_tokenizer(tokenizer, out / TOKENIZER_DIR)
+    return path
 
 
 def export_checkpoint(
@@ -204,7 +265,22 @@ def export_checkpoint(
         )
     ordered = {n: tensors[n] for n in expected}
     dtype = str(ordered[EMBED].dtype).removeprefix("torch.")
-    tokenizer = tokenizer_source(cfg)
+    tokenizer = tokenizer_source(cfg, folder)
     if tokenizer is None:
         log.info("the run has no tokenizer.json (data.tokenizer %r): exporting weights only", cfg.data.tokenizer)
+    elif (size := _vocab_size(tokenizer)) > cfg.model.vocab_size:
+        log.warning(
+            "the run's tokenizer %s has %d tokens, more than the model's %d embedding rows: it is not the model's, "
+            "exporting weights only",
+            tokenizer,
+            size,
+            cfg.model.vocab_size,
+        )
+        tokenizer = None
     return write_hf(out, ordered, hf_config(cfg.model, dtype), max_shard_bytes=max_shard_bytes, tokenizer=tokenizer)
+
+
+def _vocab_size(tokenizer_json: Path) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)

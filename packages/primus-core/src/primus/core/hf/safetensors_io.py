@@ -17,8 +17,10 @@ from primus.core.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# Tokenizer files copied into an exported folder when they sit beside the run's tokenizer.json.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Tokenizer files copied into an exported folder when they sit beside the run's tokenizer.json (the chat template
+# as transformers 5 saves it: chat_template.jinja, named extra ones in a folder of their own).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FOLDERS = ("additional_chat_templates",)
 
 
 class HFCheckpointError(UserError):
@@ -40,12 +42,9 @@ class HFReader:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
             if not files:
                 raise HFCheckpointError(f"{self.folder} holds no *.safetensors weights")
-            from safetensors import safe_open
-
             self.weight_map = {}
             for name in files:
-                with safe_open(self.folder / name, framework="pt") as f:
-                    self.weight_map.update(dict.fromkeys(f.keys(), name))
+                self.weight_map.update(dict.fromkeys(header_names(self.folder / name), name))
         self._open: dict[str, Any] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -61,6 +60,19 @@ class HFReader:
 
             self._open[file] = safe_open(self.folder / file, framework="pt")
         return self._open[file].get_tensor(name)
+
+
+def header_names(file: Path) -> list[str]:
+    """The tensor names of a safetensors file, from its header alone (8 bytes of length, then JSON): no torch."""
+    import struct
+
+    try:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (struct.error, ValueError) as exc:  # too short, or no JSON header
+        raise HFCheckpointError(f"{file}: not a safetensors file ({exc})") from None
+    return [k for k in header if k != "__metadata__"]
 
 
 def _shards(tensors: Mapping[str, Any], max_shard_bytes: int) -> list[list[str]]:
@@ -107,13 +119,26 @@ def write_hf(
 
 
 def copy_tokenizer(source: str | Path, out: Path) -> list[str]:
+    """The tokenizer files beside ``source`` (a tokenizer.json or its folder) into ``out``. A chat template kept only
+    in ``tokenizer_config.json`` (as transformers 4.x did) is written as ``chat_template.jinja`` too, as
+    transformers 5 saves it (the key stays, for 4.x readers)."""
+    from primus.core.data.chat_template import JINJA, chat_template
+
     src = Path(source)
     src = src if src.is_dir() else src.parent
+    out.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
             copied.append(name)
+    for name in TOKENIZER_FOLDERS:
+        if (src / name).is_dir():
+            shutil.copytree(src / name, out / name, dirs_exist_ok=True)
+            copied.append(name)
+    if copied and not (out / JINJA).is_file() and (template := chat_template(src)) is not None:
+        (out / JINJA).write_text(template, encoding="utf-8")
+        copied.append(JINJA)
     if copied and not (out / "tokenizer_config.json").is_file():
         # transformers needs the class to build a fast tokenizer from tokenizer.json alone
         (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))

@@ -1,0 +1,166 @@
+"""Faults of a real run (tiny-demo: TorchTitan, CPU, gloo) on 1 and 2 ranks through ``primus train``, each said in
+one line with no Python or torchrun traceback on stderr:
+
+- a rank SIGKILLed mid-save (test-only fault injection): ``rank 1 ... killed by SIGKILL ... (exit code 137)``;
+- the resume (``checkpoint.resume=auto``) drops the metrics rows written after the checkpoint it resumes from, so
+  metrics.jsonl holds each step once, with the values the straight run had;
+- a checkpoint save on a full file system (a 28 MiB tmpfs: two checkpoints fit, a third does not):
+  ``no space left on tmpfs (mounted at ...) for ...``, exit 1, the last checkpoint intact; with space again the same
+  command resumes from it;
+- SIGTERM before the first step (Slurm's preemption while the run starts): the run stops after its first step
+  with a checkpoint and exits 75 (``primus.core.stop.PREEMPTED_EXIT``) on 1 and on 2 ranks;
+- a data cache on a full file system: one line naming it.
+
+Needs root for the tmpfs (skipped, saying so, where ``mount`` is refused)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hf_helpers import _env, _free_port
+
+from primus.core.stop import PREEMPTED_EXIT
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+COMMON = [
+    "train.steps=6",
+    "train.schedule.warmup_steps=0",
+    "logging.interval=1",
+    "logging.tensorboard=false",
+    "checkpoint.interval=2",
+    "checkpoint.resume=auto",
+]
+
+
+def _cmd(out: Path, *overrides: str, nproc: int = 2) -> list[str]:
+    cmd = [sys.executable, "-m", "primus.core.cli", "train", "tiny-demo", f"logging.output_dir={out}", *COMMON]
+    cmd += overrides
+    return cmd + (["--nproc-per-node", str(nproc), "--master-port", str(_free_port())] if nproc > 1 else [])
+
+
+def _train(out: Path, *overrides: str, nproc: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _cmd(out, *overrides, nproc=nproc), capture_output=True, text=True, timeout=300, env=env or _env()
+    )
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _one_error(proc: subprocess.CompletedProcess) -> str:
+    """The one ``error:`` line of a failed run; no traceback of Python or torchrun around it."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr[-6000:]
+    for sign in ("Traceback", "ChildFailedError", "SignalException", "[rank0]:", "[rank1]:"):
+        assert sign not in proc.stderr, proc.stderr[-6000:]
+    return lines[0]
+
+
+def _mount(where: Path, size: str, remount: bool = False) -> None:
+    opts = f"{'remount,' if remount else ''}size={size}"
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {proc.stderr.strip()}")
+
+
+@pytest.fixture(scope="module")
+def crashes(tmp_path_factory):
+    """One folder on a 28 MiB tmpfs, three runs of the same 2-rank command: rank 1 killed writing the step-4
+    checkpoint; the resume from step 2, whose step-6 save fills the disk; the resume from step 4 with space."""
+    fs = tmp_path_factory.mktemp("faults") / "fs"
+    fs.mkdir()
+    _mount(fs, "28m")
+    out = fs / "run"
+    try:
+        killed = _train(out, "backend.extra.fault_injection.kill_during_save_at_step=4")
+        killed_rows = _rows(out)
+        full = _train(out)
+        full_rows, full_ckpts = _rows(out), sorted(p.name for p in (out / "checkpoints").iterdir())
+        _mount(fs, "64m", remount=True)
+        resumed = _train(out)
+        yield {
+            "out": out,
+            "fs": fs,
+            "killed": (killed, killed_rows),
+            "full": (full, full_rows, full_ckpts),
+            "resumed": (resumed, _rows(out)),
+        }
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_a_rank_killed_mid_save_is_one_line_naming_it(crashes):
+    proc, rows = crashes["killed"]
+    line = _one_error(proc)
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-4000:]
+    assert line.startswith("error: rank 1 (pid ") and line.endswith(
+        "was killed by SIGKILL; the job stopped (exit code 137)"
+    )
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_a_full_disk_at_a_save_is_one_line_and_keeps_the_last_checkpoint(crashes):
+    proc, rows, ckpts = crashes["full"]
+    out, fs = crashes["out"], crashes["fs"]
+    line = _one_error(proc)
+    assert proc.returncode == 1
+    assert line == (
+        f"error: no space left on tmpfs (mounted at {fs}) for {out / 'checkpoints' / 'step_00000006.tmp'}; "
+        f"{out / 'checkpoints' / 'step_00000004'} (step 4) is intact: free space and resume"
+    )
+    assert ckpts == ["step_00000002", "step_00000004"]  # the partial step-6 save is gone, the others kept
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+
+
+def test_each_resume_keeps_each_step_once_with_the_straight_values(crashes):
+    (_, killed), (_, full, _), (proc, rows) = crashes["killed"], crashes["full"], crashes["resumed"]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # not 1-4, 3-6, 5, 6
+    # steps 3-4 were trained twice (the killed run, the resume from 2), 5-6 twice: the same values each time
+    assert [r["loss"] for r in full[2:4]] == pytest.approx([r["loss"] for r in killed[2:4]], rel=1e-6)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in full], rel=1e-6)
+    assert json.loads((crashes["out"] / "summary.json").read_text())["start_step"] == 4
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_before_the_first_step_stops_after_it_with_exit_75(tmp_path, nproc):
+    out, log = tmp_path / "run", tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen(_cmd(out, nproc=nproc), stdout=subprocess.DEVNULL, stderr=err, env=_env())
+    # every rank has started primus train (its stop handler is on) and none has trained a step
+    started = ["rank0] kernels:", "rank1] attention:"] if nproc > 1 else ["kernels:"]
+    deadline = time.monotonic() + 120
+    while not all(s in log.read_text() for s in started) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None and not (out / "metrics.jsonl").exists(), log.read_text()[-4000:]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=240)
+    text = log.read_text()
+    assert proc.returncode == PREEMPTED_EXIT, text[-4000:]
+    assert "SIGTERM received while the run starts" in text and "Traceback" not in text, text[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["final_step"] == 1 and summary["stop_reason"] == "SIGTERM"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]
+
+
+def test_a_full_data_cache_is_one_line_naming_it(tmp_path):
+    fs = tmp_path / "cache"
+    fs.mkdir()
+    _mount(fs, "64k")
+    try:
+        (fs / "filler").write_bytes(b"x" * (64 << 10))
+        env = {**_env(), "PRIMUS_CACHE": str(fs / "primus")}
+        proc = _train(tmp_path / "run", nproc=1, env=env)
+        line = _one_error(proc)
+        assert proc.returncode == 1
+        assert line.startswith(f"error: no space left on tmpfs (mounted at {fs}) for {fs / 'primus'}"), line
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
