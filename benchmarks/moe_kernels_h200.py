@@ -15,6 +15,7 @@ and the largest difference of the outputs and input gradients from the reference
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -93,7 +94,9 @@ def main() -> None:
     args.iters = 1 if args.smoke else args.iters
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "versions": versions(), "shapes": []}
     result["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    fp8_gemm = grouped_gemm_for(Fp8Recipe(mode="rowwise"))
+    # the fp8 quantizers: Triton on a GPU (what "auto" picks there), and in --smoke on CPU (the interpreter)
+    fp8_quantize = "triton" if dev.type == "cuda" or args.smoke else "torch"
+    fp8_gemm = functools.partial(grouped_gemm_for(Fp8Recipe(mode="rowwise")), impl=fp8_quantize)
     for name, (tokens, d, experts, k, ffn) in shapes.items():
         torch.manual_seed(0)
         indices = torch.randn(tokens, experts, device=dev).topk(k, dim=1).indices
@@ -137,6 +140,7 @@ def main() -> None:
         ggrad = torch.randn(x0.shape[0], 2 * ffn, device=dev, dtype=torch.bfloat16)
         row = {"op": "grouped_gemm", "shape": name, "rows": x0.shape[0], "d": d, "experts": experts, "n": 2 * ffn}
         row["fp8_kernel"] = "torch._scaled_grouped_mm" if grouped_kernel_runs(dev) else "torch._scaled_mm per expert"
+        row["fp8_quantize"] = fp8_quantize
         outs = {}
         for label, impl in (("bf16", grouped_gemm), ("fp8", fp8_gemm), ("fp32", reference.grouped_gemm)):
             cast = torch.float32 if label == "fp32" else torch.bfloat16

@@ -1,7 +1,7 @@
 """The HTML report as a page: self-contained, real tables, one colour per meaning, headline first, a timeline of
 one step; and what a browser shows of it (headless Chromium's screenshot of the stored H200 trace's report).
 
-Chromium is Debian's package (``apt-get install -y chromium``; CI's .ci/run installs it where it is missing): a
+Chromium is Debian's package (``apt-get install -y chromium``; nox's tests(core) installs it where missing, as root): a
 missing browser fails the screenshot test, it is not skipped."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_browser_screenshot(report, tmp_path):
     _, page, path = report
     browser = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
     if browser is None:
-        pytest.fail("chromium is not installed: apt-get install -y chromium (Debian's package; .ci/run installs it)")
+        pytest.fail("chromium is not installed: apt-get install -y chromium (nox -s 'tests(core)' installs it as root)")
     shot = tmp_path / "report.png"
     cmd = [
         browser,

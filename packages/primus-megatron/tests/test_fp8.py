@@ -93,7 +93,7 @@ def test_moe_block_spec_in_fp8():
     from primus.megatron.layer_spec import moe_spec
     from primus.turbo.fp8.grouped import fp8_grouped_gemm
 
-    k = KernelsConfig(fp8="rowwise")
+    k = KernelsConfig(fp8="rowwise", fp8_recipe={"experts": "fp8"})  # forced: not measured faster on a CPU
     fp8 = select_fp8(k, get_registry(), "cpu")
     kernels = {"swiglu": SimpleNamespace(impl="primus.core.kernels.reference:swiglu"), "fp8": fp8,
                "grouped_gemm": SimpleNamespace(name="grouped_mm", impl="primus.turbo.grouped_gemm:grouped_gemm",
@@ -105,6 +105,9 @@ def test_moe_block_spec_in_fp8():
     assert spec.shared_experts.submodules.linear_fc1.module is linear_classes(fp8)[0]
     plain = moe_spec(kernels, shared=True).submodules
     assert plain.experts.params["gemm"] == kernels["grouped_gemm"].impl
+    auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise")).submodules  # core's rule: bf16 experts
+    assert auto.experts.params["gemm"] == kernels["grouped_gemm"].impl
+    assert auto.shared_experts.submodules.linear_fc1.module is linear_classes(fp8)[0]
     assert plain.shared_experts.submodules.linear_fc1 is ColumnParallelLinear
 
 
@@ -128,15 +131,17 @@ def test_moe_experts_in_fp8_track_bf16(tmp_path):
     moe = str(CONFIGS / "tiny_moe.yaml")
     common = ("train.precision=bf16", "model.moe.shared_experts=1", "kernels.fp8_recipe.bf16_last_layers=1")
     ref = train(moe, tmp_path / "bf16", 1, *common)
-    fp8 = primus("train", moe, tmp_path / "fp8", 1, *common, "kernels.fp8=rowwise")
+    forced = ("kernels.fp8=rowwise", "kernels.fp8_recipe.experts=fp8")  # auto keeps them bf16 where not measured
+    fp8 = primus("train", moe, tmp_path / "fp8", 1, *common, *forced)
     assert fp8.returncode == 0, fp8.stderr[-3000:]
     assert "fp8 (rowwise): FP8 linears in blocks [0] of 0-1" in " ".join(fp8.stderr.split())
     done = next(line for line in reversed(fp8.stderr.splitlines()) if line.startswith("done: "))
     experts = json.loads(done.removeprefix("done: "))["kernels_applied"]["experts"]
     assert experts.endswith(
-        "in the FP8 blocks routed experts on FP8 grouped GEMMs (e4m3 gradients, bf16 out) of provider 'fp8'"
+        "in the FP8 blocks routed experts on FP8 grouped GEMMs (e4m3 gradients, bf16 out), forced (not measured on "
+        "this device) (provider 'fp8')"
     )
-    ep2 = train(moe, tmp_path / "fp8_ep2", 2, *common, "kernels.fp8=rowwise", "parallel.ep=2")
+    ep2 = train(moe, tmp_path / "fp8_ep2", 2, *common, *forced, "parallel.ep=2")
     for got in (losses(read_metrics(tmp_path / "fp8")), losses(ep2)):
         assert got[-1] < got[0] - 0.3
         assert max(abs(x - y) / y for x, y in zip(got, losses(ref), strict=True)) < 0.01

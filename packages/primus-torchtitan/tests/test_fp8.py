@@ -114,13 +114,12 @@ def test_moe_experts_in_fp8_track_bf16(tmp_path):
     losses (measured 3e-4 and 5e-4), and not equal to them (FP8 really ran)."""
     moe, bf16 = str(CONFIGS / "tiny_moe.yaml"), ("train.precision=bf16",)
     primus_train(moe, tmp_path / "bf16", *bf16)
-    fp8 = primus_train(moe, tmp_path / "fp8", *bf16, "kernels.fp8=rowwise")
+    forced = ("kernels.fp8=rowwise", "kernels.fp8_recipe.experts=fp8")  # auto keeps them bf16 where not measured
+    fp8 = primus_train(moe, tmp_path / "fp8", *bf16, *forced)
     log = " ".join(fp8.stderr.split())
     assert "fp8 (fp8, rowwise): 8 linears swapped, 2 layers' routed experts on FP8 grouped GEMMs" in log
     assert "routed experts on FP8 grouped GEMMs (e4m3 gradients, bf16 out)" in log  # the kernel plan says so
-    primus_train(
-        moe, tmp_path / "fp8_ep2", *bf16, "kernels.fp8=rowwise", "parallel.dp_shard=2", "parallel.ep=2", nproc=2
-    )
+    primus_train(moe, tmp_path / "fp8_ep2", *bf16, *forced, "parallel.dp_shard=2", "parallel.ep=2", nproc=2)
     ref = losses(tmp_path / "bf16")
     for run in ("fp8", "fp8_ep2"):
         got = losses(tmp_path / run)

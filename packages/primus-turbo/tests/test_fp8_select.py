@@ -46,6 +46,34 @@ def test_a_mixture_of_experts_model_takes_a_provider_with_an_fp8_grouped_gemm(re
         select_fp8(asked, registry, "cuda", moe=True)
 
 
+def test_experts_stay_bf16_unless_measured_faster(registry, monkeypatch, caplog):
+    """core's rule over the provider's measurement: ``auto`` takes the FP8 grouped GEMM only where it was measured
+    faster than bf16 on this device (the H100's 0.15x keeps bf16, a device not measured too); ``fp8`` forces it with a
+    warning naming the ratio; ``bf16`` keeps bf16 whatever was measured."""
+    from primus.core.kernels import fp8_experts
+    from primus.turbo.fp8 import grouped
+
+    fp8 = select_fp8(KernelsConfig(fp8="rowwise"), registry, "cpu", moe=True)
+    auto, forced = KernelsConfig(fp8="rowwise"), KernelsConfig(fp8="rowwise", fp8_recipe={"experts": "fp8"})
+    assert grouped.grouped_gemm_speedup() is None  # no GPU: not measured here
+    use, why = fp8_experts(auto, fp8)
+    assert not use and "not measured on this device, not faster than bf16" in why
+    monkeypatch.setattr(grouped, "grouped_gemm_speedup", lambda: 0.15)
+    monkeypatch.setattr(fp8.load(), "grouped_gemm_speedup", lambda: 0.15)
+    assert fp8_experts(auto, fp8) == (
+        False,
+        "routed experts bf16: fp8's FP8 grouped GEMM is measured 0.15x bf16's, fwd + bwd, not faster than bf16 "
+        "(kernels.fp8_recipe.experts: fp8 forces it)",
+    )
+    with caplog.at_level("WARNING", logger="primus.kernels"):
+        use, why = fp8_experts(forced, fp8)
+    assert use and why.endswith("forced (measured 0.15x bf16's, fwd + bwd)")
+    assert "forces FP8 grouped GEMMs for the experts (measured 0.15x" in caplog.text
+    monkeypatch.setattr(fp8.load(), "grouped_gemm_speedup", lambda: 1.3)
+    assert fp8_experts(auto, fp8)[0]
+    assert not fp8_experts(KernelsConfig(fp8="rowwise", fp8_recipe={"experts": "bf16"}), fp8)[0]
+
+
 def test_torchao_asked_for_on_cpu_names_why(registry):
     cfg = KernelsConfig(fp8="tensorwise", fp8_recipe={"implementation": "torchao"})
     with pytest.raises(KernelUnavailable, match=r"kernels.fp8=tensorwise: cannot run on cpu \(torchao: .*CUDA"):

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import grad_accumulation_steps
 from primus.core.health import collective_timeout
+from primus.core.kernels import fp8_experts
 from primus.core.kernels.documents import document_eos, document_ids
-from primus.core.kernels.fp8_recipe import FP8_EXPERTS_NOTE
 from primus.core.loop import StepResult
 from primus.core.protocols import RunContext
 from primus.megatron.dist import init_distributed, teardown
@@ -154,7 +154,8 @@ class MegatronEngine:
 
             swapped["experts"] = experts_impl(ctx.kernels)[1]
             if cfg.kernels.fp8 != "off":
-                swapped["experts"] += f"; in the FP8 blocks {FP8_EXPERTS_NOTE} of provider {ctx.kernels['fp8'].name!r}"
+                why = fp8_experts(cfg.kernels, ctx.kernels["fp8"])[1]
+                swapped["experts"] += f"; in the FP8 blocks {why} (provider {ctx.kernels['fp8'].name!r})"
             swapped["moe_permute"] = "megatron's token dispatcher (moe_utils.permute / unpermute)"
             swapped["moe_router"] = "megatron's TopKRouter"
             self.experts_layout = experts_layout(ctx.kernels)

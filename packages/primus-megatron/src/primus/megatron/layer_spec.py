@@ -29,7 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from primus.core.kernels import reference
+from primus.core.kernels import fp8_experts, reference
 from primus.core.protocols import KernelProvider, load_ref
 from primus.megatron.rope import KernelRoPESelfAttention, rope_impl
 
@@ -181,6 +181,8 @@ def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules,
         return ModuleSpec(module=SequentialMLP, submodules=submodules)
     from primus.megatron.experts import StackedExperts
 
+    if fp8 is not None and not fp8_experts(fp8, kernels["fp8"])[0]:  # core's rule: bf16 unless measured faster
+        fp8 = None
     gemm_impl = gemm.impl if fp8 is None else fp8_grouped_gemm(fp8, kernels["fp8"])
     params = {"gemm": gemm_impl, "swiglu": _impl(kernels, "swiglu")}
     return ModuleSpec(module=StackedExperts, submodules=submodules, params=params)

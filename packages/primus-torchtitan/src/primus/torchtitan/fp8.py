@@ -21,7 +21,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from primus.core.kernels.fp8_recipe import FP8_EXPERTS_NOTE, config_issues, fp8_blocks
+from primus.core.kernels import fp8_experts as fp8_experts_rule
+from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks
 from primus.core.protocols import ConfigIssue
 
 log = logging.getLogger("primus.torchtitan")
@@ -57,8 +58,9 @@ def fsdp_fp8_all_gather(cfg: Any, provider: Any, world_size: int) -> bool:
     return sharded and provider.name == "torchao" and cfg.kernels.fp8 == "tensorwise"
 
 
-def fp8_swap(cfg: Any, provider: Any) -> Callable[[Any], list[str]]:
-    """``model -> names swapped``: the provider's ``convert_to_fp8`` with this run's recipe and skip rule."""
+def fp8_swap(cfg: Any, provider: Any, experts: bool) -> Callable[[Any], list[str]]:
+    """``model -> names swapped``: the provider's ``convert_to_fp8`` with this run's recipe and skip rule;
+    ``experts``: the routed experts of the FP8 blocks onto its FP8 grouped GEMM too (core's ``fp8_experts``)."""
     from dataclasses import replace
 
     import torch.distributed as dist
@@ -74,13 +76,14 @@ def fp8_swap(cfg: Any, provider: Any) -> Callable[[Any], list[str]]:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         recipe = replace(config_recipe, fp8_all_gather=fsdp_fp8_all_gather(cfg, provider, world))
         names = convert(model, recipe, skip)
-        experts = fp8_experts(model, convert.grouped_gemm_for(recipe), skip) if cfg.model.moe is not None else []
+        on = experts and cfg.model.moe is not None
+        experts_swapped = fp8_experts(model, convert.grouped_gemm_for(recipe), skip) if on else []
         gather = "fp8" if recipe.fp8_all_gather else "bf16"
         log.info(
             "fp8 (%s, %s): %d linears swapped, %d layers' routed experts on FP8 grouped GEMMs; FSDP all-gather %s",
-            provider.name, recipe.mode, len(names), len(experts), gather,
+            provider.name, recipe.mode, len(names), len(experts_swapped), gather,
         )  # fmt: skip
-        return names + experts
+        return names + experts_swapped
 
     return swap
 
@@ -113,9 +116,11 @@ def choice(cfg: Any, provider: Any) -> Any:
         f"{cfg.kernels.fp8}, grads {r.grad_dtype}, {r.scaling} scaling; bf16 first {r.bf16_first_layers} / last "
         f"{r.bf16_last_layers} blocks{', output head bf16' if r.bf16_output_head else ''}"
     )
+    experts = False
     if cfg.model.moe is not None:
-        note += f"; {FP8_EXPERTS_NOTE}"
-    return Choice("fp8", provider.name, fp8_swap(cfg, provider), note)
+        experts, why = fp8_experts_rule(cfg.kernels, provider)
+        note += f"; {why}"
+    return Choice("fp8", provider.name, fp8_swap(cfg, provider, experts), note)
 
 
 def issues(cfg: Any) -> list[ConfigIssue]:

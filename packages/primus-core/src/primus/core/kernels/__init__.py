@@ -36,11 +36,14 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
 FP8 linears (``kernels.fp8`` not ``off``) are ``gemm`` providers picked by :func:`select_fp8` and returned
 under the key ``"fp8"``; their impl is ``convert_to_fp8(model, recipe, skip) -> names swapped``. One that also offers
 ``convert_to_fp8.grouped_gemm_for(recipe) -> grouped_gemm`` (the ``grouped_gemm`` contract with FP8 operands; its
-:data:`~primus.core.protocols.FP8_GROUPED_GEMM` feature) runs a mixture-of-experts model's experts in the FP8 blocks.
+:data:`~primus.core.protocols.FP8_GROUPED_GEMM` feature) runs a mixture-of-experts model's experts in the FP8 blocks,
+and ``convert_to_fp8.grouped_gemm_speedup() -> float | None``: its measured forward + backward speed over bf16's
+grouped GEMM on this device at the experts' shapes (None: not measured here), which :func:`fp8_experts` reads.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -203,3 +206,32 @@ def select_fp8(kernels: KernelsConfig, registry: Registry, device: str, *, moe: 
             return prov
         reasons.append(f"{prov.name}: {ok.reason}")
     raise KernelUnavailable(f"kernels.fp8={kernels.fp8}: cannot run on {device} ({'; '.join(reasons)})")
+
+
+def fp8_experts(kernels: KernelsConfig, provider: KernelProvider) -> tuple[bool, str]:
+    """Whether an MoE model's routed experts in the FP8 blocks run on ``provider``'s FP8 grouped GEMM, and why, for
+    the kernel log. ``kernels.fp8_recipe.experts``: ``auto`` takes FP8 only where the provider measured it faster
+    than bf16 on this device (a speed feature must not slow training), ``fp8`` forces it (with a warning when it is
+    not measured faster), ``bf16`` keeps bf16."""
+    from primus.core.kernels.fp8_recipe import FP8_EXPERTS_NOTE
+
+    mode = kernels.fp8_recipe.experts
+    if mode == "bf16":
+        return False, "routed experts bf16 (kernels.fp8_recipe.experts: bf16)"
+    speedup = provider.load().grouped_gemm_speedup()
+    measured = "not measured on this device" if speedup is None else f"measured {speedup:.2f}x bf16's, fwd + bwd"
+    if mode == "fp8":
+        if speedup is None or speedup < 1.0:
+            _warn_once(f"kernels.fp8_recipe.experts: fp8 forces FP8 grouped GEMMs for the experts ({measured})")
+        return True, f"{FP8_EXPERTS_NOTE}, forced ({measured})"
+    if speedup is not None and speedup >= 1.0:
+        return True, f"{FP8_EXPERTS_NOTE} ({measured})"
+    return False, (
+        f"routed experts bf16: {provider.name}'s FP8 grouped GEMM is {measured}, not faster than bf16 "
+        "(kernels.fp8_recipe.experts: fp8 forces it)"
+    )
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)

@@ -27,9 +27,13 @@ What torch's grouped kernel imposes, and so every path does:
 
 **Not run on a GPU** (none lent since this was written): the CPU tests check every grouped-kernel call's operands
 against torch's own meta function for ``_scaled_grouped_mm`` (dtypes, layouts, scale shapes) and the numbers through
-the per-expert path; ``benchmarks/moe_kernels_h200.py`` times it against the bf16 ``grouped_mm``. Its quantization is
-PyTorch ops (Triton for the per-row casts on a GPU): the jagged scales and the padded copies are separate passes that
-a fused kernel would save.
+the per-expert path; ``benchmarks/moe_kernels_h200.py`` times it against the bf16 ``grouped_mm``.
+
+Quantization: on a GPU (``impl`` resolved to ``triton``, :func:`resolve_impl`) Triton kernels with no host sync
+(:mod:`.triton_grouped`): the activations per row (:mod:`.triton_quantize`), the weight read once per amax and cast
+pass into both layouts (the dgrad's kept from the forward), the wgrad operands' jagged scales and their padded,
+transposed fp8 copies one kernel each, the padded group ends computed in that kernel. The PyTorch path (CPU,
+torch.compile) is the reference: scatter / index ops and a host-free but multi-pass padding.
 """
 
 from __future__ import annotations
@@ -56,6 +60,20 @@ def _grouped_kernel_runs(device_type: str, index: int | None) -> bool:
         built = any(flag in torch.__config__.show() for flag in ("USE_MSLK", "USE_FBGEMM_GENAI"))
         return built and rocm_arch().startswith(("gfx942", "gfx950"))
     return torch.cuda.get_device_capability(index)[0] == 9
+
+
+# Forward + backward time of bf16's grouped GEMM over this one's, the slowest of the measured MoE expert shapes
+# (Qwen3-30B-A3B at 4k / 8k tokens, Mixtral 8x7B; benchmarks/moe_kernels_h200.py, in the GPU suite), by device name.
+# core's kernels.fp8_experts keeps the experts in bf16 where this is below 1 or the device is not listed.
+MEASURED_SPEEDUP = {"H100": 0.15}
+
+
+def grouped_gemm_speedup() -> float | None:
+    """This device's measured speed over bf16 (:data:`MEASURED_SPEEDUP`); None where not measured."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in MEASURED_SPEEDUP.items() if k in name), None)
 
 
 def grouped_kernel_runs(device: torch.device) -> bool:
@@ -93,10 +111,11 @@ def _gemm(a, b, scale_a, scale_b, offs, *, fast_accum: bool, grouped: bool) -> t
     return per_group_mm(a, b, scale_a, scale_b, offs, fast_accum=fast_accum)
 
 
-def _rows(t: torch.Tensor, fmt: str, rowwise: bool, impl: Impl) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` [rows, cols] in fp8 and its per-row ``scale_inv`` [rows] (tensorwise: the one scale, repeated)."""
+def _rows(t: torch.Tensor, fmt: str, rowwise: bool, impl: Impl):
+    """``t`` [rows, cols] in fp8, its per-row ``scale_inv`` [rows] (tensorwise: the one scale, repeated) and its
+    amax (tensorwise: the wgrad's jagged operand takes the same scale)."""
     q = quantize(t, fmt, rowwise=rowwise, impl=impl)
-    return q.data, q.scale_inv.reshape(-1).expand(t.shape[0]).contiguous()
+    return q.data, q.scale_inv.reshape(-1).expand(t.shape[0]).contiguous(), q.amax
 
 
 def _experts(w: torch.Tensor, fmt: str, rowwise: bool, impl: Impl) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +123,7 @@ def _experts(w: torch.Tensor, fmt: str, rowwise: bool, impl: Impl) -> tuple[torc
     (tensorwise) one per matrix, repeated."""
     g, r, c = w.shape
     if rowwise:
-        data, scale_inv = _rows(w.reshape(g * r, c), fmt, True, impl)
+        data, scale_inv, _ = _rows(w.reshape(g * r, c), fmt, True, impl)
         return data.view(g, r, c), scale_inv.view(g, r)
     # one row per matrix, its own amax (PyTorch ops: a row of r·c elements is no row block for the Triton kernel)
     q = quantize(w.reshape(g, r * c), fmt, rowwise=True, impl="torch")
@@ -161,25 +180,40 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def forward(ctx, x, w, offs, recipe: Fp8Recipe, impl: Impl, out_dtype: torch.dtype):
         rowwise, fmt = recipe.mode == "rowwise", recipe.forward_format
         impl, grouped = resolve_impl(x, impl), grouped_kernel_runs(x.device)
-        xq, xs = _rows(x, fmt, rowwise, impl)
-        wq, ws = _experts(w, fmt, rowwise, impl)  # [G, N, K], scales [G, N]
+        xq, xs, x_amax = _rows(x, fmt, rowwise, impl)
+        wt = (None, None)
+        if impl == "triton":  # both weight layouts from one read; the dgrad's kept for the backward (1 byte / weight)
+            from primus.turbo.fp8 import triton_grouped
+
+            wq, ws, *wt = triton_grouped.quantize_experts(w, fmt, rowwise)
+        else:
+            wq, ws = _experts(w, fmt, rowwise, impl)  # [G, N, K], scales [G, N]
         y = _gemm(xq, wq.transpose(-2, -1), xs, ws, offs, fast_accum=True, grouped=grouped)
-        ctx.save_for_backward(x, w, offs)
+        ctx.save_for_backward(x, w, offs, None if rowwise else x_amax, *wt)
         ctx.recipe, ctx.impl, ctx.grouped = recipe, impl, grouped
         return _as(y, out_dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, offs = ctx.saved_tensors
+        x, w, offs, x_amax, wtq, wts = ctx.saved_tensors
         recipe, impl, grouped = ctx.recipe, ctx.impl, ctx.grouped
         rowwise, fmt, fast = recipe.mode == "rowwise", recipe.forward_format, recipe.fast_accum_backward
         gemm = functools.partial(_gemm, fast_accum=fast, grouped=grouped)
         dy = dy.contiguous()
         # dgrad: dy [T, N] · W_g [N, K], W_g scaled along N (per input column)
-        dyq, dys = _rows(dy, fmt, rowwise, impl)
-        wtq, wts = _experts(w.transpose(-2, -1).contiguous(), fmt, rowwise, impl)  # [G, K, N], scales [G, K]
+        dyq, dys, dy_amax = _rows(dy, fmt, rowwise, impl)
+        if wtq is None:
+            wtq, wts = _experts(w.transpose(-2, -1).contiguous(), fmt, rowwise, impl)  # [G, K, N], scales [G, K]
         dx = _as(gemm(dyq, wtq.transpose(-2, -1), dys, wts, offs), x.dtype)
         # wgrad: dy_gᵀ [N, T_g] · x_g [T_g, K] per expert, groups along the padded token dim
+        if impl == "triton":  # jagged scales and padded, transposed fp8 copies in one kernel each, offsets on device
+            from primus.turbo.fp8 import triton_grouped
+
+            given = (None, None) if rowwise else (dy_amax, x_amax)
+            a, dygs, padded_offs = triton_grouped.jagged_padded_t(dy, offs, fmt, amax=given[0], ends=True)
+            bt, xgs, _ = triton_grouped.jagged_padded_t(x, offs, fmt, amax=given[1])
+            dw = _as(gemm(a, bt.t(), dygs, xgs, padded_offs), w.dtype)
+            return dx, dw, None, None, None, None
         groups = w.shape[0]
         group, dest, padded_offs, length = _padded_groups(offs, x.shape[0])
         keep = group < groups

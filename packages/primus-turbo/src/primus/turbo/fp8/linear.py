@@ -38,7 +38,7 @@ except ImportError:  # a torch built without torch.distributed
     DTensor = None
 
 from primus.turbo.fp8.device import compute_dtype, for_device
-from primus.turbo.fp8.grouped import grouped_gemm_for
+from primus.turbo.fp8.grouped import grouped_gemm_for, grouped_gemm_speedup
 from primus.turbo.fp8.quantize import Impl, Quantized, quantize, resolve_impl
 from primus.turbo.fp8.recipe import GEMM_ALIGN, Fp8Recipe
 
@@ -296,3 +296,4 @@ convert_to_fp8.fp8_linear = fp8_linear
 convert_to_fp8.Fp8State = Fp8State
 convert_to_fp8.for_device = for_device
 convert_to_fp8.grouped_gemm_for = grouped_gemm_for
+convert_to_fp8.grouped_gemm_speedup = grouped_gemm_speedup

@@ -2,7 +2,9 @@
 
 Same arithmetic as the PyTorch path: ``scale = fp8_max / max(amax, eps)``, saturating cast with
 round-to-nearest-even, NaN inputs counted as an infinite amax (so ``scale_inv`` becomes NaN; the
-atomic max that reduces tensorwise amax is not defined for NaN).
+atomic max that reduces tensorwise amax is not defined for NaN). Values are rounded onto the fp8 grid in fp32
+(:func:`to_fp8`) before the cast: Triton's interpreter mis-rounds casts that carry into the next binade or tie, so
+the kernels run on CPU (tests) give torch's bytes; on a GPU the cast of an fp8 value is exact (a few ALU ops).
 """
 
 from __future__ import annotations
@@ -18,13 +20,49 @@ ROW_BLOCK = 1024  # columns per loop step of the rowwise kernel
 FLAT_BLOCK = 4096  # elements per program of the tensorwise kernels
 
 
+# mantissa bits and smallest normal exponent (torch 2.13's finfo gives e5m2fnuz 3 mantissa bits)
+_GRID = {"e4m3": (3, -6), "e5m2": (2, -14), "e4m3fnuz": (3, -7), "e5m2fnuz": (2, -15)}
+
+
+def fp8_grid(fmt: str) -> dict[str, int]:
+    """:func:`to_fp8`'s constexprs for ``fmt``: mantissa bits and the smallest normal exponent."""
+    mant, emin = _GRID[fmt]
+    return {"MANT": mant, "EMIN": emin}
+
+
 @triton.jit
 def _abs_nan_as_inf(x):
     return tl.where(x != x, float("inf"), tl.abs(x))
 
 
 @triton.jit
-def _rowwise_kernel(x_ptr, q_ptr, amax_ptr, n_cols, FMAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+def to_fp8(x, dtype: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """fp32 ``x`` (already clamped to ±fp8_max) rounded to nearest-even on the fp8 grid, then cast: adding
+    2^(e + 23 - MANT) (e: x's exponent, at least EMIN for subnormals) makes fp32's own rounding drop all but MANT
+    mantissa bits; non-finite values pass through. The fnuz formats have no -0 (its byte is their NaN)."""
+    a = tl.abs(x)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, EMIN + 127)
+    magic = ((e + 23 - MANT) << 23).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    if dtype == tl.float8e4b8 or dtype == tl.float8e5b16:
+        r = tl.where(a < float("inf"), tl.where((x < 0) & (r > 0), -r, r), x)
+    else:
+        r = tl.where(a < float("inf"), tl.where(x < 0, -r, r), x)
+    return r.to(dtype)
+
+
+@triton.jit
+def _rowwise_kernel(
+    x_ptr,
+    q_ptr,
+    amax_ptr,
+    n_cols,
+    FMAX: tl.constexpr,
+    EPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     base = row * n_cols
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -39,7 +77,7 @@ def _rowwise_kernel(x_ptr, q_ptr, amax_ptr, n_cols, FMAX: tl.constexpr, EPS: tl.
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + base + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         q = tl.clamp(x * scale, -FMAX, FMAX)
-        tl.store(q_ptr + base + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+        tl.store(q_ptr + base + cols, to_fp8(q, q_ptr.dtype.element_ty, MANT, EMIN), mask=cols < n_cols)
 
 
 @triton.jit
@@ -60,13 +98,15 @@ def _cast_kernel(
     EPS: tl.constexpr,
     REDUCE_OWN: tl.constexpr,
     BLOCK: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     a = tl.load(scale_amax_ptr)
     scale = tl.where(a < float("inf"), FMAX / tl.maximum(a, EPS), 1.0)
     q = tl.clamp(x * scale, -FMAX, FMAX)
-    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=offs < n)
+    tl.store(q_ptr + offs, to_fp8(q, q_ptr.dtype.element_ty, MANT, EMIN), mask=offs < n)
     if REDUCE_OWN:  # delayed scaling: this step's amax for the history, in the same pass
         tl.atomic_max(own_amax_ptr, tl.max(_abs_nan_as_inf(x), axis=0))
 
@@ -78,7 +118,9 @@ def quantize(x: torch.Tensor, fmt: str, *, rowwise: bool, amax: torch.Tensor | N
     if rowwise:
         own = torch.empty(rows, 1, device=x.device, dtype=torch.float32)
         if x.numel():
-            _rowwise_kernel[(rows,)](x, q, own, cols, FMAX=fmax, EPS=AMAX_EPS, BLOCK=ROW_BLOCK, num_warps=4)
+            _rowwise_kernel[(rows,)](
+                x, q, own, cols, FMAX=fmax, EPS=AMAX_EPS, BLOCK=ROW_BLOCK, num_warps=4, **fp8_grid(fmt)
+            )
         return Quantized(q, scale_inv_from_amax(own, fmt), own)
     n = x.numel()
     grid = (triton.cdiv(n, FLAT_BLOCK),)
@@ -101,5 +143,6 @@ def quantize(x: torch.Tensor, fmt: str, *, rowwise: bool, amax: torch.Tensor | N
             REDUCE_OWN=amax is not None,
             BLOCK=FLAT_BLOCK,
             num_warps=8,
+            **fp8_grid(fmt),
         )
     return Quantized(q, scale_inv_from_amax(scale_amax, fmt), own)
