@@ -53,6 +53,6 @@ def test_a_truncated_shard_is_named_and_resume_takes_the_step_before(tmp_path, b
     summary = json.loads((out / "summary.json").read_text())
     assert summary["start_step"] == 2 and summary["final_step"] == 4 and summary["status"] == "ok"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 3, 4]  # the first run's three, then steps 3 and 4 again
-    assert rows[3]["loss"] == pytest.approx(first[2]["loss"], rel=1e-6)  # step 3 again, from step 2's state
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the resumed run replaced the first run's step 3: each step once
+    assert rows[2]["loss"] == pytest.approx(first[2]["loss"], rel=1e-6)  # step 3 again, from step 2's state
     assert verify_files(newest) == []  # written again, whole

@@ -48,7 +48,7 @@ def test_a_mixture_of_experts_model_takes_a_provider_with_an_fp8_grouped_gemm(re
 
 def test_experts_stay_bf16_unless_measured_faster(registry, monkeypatch, caplog):
     """core's rule over the provider's measurement: ``auto`` takes the FP8 grouped GEMM only where it was measured
-    faster than bf16 on this device (the H100's 0.15x keeps bf16, a device not measured too); ``fp8`` forces it with a
+    faster than bf16 on this device (a measured 0.15x keeps bf16, a device not measured too); ``fp8`` forces it with a
     warning naming the ratio; ``bf16`` keeps bf16 whatever was measured."""
     from primus.core.kernels import fp8_experts
     from primus.turbo.fp8 import grouped

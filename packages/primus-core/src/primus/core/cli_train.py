@@ -76,23 +76,25 @@ def _train(
                     raise typer.Exit(stop.PREEMPTED_EXIT)
                 # one node: this process holds the output folder's lock for the whole job (torchrun inherits it);
                 # several: each node has a launcher, and global rank 0 takes it
+                existed = output_dir(res.config).exists()
                 fd = claim_output_dir(res.config, resume) if nnodes == 1 else None
                 if fd is not None:
                     os.environ[LOCK_HELD_ENV] = "1"
                 argv = ["train", config, *(overrides or [])] + (["--resume"] if resume else [])
-                raise typer.Exit(
-                    launch_torchrun(
-                        argv,
-                        output=output_dir(res.config),
-                        keep_fd=fd,
-                        nproc_per_node=nproc_per_node,
-                        nnodes=nnodes,
-                        node_rank=node_rank,
-                        master_addr=master_addr,
-                        master_port=master_port,
-                        rdzv=rdzv,
-                    )
+                rc = launch_torchrun(
+                    argv,
+                    output=output_dir(res.config),
+                    keep_fd=fd,
+                    nproc_per_node=nproc_per_node,
+                    nnodes=nnodes,
+                    node_rank=node_rank,
+                    master_addr=master_addr,
+                    master_port=master_port,
+                    rdzv=rdzv,
                 )
+                if not existed:  # a run refused on its ranks writes nothing: only this launcher's lock is there
+                    _drop_if_only_lock(output_dir(res.config))
+                raise typer.Exit(rc)
             from primus.core.run_checks import fp8_warning
 
             if int(os.environ.get("RANK", "0")) == 0 and (warning := fp8_warning(res.config)):
@@ -124,3 +126,11 @@ def _one_line_if_full(cfg):
         if (full := no_space(exc, folders)) is not None:
             raise full from None
         raise
+
+
+def _drop_if_only_lock(out) -> None:
+    from primus.core.rundir import LOCK_NAME
+
+    if out.is_dir() and [p.name for p in out.iterdir()] == [LOCK_NAME]:
+        (out / LOCK_NAME).unlink()
+        out.rmdir()

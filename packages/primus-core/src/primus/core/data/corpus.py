@@ -2,12 +2,7 @@
 
 Every Python install carries this text, so Primus can train a tokenizer and a tiny model with no network and
 no shipped data. The walk is deterministic: modules in a fixed sorted order, members sorted by name, each
-docstring kept once (first occurrence). It runs in a fresh interpreter (``python -I -S`` on this file: no
-site-packages, no ``PYTHON*`` variables), never in the caller's process, whose imports can change what it finds:
-torch, imported first, replaces ``inspect.getsourcefile`` and two ``typing`` helpers with its own, and the walk then
-dropped their three docstrings (5,360 documents instead of 5,363, the same cache key, another first loss); ``-OO``
-would drop them all. The result is kept in the cache (``<cache>/corpus/``) with its fingerprint, which the
-tokenizer's and the token streams' cache keys include (:func:`corpus_id`). Modules with import side effects (``this``, ``antigravity``,
+docstring kept once (first occurrence). Modules with import side effects (``this``, ``antigravity``,
 ``tkinter``, ``turtle``, ``idlelib``), optional C extensions (``ssl``, ``sqlite3``, ``lzma``, ``bz2``), modules
 deprecated or removed in 3.12/3.13, and modules whose members change with the platform (``os``, ``socket``,
 ``signal``, ``subprocess``, ``asyncio``...) are left out, so one Python version gives the same text on every OS.
@@ -17,19 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import itertools
-import json
-import subprocess
 import sys
-import sysconfig
 import warnings
 from collections.abc import Iterator
 from functools import lru_cache
-from pathlib import Path
 
 #: Bump when the walk below changes: the bundled tokenizer and token caches are keyed on it.
-CORPUS_VERSION = 2
+CORPUS_VERSION = 1
 
 MODULES: tuple[str, ...] = (
     "abc",
@@ -269,9 +261,9 @@ def _help_topics() -> Iterator[str]:
         yield topics[key].strip()
 
 
-def walk() -> list[str]:
-    """All docstrings of :data:`MODULES`, then the help topics, in a fixed order, each once. What it finds depends on
-    what the process imported before: :func:`documents` runs it in a fresh interpreter."""
+@lru_cache(maxsize=1)
+def documents() -> tuple[str, ...]:
+    """All docstrings of :data:`MODULES`, then the help topics, in a fixed order, each once (about 1.6 MB on 3.11)."""
     seen: set[str] = set()
     out: list[str] = []
     with warnings.catch_warnings():  # importing and touching deprecated names (typing.io, ...) warns
@@ -280,66 +272,11 @@ def walk() -> list[str]:
             if doc and doc not in seen:
                 seen.add(doc)
                 out.append(doc)
-    return out
-
-
-def fingerprint(docs: tuple[str, ...] | list[str]) -> str:
-    """The SHA-256 of the documents, in order (a digest of their JSON list: no two corpora share one)."""
-    return hashlib.sha256(json.dumps(list(docs)).encode()).hexdigest()
-
-
-def _walk_fresh() -> list[str]:
-    from primus.core.data.errors import DataError
-
-    try:
-        proc = subprocess.run([sys.executable, "-I", "-S", __file__], capture_output=True, check=False, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise DataError(f"the bundled corpus: cannot run {sys.executable} to build it: {exc}") from exc
-    if proc.returncode:
-        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:]
-        raise DataError(f"the bundled corpus: its build in {sys.executable} failed: {' '.join(tail)}")
-    return json.loads(proc.stdout)
-
-
-def _cache_file() -> Path:
-    """Where this interpreter's corpus is kept: keyed by the interpreter and its standard library, not content."""
-    from primus.core.data.cache import cache_root
-
-    key = f"v{CORPUS_VERSION}|{sys.implementation.name}|{sys.version}|{sysconfig.get_paths()['stdlib']}|{MODULES}"
-    return cache_root() / "corpus" / f"stdlib-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-
-
-@lru_cache(maxsize=1)
-def _load() -> tuple[tuple[str, ...], str]:
-    """(documents, fingerprint): from the cache where a sound copy is there, else walked in a fresh interpreter
-    (about half a second) and kept."""
-    from primus.core.data.cache import atomic_write, file_lock
-
-    path = _cache_file()
-    with file_lock(path):
-        try:
-            kept = json.loads(path.read_text(encoding="utf-8"))
-            docs = tuple(kept["documents"])
-            if fingerprint(docs) == kept["fingerprint"]:
-                return docs, kept["fingerprint"]
-        except (OSError, ValueError, KeyError, TypeError):  # missing or damaged: built again
-            pass
-        docs = tuple(_walk_fresh())
-        digest = fingerprint(docs)
-        text = json.dumps({"fingerprint": digest, "documents": list(docs)})
-        atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-        return docs, digest
-
-
-def documents() -> tuple[str, ...]:
-    """The corpus (about 5,400 documents, 1.6 MB on 3.11): the same whatever this process imported."""
-    return _load()[0]
+    return tuple(out)
 
 
 def corpus_id() -> str:
-    """A short key for the corpus: its walk's version and the fingerprint of its content."""
-    return hashlib.sha256(f"v{CORPUS_VERSION}|{_load()[1]}".encode()).hexdigest()[:16]
-
-
-if __name__ == "__main__":  # the fresh interpreter of _walk_fresh: the documents as a JSON list (ASCII)
-    json.dump(walk(), sys.stdout)
+    """A short key for the corpus this interpreter produces, cheap to compute (no module walk)."""
+    topics = importlib.util.find_spec("pydoc_data") is not None
+    key = f"v{CORPUS_VERSION}|{sys.implementation.name}|{sys.version_info[:3]}|{topics}|{','.join(MODULES)}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
