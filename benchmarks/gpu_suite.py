@@ -59,7 +59,7 @@ OFFLINE_GEMM_FILE = HERE / "results" / "llama3.2-1b-gemm-h200.json"
 
 
 def primus(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "primus.core.cli", *args]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -75,8 +75,8 @@ def tail(proc: subprocess.CompletedProcess, n: int = 1500) -> str:
 def predicted_gib(preset: str, overrides: list[str]) -> float | None:
     """The planner's per-GPU memory for this exact one-GPU config (None where it cannot say)."""
     try:
-        from primus.core.strategies import estimate_memory
-        from primus.core.train import resolve
+        from primus.core.launch.train import resolve
+        from primus.core.planner.strategies import estimate_memory
 
         return estimate_memory(resolve(preset, overrides, world_size=1).config, 1).total / GIB
     except Exception:  # noqa: BLE001 - a prediction is a column, never the row's failure
@@ -338,7 +338,7 @@ def part_eval_resume(s: Suite) -> list[dict]:
     common += ["checkpoint.resume=auto", "logging.tensorboard=false", "logging.progress=false"]
     row: dict[str, Any] = {"row": "eval_resume/sigterm_resume", "status": "passed"}
     out = s.work / "eval_resume" / "killed"
-    cmd = [sys.executable, "-m", "primus.core.cli", "train", preset, *common, "train.steps=400"]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", "train", preset, *common, "train.steps=400"]
     cmd += [f"logging.output_dir={out}"]
     row["command"] = shlex.join(["primus", *cmd[3:]])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -7,8 +7,8 @@
 
 Each case (engine × preset × seq × micro-batch × recompute) is ``primus train`` resolved and run for a few
 steps in a fresh process (a clean allocator and clean engine globals), through the backends' own code
-(``primus.core.train.run_rank``). Recorded per case: the planner's prediction for that exact config
-(``primus.core.strategies.estimate_memory``, the estimate ``primus train`` checks before it starts) by
+(``primus.core.launch.train.run_rank``). Recorded per case: the planner's prediction for that exact config
+(``primus.core.planner.strategies.estimate_memory``, the estimate ``primus train`` checks before it starts) by
 category; ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``; the memory outside the allocator
 (device used per ``torch.cuda.mem_get_info`` minus reserved, at the end of the run: CUDA context, NCCL);
 and the errors: total predicted vs measured device peak (reserved + outside), allocator share predicted vs
@@ -95,9 +95,9 @@ def run_case(case: list, steps: int, workdir: Path, profile: bool) -> dict:
     """One ``primus train`` in this process; returns predicted and measured memory."""
     import torch
 
+    from primus.core.launch.train import resolve, run_rank
     from primus.core.planner.memory import MemoryBreakdown
-    from primus.core.strategies import estimate_memory
-    from primus.core.train import resolve, run_rank
+    from primus.core.planner.strategies import estimate_memory
 
     engine, preset, seq, micro, recompute, *extra = case
     gpu = torch.cuda.is_available()

@@ -23,7 +23,7 @@ load balancing (the engines' algorithms differ: the same recipe on both), bf16, 
   primus-turbo's FP8 grouped GEMM, ``torch._scaled_grouped_mm``); MFU still against the bf16 peak.
 
 Reported per case: tokens/s per device (median of the steps after ``--warmup``), MFU as Primus reports it (active
-parameters, primus.core.modelmath.flops_per_token, against the H200's dense bf16 peak), peak memory (memory_gib) and
+parameters, primus.core.planner.modelmath.flops_per_token, against the H200's dense bf16 peak), peak memory (memory_gib) and
 the last loss; ratios against ``mg_core``. A failed case records its error and the others run.
 """
 
@@ -70,7 +70,7 @@ def run_case(case: str, args: argparse.Namespace, work: Path) -> dict:
     backend, kernels = CASES[case]
     out = work / case
     model = ["tiny-qwen3-moe"] if args.smoke else [args.preset, f"model.num_layers={args.layers}"]
-    cmd = [sys.executable, "-m", "primus.core.cli", "train", *model, f"backend.name={backend}"]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", "train", *model, f"backend.name={backend}"]
     # megatron's / torchtitan's own init: canonical init draws every expert on the CPU, minutes at this size
     cmd += ["model.moe.balancing=none", "train.init=engine", f"train.precision={args.precision}", *kernels]
     cmd += [*run_overrides(out, args.seq, args.micro_batch, args.steps), *args.extra]

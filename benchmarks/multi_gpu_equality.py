@@ -53,7 +53,15 @@ MODEL = ["model.num_layers=4"]
 
 
 def train(engine: str, out: Path, nproc: int, overrides: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "primus.core.cli", "train", CONFIGS[engine], f"logging.output_dir={out}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "primus.core.cli.app",
+        "train",
+        CONFIGS[engine],
+        f"logging.output_dir={out}",
+        *overrides,
+    ]
     cmd += ["--nproc-per-node", str(nproc), "--master-port", str(free_port())]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PRIMUS_LAUNCHED")}
     env.setdefault("NCCL_NVLS_ENABLE", "0")

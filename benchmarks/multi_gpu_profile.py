@@ -43,7 +43,7 @@ def profile(engine: str, n: int, args: argparse.Namespace, out: Path) -> dict:
         f"profile.ranks=[{','.join(map(str, range(n)))}]",
         *LAYOUTS[engine](n),
     ]
-    cmd = [sys.executable, "-m", "primus.core.cli", "profile", args.preset, *overrides]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", "profile", args.preset, *overrides]
     cmd += ["--nproc-per-node", str(n), "--master-port", str(free_port())]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PRIMUS_LAUNCHED")}
     env.setdefault("NCCL_NVLS_ENABLE", "0")

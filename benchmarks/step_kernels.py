@@ -35,9 +35,9 @@ def parse_case(spec: str) -> tuple[str, str, dict[str, int]]:
 
 
 def run_case(spec: str, work: Path, hbm: float, timeout: int) -> dict:
-    from primus.core.modelmath import count_params
+    from primus.core.contracts.plugins import get_registry
+    from primus.core.planner.modelmath import count_params
     from primus.core.planner.ranking import resolve_on
-    from primus.core.plugins import get_registry
     from primus.core.profile.analyze import analyze_files, categorize
 
     backend, preset, opts = parse_case(spec)
@@ -46,7 +46,7 @@ def run_case(spec: str, work: Path, hbm: float, timeout: int) -> dict:
     config = resolve_on(preset, model, 1, get_registry())[0].config.model
     moe = config.moe is not None
     kernels = ["model.moe.balancing=none"] if moe else CORE_KERNELS
-    cmd = [sys.executable, "-m", "primus.core.cli", "train", preset, f"backend.name={backend}", *model, *kernels]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", "train", preset, f"backend.name={backend}", *model, *kernels]
     cmd += [
         "train.precision=bf16",
         "train.init=engine",

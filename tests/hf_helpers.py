@@ -137,10 +137,10 @@ def run(cmd: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
 def primus(*args: str, nproc: int = 1, timeout: int = 240) -> subprocess.CompletedProcess:
     """``primus ARGS`` in a fresh process; with ``nproc`` > 1 each rank through torchrun (gloo)."""
     if nproc == 1:
-        return run([sys.executable, "-m", "primus.core.cli", *args], timeout)
+        return run([sys.executable, "-m", "primus.core.cli.app", *args], timeout)
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1"]
     launcher += ["--master-addr=127.0.0.1", f"--master-port={_free_port()}"]
-    return run([*launcher, "-m", "primus.core.cli", *args], timeout)
+    return run([*launcher, "-m", "primus.core.cli.app", *args], timeout)
 
 
 def train(config: Path, out: Path, *overrides: str, nproc: int = 1) -> list[dict]:
@@ -175,7 +175,7 @@ _CHECKPOINT_LOGITS = (
     _FORWARD
     + """
 from primus.core.hf.contract import OFFLINE_OVERRIDES
-from primus.core.train import resolve
+from primus.core.launch.train import resolve
 config, checkpoint, ids_path, out_path = sys.argv[1:5]
 cfg = resolve(config, list(OFFLINE_OVERRIDES), world_size=1).config
 torch.save(forward(cfg, checkpoint, torch.load(ids_path)), out_path)
@@ -185,7 +185,7 @@ torch.save(forward(cfg, checkpoint, torch.load(ids_path)), out_path)
 _ROUNDTRIP = (
     _FORWARD
     + """
-from primus.core.cli_checkpoint import config_with_hf_model
+from primus.core.cli.checkpoint import config_with_hf_model
 from primus.core.hf.contract import export_checkpoint, import_checkpoint
 config, hf_dir, checkpoint, hf_out, ids_path, out_path = sys.argv[1:7]
 cfg = config_with_hf_model(config, [], hf_dir)

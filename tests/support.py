@@ -24,7 +24,7 @@ def in_tree_packages() -> list[dict]:
 
 def primus(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run the ``primus`` CLI of this environment in a fresh process."""
-    proc = subprocess.run([sys.executable, "-m", "primus.core.cli", *args], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "primus.core.cli.app", *args], capture_output=True, text=True)
     if check and proc.returncode != 0:
         pytest.fail(f"primus {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc

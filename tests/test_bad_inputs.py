@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli
+from primus.core.cli import app as cli
 
 TT = "backend.name=torchtitan"
 MG = "backend.name=megatron"
@@ -175,7 +175,7 @@ def _train(tmp_path: Path, out: Path, *overrides: str, resume: bool = False) -> 
         [
             sys.executable,
             "-m",
-            "primus.core.cli",
+            "primus.core.cli.app",
             "train",
             "tiny-llama",
             "train.steps=2",

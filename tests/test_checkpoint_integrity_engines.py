@@ -12,13 +12,13 @@ import sys
 import pytest
 from hf_helpers import _env, run_config, train
 
-from primus.core.checkpoints import verify as verify_files
+from primus.core.run.checkpoints import verify as verify_files
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def _primus(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "primus.core.cli", *args]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**_env(), "COLUMNS": "1000"})
 
 

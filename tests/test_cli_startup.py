@@ -19,7 +19,7 @@ def loaded_after(code: str) -> list[str]:
 def test_help_imports_no_torch():
     assert (
         loaded_after(
-            "sys.argv = ['primus', '--help']\nfrom primus.core import cli\n"
+            "sys.argv = ['primus', '--help']\nfrom primus.core.cli import app as cli\n"
             "try:\n    cli.main()\nexcept SystemExit:\n    pass"
         )
         == []
@@ -28,7 +28,7 @@ def test_help_imports_no_torch():
 
 def test_listing_plugins_and_validating_a_config_import_no_engine():
     code = (
-        "from primus.core import cli\nfor argv in (['plugins'], ['config', 'validate', 'tiny-demo']):\n"
+        "from primus.core.cli import app as cli\nfor argv in (['plugins'], ['config', 'validate', 'tiny-demo']):\n"
         "    sys.argv = ['primus', *argv]\n    try:\n        cli.main()\n    except SystemExit as e:\n"
         "        assert not e.code, e.code"
     )

@@ -91,7 +91,7 @@ def test_evaluation_masks_by_document_too(runs):
 def test_a_layout_that_cannot_mask_by_document_is_refused(tmp_path, backend, overrides, says):
     config = run_config(tmp_path / "run.yaml", backend, data={"document_mask": True})
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "primus.core.cli", "train", str(config), f"logging.output_dir={out}", *overrides]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", "train", str(config), f"logging.output_dir={out}", *overrides]
     proc = subprocess.run([*cmd, "--nproc-per-node", "2"], capture_output=True, text=True, timeout=240)
     text = " ".join(proc.stderr.split())
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -67,7 +67,7 @@ def test_it_trains_through_primus(example_plugin, tmp_path):
     assert losses[-1] < 0.5 * losses[0]
 
 
-# The example backend writes an engine adapter only: what follows comes from core's loop (primus.core.loop).
+# The example backend writes an engine adapter only: what follows comes from core's loop (primus.core.run.loop).
 CKPT = ["train.steps=6", "checkpoint.enabled=true", "checkpoint.interval=2", "checkpoint.keep_last=2"]
 
 
@@ -80,8 +80,8 @@ def straight(example_plugin, tmp_path_factory):
 
 def test_core_gives_it_metrics_and_the_schedule(straight):
     from primus.core.config.schema import TrainConfig
-    from primus.core.loop import METRICS
-    from primus.core.schedule import lr_at
+    from primus.core.run.loop import METRICS
+    from primus.core.run.schedule import lr_at
 
     rows = _rows(straight)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]

@@ -8,7 +8,7 @@ one line with no Python or torchrun traceback on stderr:
   ``no space left on tmpfs (mounted at ...) for ...``, exit 1, the last checkpoint intact; with space again the same
   command resumes from it;
 - SIGTERM before the first step (Slurm's preemption while the run starts): the run stops after its first step
-  with a checkpoint and exits 75 (``primus.core.stop.PREEMPTED_EXIT``) on 1 and on 2 ranks;
+  with a checkpoint and exits 75 (``primus.core.run.stop.PREEMPTED_EXIT``) on 1 and on 2 ranks;
 - a data cache on a full file system: one line naming it.
 
 Needs root for the tmpfs (skipped, saying so, where ``mount`` is refused)."""
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from hf_helpers import _env, _free_port
 
-from primus.core.stop import PREEMPTED_EXIT
+from primus.core.run.stop import PREEMPTED_EXIT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -40,7 +40,7 @@ COMMON = [
 
 
 def _cmd(out: Path, *overrides: str, nproc: int = 2) -> list[str]:
-    cmd = [sys.executable, "-m", "primus.core.cli", "train", "tiny-demo", f"logging.output_dir={out}", *COMMON]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", "train", "tiny-demo", f"logging.output_dir={out}", *COMMON]
     cmd += overrides
     return cmd + (["--nproc-per-node", str(nproc), "--master-port", str(_free_port())] if nproc > 1 else [])
 

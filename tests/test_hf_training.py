@@ -59,7 +59,7 @@ def runs(tmp_path_factory, hf) -> dict[str, tuple[Path, list[float]]]:
 
 
 def test_first_loss_is_transformers_loss(runs, hf):
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
     from primus.megatron.data import Batches, primus_dataset
 
     run_dir = runs["megatron-tp1"][0]
@@ -125,7 +125,7 @@ def test_training_from_either_engines_checkpoint(runs, hf, imported, tmp_path, b
 @pytest.mark.parametrize("backend", ["megatron", "torchtitan"])
 def test_init_from_hf_of_another_architecture_is_refused(hf, tmp_path, backend):
     config = run_config(tmp_path / "run.yaml", backend, model={**hf_model_section(hf), "vocab_size": 4096})
-    cmd = [sys.executable, "-m", "primus.core.cli", "train", str(config), f"logging.output_dir={tmp_path / 'out'}"]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", "train", str(config), f"logging.output_dir={tmp_path / 'out'}"]
     proc = subprocess.run([*cmd, f"train.init_from={hf}"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "model.vocab_size 4096 vs 2048" in proc.stderr
@@ -133,6 +133,13 @@ def test_init_from_hf_of_another_architecture_is_refused(hf, tmp_path, backend):
 
 @pytest.mark.parametrize("backend", ["megatron", "torchtitan"])
 def test_init_from_hf_folder_is_checked_before_the_run(tmp_path, backend):
-    cmd = [sys.executable, "-m", "primus.core.cli", "config", "validate", str(run_config(tmp_path / "r.yaml", backend))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "primus.core.cli.app",
+        "config",
+        "validate",
+        str(run_config(tmp_path / "r.yaml", backend)),
+    ]
     proc = subprocess.run([*cmd, f"train.init_from={tmp_path}"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "train.init_from" in proc.stderr and "no config.json" in proc.stderr

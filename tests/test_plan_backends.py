@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli
+from primus.core.cli import app as cli
+from primus.core.config.presets import catalog
 from primus.core.config.validate import validate_config
+from primus.core.contracts.plugins import get_registry
+from primus.core.contracts.protocols import validate_with
 from primus.core.planner import Cluster, device
 from primus.core.planner.auto import layout_config
 from primus.core.planner.calibration import HEADROOM
 from primus.core.planner.profile import backend_spec
 from primus.core.planner.ranking import global_batch, rank, resolve_on, searched_micro_batches
-from primus.core.plugins import get_registry
-from primus.core.presets import catalog
-from primus.core.protocols import validate_with
 
 ENGINES = ("megatron", "torchtitan")
 DEVICES = ("H100", "H200", "MI300X")

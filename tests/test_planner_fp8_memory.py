@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from primus.core.launch.train import resolve
 from primus.core.planner.memory import MemoryBreakdown
-from primus.core.strategies import estimate_memory
-from primus.core.train import resolve
+from primus.core.planner.strategies import estimate_memory
 
 RESULTS = Path(__file__).parents[1] / "benchmarks" / "results"
 # compiled and eager runs of 1B and 3B at micro-batches 2, 4, 8 (bf16 and FP8 twins in each file)

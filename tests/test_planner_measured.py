@@ -17,7 +17,7 @@ OURS = [r for r in table.ROWS if r.source == "ours"]
 
 @pytest.fixture(scope="module")
 def registry():
-    from primus.core.plugins import get_registry
+    from primus.core.contracts.plugins import get_registry
 
     return get_registry()
 

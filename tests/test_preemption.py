@@ -1,5 +1,5 @@
 """SIGTERM to a 2-rank run (what Slurm sends before a preemption), on both engines: every rank finishes its step,
-one checkpoint is committed, ``primus train`` exits with the documented code (primus.core.stop.PREEMPTED_EXIT),
+one checkpoint is committed, ``primus train`` exits with the documented code (primus.core.run.stop.PREEMPTED_EXIT),
 and the same command again (``checkpoint.resume: auto``, which also started the first run on an empty folder)
 continues it: its losses equal those of an uninterrupted run at the same steps."""
 
@@ -14,7 +14,7 @@ import time
 import pytest
 from hf_helpers import _env, _free_port, run_config, train
 
-from primus.core.stop import PREEMPTED_EXIT
+from primus.core.run.stop import PREEMPTED_EXIT
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -30,7 +30,7 @@ def test_sigterm_mid_run_saves_once_and_the_same_command_continues(tmp_path, bac
         tmp_path / "run.yaml", backend, train={"steps": 500}, checkpoint={"resume": "auto", "keep_last": 3}
     )
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "primus.core.cli", "train", str(config), f"logging.output_dir={out}"]
+    cmd = [sys.executable, "-m", "primus.core.cli.app", "train", str(config), f"logging.output_dir={out}"]
     cmd += ["--nproc-per-node", "2", "--master-port", str(_free_port())]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240

@@ -1,9 +1,9 @@
 """The same recipe is the same run on both engines and every layout: with the default schedule (warmup, cosine
 decay, clipping on, weight decay with norms and biases exempt) and no seed checkpoint, Megatron and TorchTitan on
 1 and 2 gloo ranks (DP with the distributed optimizer, FSDP, TP, PP) use the same learning rate at every step
-(core's schedule, primus.core.schedule) and train the same loss curve from the same initial weights (core's
-canonical init, primus.core.init), within fp32 reduction-order tolerance; and both engines report the same
-metrics (one definition each, primus.core.loop.METRICS: memory included).
+(core's schedule, primus.core.run.schedule) and train the same loss curve from the same initial weights (core's
+canonical init, primus.core.run.init), within fp32 reduction-order tolerance; and both engines report the same
+metrics (one definition each, primus.core.run.loop.METRICS: memory included).
 
 Every run also evaluates (``eval``: a held-out 10% of the samples, every 3 steps, forward only): the evaluation
 losses are equal across engines and layouts, equal to ``transformers``' loss of the exported model on the same
@@ -72,7 +72,7 @@ def _runs(runs) -> dict[str, list[dict]]:
 
 def test_every_engine_and_layout_uses_cores_learning_rates(runs):
     from primus.core.config.schema import TrainConfig
-    from primus.core.schedule import lr_at
+    from primus.core.run.schedule import lr_at
 
     t = TrainConfig(
         steps=STEPS, optimizer={"lr": 3.0e-3, "min_lr": 3.0e-4}, schedule={"warmup_steps": 2, "decay": "cosine"}
@@ -92,8 +92,8 @@ def test_every_engine_and_layout_trains_the_same_loss_curve(runs):
 
 
 def test_both_engines_report_the_same_metrics(runs):
-    from primus.core.evaluation import EVAL_METRICS
-    from primus.core.loop import METRICS
+    from primus.core.run.evaluation import EVAL_METRICS
+    from primus.core.run.loop import METRICS
 
     on_cpu = {"step", "time", *METRICS} - {"mfu"}  # no peak FLOP/s on a CPU
     for name, rows in _runs(runs).items():
@@ -134,7 +134,7 @@ def test_eval_loss_is_transformers_loss_on_the_held_out_tokens(runs, tmp_path):
     import transformers
 
     from primus.core.data.splits import eval_samples
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
 
     root = runs["root"]
     exported = tmp_path / "hf"

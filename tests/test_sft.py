@@ -63,7 +63,7 @@ def _first_batch(setup):
     """The first global batch, as core hands it to both engines (inputs, labels with -100 for context)."""
     from primus.core.data import GlobalOrder
     from primus.core.data.splits import training_samples
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
 
     cfg = resolve("sft", setup["overrides"], world_size=1, check_plugins=False).config
     samples = training_samples(cfg)
@@ -93,7 +93,7 @@ def test_first_step_is_transformers_masked_loss_and_gradient(setup):
 
 
 def test_the_sft_recipe_takes_the_model_and_tokenizer_from_the_folder(setup):
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
 
     res = resolve("sft", setup["overrides"], world_size=1, check_plugins=False)
     assert res.config.data.tokenizer == str(setup["hf"]) and res.config.train.objective == "sft"
@@ -127,4 +127,6 @@ def primus_fails(*args):
 
     from hf_helpers import _env
 
-    return subprocess.run([sys.executable, "-m", "primus.core.cli", *args], capture_output=True, text=True, env=_env())
+    return subprocess.run(
+        [sys.executable, "-m", "primus.core.cli.app", *args], capture_output=True, text=True, env=_env()
+    )

@@ -13,13 +13,13 @@ import re
 
 import pytest
 
+from primus.core.launch.train import resolve
 from primus.core.planner import Cluster, KernelTerms, candidates, device
 from primus.core.planner.auto import to_parallel
 from primus.core.planner.calibration import HEADROOM
 from primus.core.planner.memory import GIB
 from primus.core.planner.ranking import rank
-from primus.core.strategies import estimate_memory, fused_loss
-from primus.core.train import resolve
+from primus.core.planner.strategies import estimate_memory, fused_loss
 from primus.tune.plugin import PRESETS_DIR
 
 RECIPES = PRESETS_DIR / "recipes"  # the installed primus-tune's

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from primus.core import hookimpl
-from primus.core.plugins import DISABLE_ENV, Registry, build_plugin_manager
-from primus.core.protocols import BackendSpec, ConfigIssue
+from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
+from primus.core.contracts.protocols import BackendSpec, ConfigIssue
 
 
 def _refuse_cp(cfg, world_size):
@@ -40,7 +40,7 @@ def registry(monkeypatch) -> Registry:
 @pytest.fixture
 def cli_registry(registry, monkeypatch) -> Registry:
     """Make the CLI's registry core + the fake backend (no engine needs to be installed)."""
-    from primus.core import plugins
+    from primus.core.contracts import plugins
 
     monkeypatch.setattr(plugins, "_cached", registry)
     return registry

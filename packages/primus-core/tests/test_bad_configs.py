@@ -8,8 +8,8 @@ import pytest
 
 from primus.core.config.errors import ConfigError
 from primus.core.config.loader import load_layers
+from primus.core.config.presets import resolver
 from primus.core.config.validate import validate_config
-from primus.core.presets import resolver
 
 BASE = "extends: [tiny-llama]\nbackend: {name: fake}\n"
 

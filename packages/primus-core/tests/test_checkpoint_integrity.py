@@ -2,7 +2,7 @@
 take the newest checkpoint that verifies, warn about each newer one naming the file, and refuse naming the files
 when none does; a save killed before its manifest never verifies.
 
-Core's stand-in engine (primus.core.testing) takes the real ones' place (tests/test_checkpoint_integrity_engines.py
+Core's stand-in engine (primus.core.run.testing) takes the real ones' place (tests/test_checkpoint_integrity_engines.py
 runs both engines): it writes a weights file and a state file, and, like a real engine over a truncated shard, dies
 with EOFError loading short weights."""
 
@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import checkpoints as ckpt
-from primus.core.cli import app
-from primus.core.errors import UserError
-from primus.core.testing import WEIGHT_BYTES, StandInEngine, registry, weights
-from primus.core.train import eval_rank, resolve, run_rank
+from primus.core.cli.app import app
+from primus.core.contracts.errors import UserError
+from primus.core.launch.train import eval_rank, resolve, run_rank
+from primus.core.run import checkpoints as ckpt
+from primus.core.run.testing import WEIGHT_BYTES, StandInEngine, registry, weights
 
 pytest.importorskip("torch")  # run_rank detects the device through torch
 
@@ -93,7 +93,7 @@ def test_resume_skips_a_broken_newest_checkpoint_naming_the_file(run, damage, ca
     broken = _step(run, 4) / "weights.bin"
     DAMAGE[damage](broken)
     assert ckpt.verify(_step(run, 4)) == [f"{broken}: {SAYS[damage]}"]
-    with caplog.at_level(logging.WARNING, logger="primus.core.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="primus.core.run.checkpoints"):
         summary = _run(run, "train.steps=6", resume=True)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(str(broken) in w and "step 4" in w and SAYS[damage] in w for w in warnings), warnings
@@ -177,7 +177,7 @@ def test_a_checkpoint_without_a_file_list_verifies_with_a_warning(run, caplog):
     del man["files"]  # as written before manifests recorded their files
     (folder / "manifest.json").write_text(json.dumps(man))
     _truncate(folder / "weights.bin")
-    with caplog.at_level(logging.WARNING, logger="primus.core.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="primus.core.run.checkpoints"):
         assert ckpt.verify(folder) == []
     assert f"{folder} was written before checkpoints recorded their files" in caplog.text
 
@@ -186,7 +186,7 @@ def test_eval_and_export_take_the_newest_checkpoint_that_verifies(run, caplog):
     broken = _step(run, 4) / "weights.bin"
     _truncate(broken)
     res = _resolved(run, "eval.holdout=0.1", "eval.batches=1")
-    with caplog.at_level(logging.WARNING, logger="primus.core.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="primus.core.run.checkpoints"):
         assert eval_rank(res, run / "checkpoints")["step"] == 3  # primus eval --checkpoint ROOT
     assert str(broken) in caplog.text
     with pytest.raises(ckpt.CheckpointBroken, match=f"{broken}: {SAYS['truncated']}"):

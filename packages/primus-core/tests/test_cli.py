@@ -8,7 +8,7 @@ import sys
 
 from typer.testing import CliRunner
 
-from primus.core import cli
+from primus.core.cli import app as cli
 
 runner = CliRunner()
 
@@ -62,6 +62,6 @@ def test_plugins_lists_core():
 
 
 def test_help_does_not_import_torch():
-    code = "import sys, primus.core.cli as c; print(json.dumps(['torch' in sys.modules, 'numpy' in sys.modules]))"
+    code = "import sys, primus.core.cli.app as c; print(json.dumps(['torch' in sys.modules, 'numpy' in sys.modules]))"
     out = subprocess.run([sys.executable, "-c", "import json;" + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [False, False]

@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from primus.core.cli_data import data_app
+from primus.core.cli.data import data_app
 from primus.core.config.schema import DataConfig
 from primus.core.data import IndexedReader, eos_id, load_token_stream, load_tokenizer
 from primus.core.data.prepare import prepare
@@ -35,7 +35,7 @@ def inputs(tmp_path: Path) -> Path:
 
 
 def _cli() -> typer.Typer:
-    app = typer.Typer()  # the way primus.core.cli mounts it
+    app = typer.Typer()  # the way primus.core.cli.app mounts it
 
     @app.callback()
     def main() -> None:

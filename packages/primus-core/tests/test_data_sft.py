@@ -53,7 +53,7 @@ def test_labels_of_context_positions_are_ignored():
 
 def test_sft_needs_jsonl_records():
     from primus.core.data.checks import check_data
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
 
     cfg = resolve("tiny-llama", ["train.objective=sft"], world_size=1, check_plugins=False).config
     with pytest.raises(DataError, match="train.objective sft trains on .jsonl records"):
@@ -63,7 +63,7 @@ def test_sft_needs_jsonl_records():
 def test_fine_tuning_evaluation_data_is_checked_as_records(tmp_path):
     """eval.source of a fine-tuning run holds records like data.source (not documents under data.text_key)."""
     from primus.core.data.checks import check_data
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
 
     for name in ("train.jsonl", "eval.jsonl"):
         (tmp_path / name).write_text(json.dumps({"prompt": "Q:", "completion": " A"}) + "\n")

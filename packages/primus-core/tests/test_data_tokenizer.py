@@ -41,7 +41,7 @@ def test_import_and_corpus_walk_pull_in_no_torch_and_no_side_effect_modules():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
     # The CLI sub-app stays light: `primus --help` must not pay for numpy or tokenizers.
-    code = "import sys; import primus.core.cli_data; print([m for m in ('numpy', 'tokenizers') if m in sys.modules])"
+    code = "import sys; import primus.core.cli.data; print([m for m in ('numpy', 'tokenizers') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 

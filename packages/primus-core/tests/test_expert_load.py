@@ -1,4 +1,4 @@
-"""Core's expert-load metrics from routers' forward hooks (primus.core.expert_load), on stand-in routers."""
+"""Core's expert-load metrics from routers' forward hooks (primus.core.run.expert_load), on stand-in routers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from primus.core.expert_load import ExpertLoad  # noqa: E402
+from primus.core.run.expert_load import ExpertLoad  # noqa: E402
 
 
 class Router(torch.nn.Module):

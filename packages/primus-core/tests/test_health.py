@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from primus.core.config.schema import HealthConfig
-from primus.core.health import HealthMonitor, NonFiniteError, collective_timeout
+from primus.core.run.health import HealthMonitor, NonFiniteError, collective_timeout
 
 
 def test_nan_stops_on_its_step():

@@ -174,7 +174,7 @@ def test_folder_problems(tmp_path):
 
 def test_cli_refusals(tmp_path):
     def primus(*args):
-        return subprocess.run([sys.executable, "-m", "primus.core.cli", *args], capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-m", "primus.core.cli.app", *args], capture_output=True, text=True)
 
     proc = primus("checkpoint", "export", str(tmp_path / "nope"), "--to-hf", str(tmp_path / "x"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli
+from primus.core.cli import app as cli
 from primus.core.config.errors import ConfigError
 from primus.core.config.loader import load_layers, read_yaml, substitute_env
 from primus.core.config.yaml_reader import MAX_DEPTH, MAX_NODES

@@ -11,12 +11,12 @@ import json
 import pytest
 import yaml
 
-from primus.core import checkpoints, init
 from primus.core.config.errors import ConfigError
 from primus.core.config.schema import ModelConfig
 from primus.core.hf.contract import hf_names
-from primus.core.init_from import source
-from primus.core.train import resolve
+from primus.core.launch.train import resolve
+from primus.core.run import checkpoints, init
+from primus.core.run.init_from import source
 
 HF = {
     "model_type": "qwen3",
@@ -113,8 +113,8 @@ def test_canonical_init_names_every_routed_expert(preset, router, expert):
     (Qwen3-MoE's or Mixtral's); each expert is drawn on its own (experts differ), its down projection scaled."""
     import torch
 
-    from primus.core.plugins import get_registry
-    from primus.core.presets import model_config
+    from primus.core.config.presets import model_config
+    from primus.core.contracts.plugins import get_registry
 
     m = model_config(preset, get_registry())
     e, names = m.moe, hf_names(m)
@@ -137,8 +137,8 @@ def test_canonical_init_names_every_routed_expert(preset, router, expert):
 def test_canonical_init_names_the_shared_experts():
     """model.moe.shared_experts: one SwiGLU MLP of shared_experts x expert width per MoE layer, under DeepSeek's names
     (mlp.shared_experts.*_proj), its down projection scaled."""
-    from primus.core.plugins import get_registry
-    from primus.core.presets import model_config
+    from primus.core.config.presets import model_config
+    from primus.core.contracts.plugins import get_registry
 
     m = model_config("tiny-qwen3-moe", get_registry())
     m = m.model_copy(update={"moe": m.moe.model_copy(update={"shared_experts": 2})})

@@ -133,14 +133,14 @@ class _FastAttention:
     @staticmethod
     @hookimpl
     def primus_kernels():
-        from primus.core.protocols import KernelProvider
+        from primus.core.contracts.protocols import KernelProvider
 
         fast = KernelProvider(op="attention", name="fast", impl=ref.attention, available=ref.always, priority=10)
         return [fast]
 
 
 def test_document_mask_selects_only_providers_that_mask_by_document(monkeypatch):
-    from primus.core.plugins import DISABLE_ENV, Registry, build_plugin_manager
+    from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
 
     monkeypatch.setenv(DISABLE_ENV, "1")
     registry = Registry(build_plugin_manager(extra_plugins=[("fast", _FastAttention)]))

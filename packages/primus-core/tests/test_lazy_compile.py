@@ -1,4 +1,4 @@
-"""primus.core.lazy_compile: torch.compile of a function is deferred to its first call, with torch.compile's result.
+"""primus.core.run.lazy_compile: torch.compile of a function is deferred to its first call, with torch.compile's result.
 
 Run in a fresh interpreter: the deferral replaces ``torch.compile`` for the process, and whether TorchDynamo has
 been imported is the point."""
@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
-    from primus.core.lazy_compile import defer_torch_compile
+    from primus.core.run.lazy_compile import defer_torch_compile
 
     defer_torch_compile()
     defer_torch_compile()  # idempotent: one layer of deferral

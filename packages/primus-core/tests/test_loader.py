@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from primus.core import hookimpl
 from primus.core.config.loader import load_layers
+from primus.core.config.presets import resolver
 from primus.core.config.validate import validate_config
-from primus.core.plugins import Registry, build_plugin_manager
-from primus.core.presets import resolver
-from primus.core.train import configure_changes, resolve
+from primus.core.contracts.plugins import Registry, build_plugin_manager
+from primus.core.launch.train import configure_changes, resolve
 
 
 def test_extends_order_and_relative_paths(tmp_path, registry):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import types
 
-from primus.core.patches import Patch, table_problems
+from primus.core.contracts.patches import Patch, table_problems
 
 
 def test_table_problems_names_each_gap(tmp_path):

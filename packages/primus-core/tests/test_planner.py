@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli
-from primus.core.modelmath import count_params
+from primus.core.cli import app as cli
+from primus.core.config.presets import model_config
 from primus.core.planner import GENERIC, Cluster, EngineProfile, KernelTerms, Layout, device, estimate
-from primus.core.presets import model_config
-from primus.core.strategies import fused_loss
+from primus.core.planner.modelmath import count_params
+from primus.core.planner.strategies import fused_loss
 
 # An engine of these tests' own: fp32 weights that are their own master copy (the optimizer keeps Adam's m, v only),
 # trained under torch.autocast where FSDP does not cast them; no distributed optimizer; selective recompute keeps
@@ -100,8 +100,8 @@ def test_plan_cli_recommends():
 
 
 def test_strategy_auto_fills_the_parallel_section(registry, monkeypatch):
+    from primus.core.launch.train import resolve
     from primus.core.planner import auto
-    from primus.core.train import resolve
 
     monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
     res = resolve(
@@ -129,8 +129,8 @@ def test_strategy_auto_fills_the_parallel_section(registry, monkeypatch):
 
 def test_strategy_auto_refuses_what_cannot_fit(registry, monkeypatch):
     from primus.core.config.errors import ConfigError
+    from primus.core.launch.train import resolve
     from primus.core.planner import auto
-    from primus.core.train import resolve
 
     monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
     with pytest.raises(ConfigError, match="parallel.strategy: auto: no layout fits 8 × H100"):
@@ -143,7 +143,7 @@ def test_strategy_auto_refuses_what_cannot_fit(registry, monkeypatch):
 
 
 def test_named_strategy_fills_and_keeps_explicit_sizes(registry):
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
 
     ddp = resolve("tiny-llama", ["backend.name=fake", "parallel.strategy=ddp"], world_size=4, registry=registry)
     p = ddp.config.parallel
@@ -161,8 +161,8 @@ def test_named_strategy_fills_and_keeps_explicit_sizes(registry):
 
 
 def test_strategy_estimate_is_the_planners_model(registry):
-    from primus.core.protocols import load_ref
-    from primus.core.train import resolve
+    from primus.core.contracts.protocols import load_ref
+    from primus.core.launch.train import resolve
 
     res = resolve(
         "llama3.1-8b",
@@ -182,8 +182,8 @@ def test_strategy_estimate_is_the_planners_model(registry):
 
 def test_auto_refusal_gives_the_numbers(registry, monkeypatch):
     from primus.core.config.errors import ConfigError
+    from primus.core.launch.train import resolve
     from primus.core.planner import auto
-    from primus.core.train import resolve
 
     monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
     with pytest.raises(ConfigError, match=r"72\.0 usable.*the smallest \(.*\) needs \d+\.\d GiB per device"):
@@ -197,9 +197,9 @@ def test_auto_refusal_gives_the_numbers(registry, monkeypatch):
 
 def test_a_layout_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatch):
     import primus.core.kernels
-    from primus.core.errors import UserError
+    from primus.core.contracts.errors import UserError
+    from primus.core.launch.train import resolve, run_rank
     from primus.core.planner import auto
-    from primus.core.train import resolve, run_rank
 
     out = tmp_path / "run"
     res = resolve(
@@ -341,7 +341,7 @@ def test_fused_loss_memory_only_where_the_engine_fuses(registry):
     fp8_head = estimate(m, _on(GENERIC, "fsdp", dp=1), 4096, kernels=KernelTerms(fused_loss=True, fp8_head=True))
     assert fp8_head.parts["logits"] == logits(GENERIC, False)
     from primus.core.config.schema import PrimusConfig
-    from primus.core.strategies import kernel_terms
+    from primus.core.planner.strategies import kernel_terms
 
     cfg = PrimusConfig.model_validate({"kernels": {"fp8": "tensorwise", "fp8_recipe": {"bf16_output_head": False}}})
     assert kernel_terms(cfg).fp8_head and not kernel_terms(PrimusConfig()).fp8_head
@@ -421,8 +421,8 @@ def test_moe_step_time_counts_active_weights_and_all_to_alls(registry):
 def test_planner_plans_moe_layouts_with_expert_parallelism(registry):
     """Qwen3-30B-A3B on two 8-GPU H100 nodes: expert-parallel layouts are searched (EP sizes that divide the experts
     and the data-parallel ranks), MFU counts the active parameters, and a layout is recommended."""
-    from primus.core.modelmath import flops_per_token
     from primus.core.planner import best, candidates
+    from primus.core.planner.modelmath import flops_per_token
 
     m = _model(registry, "qwen3-30b-a3b")
     cluster = Cluster(device("H100"), 2, 8)

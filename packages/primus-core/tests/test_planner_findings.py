@@ -11,17 +11,18 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli, hookimpl
+from primus.core import hookimpl
+from primus.core.cli import app as cli
+from primus.core.config.presets import model_config
 from primus.core.config.validate import validate_config
+from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
+from primus.core.contracts.protocols import BackendSpec, ConfigIssue
 from primus.core.planner import GENERIC, Cluster, KernelTerms, Layout, best, candidates, device
 from primus.core.planner import calibration as cal
 from primus.core.planner.auto import layout_config
 from primus.core.planner.memory import GIB
 from primus.core.planner.perf import step_time
 from primus.core.planner.ranking import rank, resolve_on
-from primus.core.plugins import DISABLE_ENV, Registry, build_plugin_manager
-from primus.core.presets import model_config
-from primus.core.protocols import BackendSpec, ConfigIssue
 
 RECIPE_405B = "llama3.1-405b-tp-pp-vpp"  # tp 8 × pp 7 = 56 devices a replica, global batch 252
 
@@ -99,7 +100,7 @@ def _no_tp_no_pp(cfg, world_size):
 @pytest.fixture
 def strict(monkeypatch) -> Registry:
     """Core and "strict" (the generic engine's facts; no TP, PP or compile) as the CLI's registry."""
-    from primus.core import plugins
+    from primus.core.contracts import plugins
 
     class Strict:
         @staticmethod
@@ -147,8 +148,8 @@ def test_the_plan_says_what_the_backend_refuses(strict):
 
 
 def test_strategy_auto_picks_only_what_the_backend_accepts(strict, monkeypatch):
+    from primus.core.launch.train import resolve
     from primus.core.planner import auto
-    from primus.core.train import resolve
 
     monkeypatch.setattr(auto, "local_device", lambda: device("H200"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from primus.core import hookimpl
+from primus.core.contracts.plugins import Registry, build_plugin_manager
+from primus.core.contracts.protocols import BackendSpec
 from primus.core.planner import GENERIC, EngineProfile, Layout, estimate, profile_of
 from primus.core.planner.profile import load_profile
-from primus.core.plugins import Registry, build_plugin_manager
-from primus.core.protocols import BackendSpec
 
 CORE = Path(__file__).resolve().parents[1] / "src" / "primus" / "core"
 ENGINE = re.compile(r"megatron|torchtitan", re.IGNORECASE)
@@ -34,10 +34,10 @@ ALLOWED: dict[str, set[str]] = {
     "data/sources.py": {"megatron"},
     # `primus env` / preflight report the versions of the distributions installed, by their names (and `primus
     # presets list` shows a recipe without a backend under the schema's default backend.name)
-    "cli.py": {"megatron-core", "torchtitan", "primus-megatron", "primus-torchtitan"},
-    "preflight.py": {"megatron-core", "torchtitan", "primus-megatron", "primus-torchtitan"},
+    "cli/app.py": {"megatron-core", "torchtitan", "primus-megatron", "primus-torchtitan"},
+    "launch/preflight.py": {"megatron-core", "torchtitan", "primus-megatron", "primus-torchtitan"},
     # "backend 'x' is not installed: pip install primus-x": which distribution provides an in-tree backend
-    "plugins.py": {"megatron", "primus-megatron", "torchtitan", "primus-torchtitan"},
+    "contracts/plugins.py": {"megatron", "primus-megatron", "torchtitan", "primus-torchtitan"},
 }
 
 
@@ -164,9 +164,9 @@ def test_a_broken_profile_names_its_backend():
 
 def test_the_planner_counts_what_the_profile_says(registry):
     from primus.core.config.loader import load_layers
+    from primus.core.config.presets import resolver
     from primus.core.config.schema import ModelConfig
-    from primus.core.modelmath import count_params
-    from primus.core.presets import resolver
+    from primus.core.planner.modelmath import count_params
 
     m = ModelConfig.model_validate(load_layers("llama3.2-1b", resolve_preset=resolver(registry)).data["model"])
     p = count_params(m).total

@@ -8,10 +8,11 @@ from types import SimpleNamespace
 import pluggy
 import pytest
 
-from primus.core import hookimpl, plugins
-from primus.core.plugins import PrimusPluginManager, Registry, build_plugin_manager
-from primus.core.protocols import BackendSpec, KernelProvider, RunContext
-from primus.core.train import configure_changes
+from primus.core import hookimpl
+from primus.core.contracts import plugins
+from primus.core.contracts.plugins import PrimusPluginManager, Registry, build_plugin_manager
+from primus.core.contracts.protocols import BackendSpec, KernelProvider, RunContext
+from primus.core.launch.train import configure_changes
 
 
 def _ep(name, dist, obj=None, exc=None):
@@ -150,7 +151,7 @@ def test_plugin_command_group_is_mounted(fake_entry_points, monkeypatch):
     import typer
     from typer.testing import CliRunner
 
-    from primus.core import cli
+    from primus.core.cli import app as cli
 
     group = typer.Typer()
 

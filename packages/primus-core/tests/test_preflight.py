@@ -8,7 +8,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli, preflight
+from primus.core.cli import app as cli
+from primus.core.launch import preflight
 
 pytest.importorskip("torch")
 SMALL = ["--gemm-size", "128", "--copy-mib", "4", "--comm-mib", "1", "--iters", "2"]
@@ -28,7 +29,7 @@ def test_a_slow_device_fails(monkeypatch):
 
 def test_two_ranks_check_collectives():
     out = subprocess.run(
-        [sys.executable, "-m", "primus.core.cli", "preflight", "--nproc-per-node", "2", *SMALL],
+        [sys.executable, "-m", "primus.core.cli.app", "preflight", "--nproc-per-node", "2", *SMALL],
         capture_output=True,
         text=True,
         timeout=120,

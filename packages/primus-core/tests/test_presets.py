@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from primus.core.config.loader import load_layers
+from primus.core.config.presets import catalog, model_config, resolver
 from primus.core.config.schema import ModelConfig, PrimusConfig
 from primus.core.config.validate import validate_config
-from primus.core.modelmath import count_params, flops_per_token
-from primus.core.presets import catalog, model_config, resolver
+from primus.core.planner.modelmath import count_params, flops_per_token
 
 # Published totals (model cards / config.json), in billions, with the rounding they are quoted at.
 PUBLISHED = {

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli
+from primus.core.cli import app as cli
 from primus.core.profile.analyze import analyze_events, analyze_files, categorize
 
 

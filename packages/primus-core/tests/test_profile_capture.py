@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli, hookimpl, plugins
-from primus.core.plugins import Registry, build_plugin_manager
-from primus.core.protocols import BackendSpec
+from primus.core import hookimpl
+from primus.core.cli import app as cli
+from primus.core.contracts import plugins
+from primus.core.contracts.plugins import Registry, build_plugin_manager
+from primus.core.contracts.protocols import BackendSpec
 
 torch = pytest.importorskip("torch")
 

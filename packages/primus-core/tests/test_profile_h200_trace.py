@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli
+from primus.core.cli import app as cli
 from primus.core.profile.analyze import _device_events, analyze_files, read_trace
 
 TRACE = Path(__file__).parent / "data" / "h200_llama3.2-1b_torchtitan.trace.json.gz"

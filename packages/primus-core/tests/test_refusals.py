@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import checkpoints, cli
+from primus.core.cli import app as cli
 from primus.core.config.loader import load_layers
+from primus.core.config.presets import resolver
 from primus.core.config.validate import validate_config
 from primus.core.data import write_indexed
-from primus.core.presets import resolver
-from primus.core.run_checks import fp8_warning, has_complete_checkpoint, resume_warning
+from primus.core.launch.run_checks import fp8_warning, has_complete_checkpoint, resume_warning
+from primus.core.run import checkpoints
 
 
 @pytest.fixture(autouse=True)

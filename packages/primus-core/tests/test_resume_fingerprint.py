@@ -3,7 +3,7 @@ bytes), train.seed, the global batch, seq_len and holdout; a resume where one ch
 it, old and new (exit 2), unless checkpoint.allow_data_change (then a warning names it); another global batch is
 always refused; a checkpoint written before fingerprints resumes with a warning.
 
-Core's stand-in engine (primus.core.testing) takes a real engine's place; paths are relative to the test's folder,
+Core's stand-in engine (primus.core.run.testing) takes a real engine's place; paths are relative to the test's folder,
 so that each test's copy of the first run is that run."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import checkpoints as ckpt
-from primus.core import plugins
-from primus.core.cli import app
-from primus.core.testing import StandInEngine, registry
-from primus.core.train import resolve, run_rank
+from primus.core.cli.app import app
+from primus.core.contracts import plugins
+from primus.core.launch.train import resolve, run_rank
+from primus.core.run import checkpoints as ckpt
+from primus.core.run.testing import StandInEngine, registry
 
 pytest.importorskip("torch")  # run_rank detects the device through torch
 
@@ -116,7 +116,7 @@ def test_a_truncated_data_file_is_refused_naming_it(here):
 def test_another_seed_is_refused_and_allow_data_change_takes_it_with_a_warning(here, caplog):
     _refused(_resume("train.seed=7"), "its data order would change: train.seed 1234 in the checkpoint, 7 now")
     logging.getLogger().addHandler(caplog.handler)  # the CLI's logging setup replaced the root's handlers
-    with caplog.at_level(logging.WARNING, "primus.core.checkpoints"):
+    with caplog.at_level(logging.WARNING, "primus.core.run.checkpoints"):
         summary = _resume_in_process("train.seed=7", "checkpoint.allow_data_change=true")
     assert summary["start_step"] == 4 and StandInEngine.calls[:2] == [("load", 4), ("train", 5)]
     says = f"checkpoint.allow_data_change: resuming {STEP4} although train.seed 1234 in the checkpoint, 7 now"
@@ -133,7 +133,7 @@ def test_another_global_batch_is_refused_even_when_allowed(here):
 
 def test_same_content_with_a_newer_time_resumes_with_a_warning(here, caplog):
     os.utime(here / "data.jsonl", (1e9, 2e9))  # a copy that did not keep the times: same bytes
-    with caplog.at_level(logging.WARNING, "primus.core.checkpoints"):
+    with caplog.at_level(logging.WARNING, "primus.core.run.checkpoints"):
         summary = _resume_in_process()
     assert summary["start_step"] == 4 and summary["final_step"] == 6
     assert any("taken as the same data" in r.getMessage() for r in caplog.records)
@@ -144,7 +144,7 @@ def test_a_checkpoint_without_fingerprint_resumes_with_a_warning(here, caplog):
     man = json.loads(manifest.read_text())
     del man[ckpt.DATA_KEY]
     manifest.write_text(json.dumps(man))
-    with caplog.at_level(logging.WARNING, "primus.core.checkpoints"):
+    with caplog.at_level(logging.WARNING, "primus.core.run.checkpoints"):
         summary = _resume_in_process()
     assert summary["start_step"] == 4
     [note] = [r.getMessage() for r in caplog.records if "data fingerprint" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""Faults around a run's folder, with core's stand-in engine (primus.core.testing; tests/test_faults_2rank.py runs
+"""Faults around a run's folder, with core's stand-in engine (primus.core.run.testing; tests/test_faults_2rank.py runs
 the real engines under torchrun): one run per output folder (a lock naming its holder, released when the holder
 dies), metrics.jsonl holding each step once after a resume, its folder removed mid-run, a full file system said in
 one line with the last checkpoint kept."""
@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import hookimpl, rundir
-from primus.core.testing import StandInEngine, registry
-from primus.core.train import resolve, run_rank
+from primus.core import hookimpl
+from primus.core.launch.train import resolve, run_rank
+from primus.core.run import rundir
+from primus.core.run.testing import StandInEngine, registry
 
 pytest.importorskip("torch")  # run_rank detects the device through torch
 
@@ -42,7 +43,7 @@ def _rows(out: Path) -> list[dict]:
 HOLDER = """
 import sys, time
 from pathlib import Path
-from primus.core.rundir import hold
+from primus.core.run.rundir import hold
 hold(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(120)
@@ -62,7 +63,7 @@ def holder(tmp_path):
 
 def test_a_second_run_on_a_held_folder_is_refused_naming_the_holder_until_it_dies(holder, cli_registry):
     out, proc = holder
-    from primus.core import cli
+    from primus.core.cli import app as cli
 
     res = CliRunner().invoke(cli.app, ["train", "tiny-llama", "backend.name=fake", f"logging.output_dir={out}"])
     lines = [line for line in res.output.splitlines() if line.strip()]
@@ -192,7 +193,7 @@ def test_the_torchrun_wrapper_names_the_root_cause():
     then lost its connection (exit 1), or was stopped by torchrun's SIGTERM, at the same second."""
     from types import SimpleNamespace as F
 
-    from primus.core.torchrun import root_cause
+    from primus.core.launch.torchrun import root_cause
 
     failures = {0: F(exitcode=1, timestamp=100), 1: F(exitcode=-9, timestamp=100), 2: F(exitcode=-15, timestamp=100)}
     assert root_cause(failures)[0] == 1
@@ -201,12 +202,12 @@ def test_the_torchrun_wrapper_names_the_root_cause():
 
 
 def test_a_stop_signal_before_the_loop_stops_after_the_first_step(tmp_path):
-    from primus.core import stop
+    from primus.core.run import stop
 
     code = textwrap.dedent(
         """
         import os, signal
-        from primus.core import stop
+        from primus.core.run import stop
         with stop.listen_early():
             os.kill(os.getpid(), signal.SIGTERM)
             assert stop.pending() == "SIGTERM"
@@ -226,8 +227,8 @@ def test_the_launcher_shows_lines_as_they_come_but_no_worker_traceback():
     rank, torchrun's report is read, an error line said by two ranks is shown once, anything else passes whole."""
     import io
 
-    from primus.core.torchrun import MARK
-    from primus.core.train import _StderrFilter
+    from primus.core.launch.torchrun import MARK
+    from primus.core.launch.train import _StderrFilter
 
     shown = io.BytesIO()
     filt = _StderrFilter(shown)

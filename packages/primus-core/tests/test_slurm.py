@@ -7,9 +7,9 @@ import stat
 
 from typer.testing import CliRunner
 
-from primus.core import cli
-from primus.core.launch_env import AMD, COMMON, NVIDIA
-from primus.core.train import torchrun_command
+from primus.core.cli import app as cli
+from primus.core.launch.env import AMD, COMMON, NVIDIA
+from primus.core.launch.train import torchrun_command
 
 runner = CliRunner()
 
@@ -122,7 +122,7 @@ def test_torchrun_command_forms():
     assert (
         "--node-rank=1" in static
         and "--master-addr=h0" in static
-        and static[-3:] == ["primus.core.cli", "train", "c.yaml"]
+        and static[-3:] == ["primus.core.cli.app", "train", "c.yaml"]
     )
     elastic = torchrun_command(["train", "c.yaml"], nproc_per_node=8, nnodes=4, rdzv="h0:29400")
     assert "--rdzv-endpoint=h0:29400" in elastic and not any(a.startswith("--master-addr") for a in elastic)

@@ -1,7 +1,7 @@
 """Core's loop stops early with a checkpoint (a stop signal, train.max_minutes), resumes with checkpoint.resume=auto,
 and evaluates on held-out samples it never trains on; evaluation config and data are refused naming the key.
 
-Core's stand-in engine (primus.core.testing) takes the real ones' place (tests/test_same_run.py and
+Core's stand-in engine (primus.core.run.testing) takes the real ones' place (tests/test_same_run.py and
 tests/test_preemption.py run both engines): it records what the loop asks of it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from primus.core.config.errors import ConfigError
-from primus.core.testing import StandInEngine, registry
-from primus.core.train import resolve, run_rank
+from primus.core.launch.train import resolve, run_rank
+from primus.core.run.testing import StandInEngine, registry
 
 pytest.importorskip("torch")  # run_rank detects the device through torch
 
@@ -52,7 +52,7 @@ def test_a_stop_signal_finishes_the_step_saves_and_resume_auto_continues(tmp_pat
 
 
 def test_max_minutes_stops_like_a_signal(tmp_path):
-    from primus.core import stop
+    from primus.core.run import stop
 
     summary = _run(tmp_path / "run", "train.max_minutes=1e-9")
     assert summary["status"] == "preempted" and summary["stop_reason"] == "train.max_minutes"

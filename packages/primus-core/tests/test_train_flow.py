@@ -7,9 +7,9 @@ import json
 import pytest
 
 from primus.core import hookimpl
-from primus.core.plugins import Registry, build_plugin_manager
-from primus.core.protocols import BackendSpec
-from primus.core.train import resolve, run_rank
+from primus.core.contracts.plugins import Registry, build_plugin_manager
+from primus.core.contracts.protocols import BackendSpec
+from primus.core.launch.train import resolve, run_rank
 
 pytest.importorskip("torch")  # run_rank detects the device through torch
 
@@ -95,7 +95,8 @@ def test_failure_is_recorded_and_reraised(tmp_path):
 def test_user_errors_from_a_backend_are_one_line_exit_2(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from primus.core import cli, plugins
+    from primus.core.cli import app as cli
+    from primus.core.contracts import plugins
     from primus.core.data import DataError
 
     def missing_tokenizer(cfg, ctx):

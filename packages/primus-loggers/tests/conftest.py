@@ -1,4 +1,4 @@
-"""A real core run in process with core's stand-in engine (primus.core.testing), these two loggers registered, and nothing else: installed
+"""A real core run in process with core's stand-in engine (primus.core.run.testing), these two loggers registered, and nothing else: installed
 plugins are not loaded (the run is the same whatever else is installed), W&B and MLflow write only under tmp_path."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from primus.core.plugins import DISABLE_ENV, Registry
-from primus.core.testing import registry as stand_in_registry
+from primus.core.contracts.plugins import DISABLE_ENV, Registry
+from primus.core.run.testing import registry as stand_in_registry
 from primus.loggers import mlflow_logger, wandb_logger
 
 pytest.importorskip("torch")  # core's run detects the device through torch
@@ -41,7 +41,7 @@ def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def train(registry: Registry) -> Callable[..., dict]:
     """``train(out, *overrides)``: one run of 8 steps into ``out`` (metrics every 3 steps and at the last)."""
-    from primus.core.train import resolve, run_rank
+    from primus.core.launch.train import resolve, run_rank
 
     def run(out: Path, *overrides: str) -> dict:
         base = [

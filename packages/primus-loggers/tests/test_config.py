@@ -13,8 +13,8 @@ import pytest
 
 from primus.core.config.errors import ConfigError
 from primus.core.config.schema import PrimusConfig
-from primus.core.protocols import RunInfo
-from primus.core.train import resolve
+from primus.core.contracts.protocols import RunInfo
+from primus.core.launch.train import resolve
 from primus.loggers import mlflow_logger, wandb_logger
 
 LIBRARIES = {"wandb": "wandb", "mlflow": "mlflow"}
@@ -93,7 +93,7 @@ def test_the_cli_loads_the_plugins_but_neither_library():
     if names != {"wandb", "mlflow"}:
         pytest.skip("primus-loggers is not installed: its entry points are not there")
     code = (
-        "from primus.core import cli\n"
+        "from primus.core.cli import app as cli\n"
         "for argv in (['--help'], ['config', 'show', 'tiny-demo', 'logging.loggers.wandb.mode=offline', "
         "'logging.loggers.mlflow.experiment=x']):\n"
         "    sys.argv = ['primus', *argv]\n"

@@ -36,7 +36,7 @@ def primus(
     cmd = [
         sys.executable,
         "-m",
-        "primus.core.cli",
+        "primus.core.cli.app",
         command,
         config,
         f"logging.output_dir={out}",

@@ -16,7 +16,7 @@ from primus.megatron import compat as mc
 
 
 def test_patch_table_names_a_test_for_every_patch():
-    from primus.core.patches import table_problems
+    from primus.core.contracts.patches import table_problems
 
     assert table_problems(mc, Path(__file__).parent) == []
 
@@ -236,7 +236,7 @@ NUMERICS = textwrap.dedent("""
     # Llama-3 RoPE scaling with non-default constants is re-applied (megatron passes only the factor)
     from primus.core.config.schema import RopeScaling
     from primus.megatron.layer_spec import block_spec
-    from primus.core.plugins import get_registry
+    from primus.core.contracts.plugins import get_registry
     reg = get_registry()
     kernels = {op: reg.providers(op)[0] for op in ("attention", "rms_norm", "swiglu")}
     sc = RopeScaling(type="llama3", factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0,
@@ -293,7 +293,7 @@ def test_interleaved_pipeline_uses_unbatched_p2p():
     from megatron.core.transformer import TransformerConfig
     from megatron_helpers import TINY
 
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
     from primus.megatron.model import transformer_config
 
     src = inspect.getsource(p2p_communication._batched_p2p_ops)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from primus.core.config.presets import model_config
 from primus.core.config.schema import ModelConfig
-from primus.core.modelmath import count_params
+from primus.core.contracts.plugins import get_registry
 from primus.core.planner import Cluster, KernelTerms, Layout, best, candidates, device, estimate, profile_of
-from primus.core.plugins import get_registry
-from primus.core.presets import model_config
+from primus.core.planner.modelmath import count_params
 from primus.megatron.planner_profile import PROFILE
 
 

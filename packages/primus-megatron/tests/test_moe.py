@@ -7,7 +7,7 @@ EP 2 (2 ranks, the distributed optimizer), EP 4 (4 ranks, 2 experts each), TP 2 
 experts' seed weights) and CP 2 × EP 2 (2 ranks) train the same loss curve and gradient norms as world size 1. EP 2's step-3 checkpoint
 resumes under EP 2 as its straight run, and a resume at EP 1 is refused
 before anything is read (megatron-core 0.16 keeps the experts' optimizer state apart only when ep > 1). A tiny
-Mixtral trains too, with an expert capacity that drops tokens. Core's expert-load metrics (primus.core.expert_load)
+Mixtral trains too, with an expert capacity that drops tokens. Core's expert-load metrics (primus.core.run.expert_load)
 come from megatron's routers, the aux loss (moe_aux_loss) from megatron's own record of it; both are equal across the
 layouts.
 """

@@ -25,7 +25,7 @@ TURBO = [f"kernels.{op}=triton" for op in ("rms_norm", "swiglu", "rope", "cross_
 
 
 def train(out: Path, *overrides: str, turbo: bool) -> list[dict]:
-    script = [DRIVER] if turbo else ["-m", "primus.core.cli"]
+    script = [DRIVER] if turbo else ["-m", "primus.core.cli.app"]
     # One step of a 2-layer model at global batch 4 (every kernel's forward in the loss, its backward in the grad
     # norm), at a tenth of the 4-layer, 3-step, batch-8 run's cost under Triton's interpreter (426 s on a busy
     # CI-like machine)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import sys
 
 import primus.turbo.availability as availability
-from primus.core.protocols import Availability
+from primus.core.contracts.protocols import Availability
 
 if __name__ == "__main__":
     availability.triton_kernels = lambda device, **_: Availability(True)
-    from primus.core.cli import app
+    from primus.core.cli.app import app
 
     sys.argv = ["primus", *sys.argv[1:]]
     app()

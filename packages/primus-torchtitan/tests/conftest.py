@@ -37,7 +37,7 @@ def primus_train(
     cmd = [
         sys.executable,
         "-m",
-        "primus.core.cli",
+        "primus.core.cli.app",
         "train",
         config,
         f"logging.output_dir={out}",

@@ -18,9 +18,10 @@ import os
 import sys
 from collections import Counter
 
-from primus.core import hookimpl, plugins
+from primus.core import hookimpl
+from primus.core.contracts import plugins
+from primus.core.contracts.protocols import Availability, KernelProvider
 from primus.core.kernels import reference
-from primus.core.protocols import Availability, KernelProvider
 
 
 def poison_step(step: int) -> None:
@@ -85,7 +86,7 @@ if __name__ == "__main__":
         counting_providers(os.environ["PRIMUS_TEST_COUNTING"])
     if os.environ.get("PRIMUS_TEST_TRITON_ON_CPU"):
         triton_on_cpu()
-    from primus.core.cli import app
+    from primus.core.cli.app import app
 
     sys.argv = ["primus", *sys.argv[1:]]
     app()

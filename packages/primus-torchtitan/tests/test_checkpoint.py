@@ -12,9 +12,9 @@ import pytest
 from conftest import TINY
 from test_data import Samples, take
 
-from primus.core import checkpoints as core
 from primus.core.config.errors import ConfigError
-from primus.core.train import resolve
+from primus.core.launch.train import resolve
+from primus.core.run import checkpoints as core
 from primus.torchtitan import job_config
 from primus.torchtitan.checkpoint import NAMING, check_compatible, complete_steps
 from primus.torchtitan.data import PrimusDataLoader

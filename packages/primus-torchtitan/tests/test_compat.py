@@ -27,7 +27,7 @@ def _params(fn):
 def test_patch_table_names_a_test_for_every_patch():
     """Every patch names its tests; every function / class compat defines is a patch, the version check or the
     CPU import."""
-    from primus.core.patches import table_problems
+    from primus.core.contracts.patches import table_problems
 
     assert table_problems(compat, Path(__file__).parent, exempt=("check_version", "import_torchtitan")) == []
 

@@ -20,8 +20,8 @@ import torch
 from conftest import TINY, drive, metrics, summary
 from test_models import preset
 
+from primus.core.contracts.protocols import Availability, KernelProvider
 from primus.core.kernels import reference
-from primus.core.protocols import Availability, KernelProvider
 from primus.torchtitan.kernels import ProviderAttention, ProviderRMSNorm, plan, provider_loss, swap_modules
 from primus.torchtitan.loss import FusedOutput, head_loss, head_targets
 from primus.torchtitan.models import base_train_spec, model_args

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from primus.core.config.presets import model_config
 from primus.core.config.schema import ModelConfig
-from primus.core.modelmath import count_params
-from primus.core.plugins import get_registry
-from primus.core.presets import model_config
+from primus.core.contracts.plugins import get_registry
+from primus.core.planner.modelmath import count_params
 from primus.torchtitan.models import base_train_spec, llama3_ffn_args, model_args
 
 

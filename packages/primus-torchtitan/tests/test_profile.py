@@ -13,7 +13,15 @@ from conftest import TINY
 def test_primus_profile_writes_traces_and_report(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PRIMUS_LAUNCHED")}
     proc = subprocess.run(
-        [sys.executable, "-m", "primus.core.cli", "profile", TINY, f"logging.output_dir={tmp_path}", "train.steps=2"],
+        [
+            sys.executable,
+            "-m",
+            "primus.core.cli.app",
+            "profile",
+            TINY,
+            f"logging.output_dir={tmp_path}",
+            "train.steps=2",
+        ],
         capture_output=True,
         text=True,
         timeout=240,

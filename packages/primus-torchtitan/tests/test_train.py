@@ -139,7 +139,7 @@ def test_fresh_run_refuses_to_overwrite_checkpoints(tmp_path, reference):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "primus.core.cli", "train", TINY, f"logging.output_dir={tmp_path}"],
+        [sys.executable, "-m", "primus.core.cli.app", "train", TINY, f"logging.output_dir={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=120,

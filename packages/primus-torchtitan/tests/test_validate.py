@@ -6,7 +6,7 @@ import pytest
 from conftest import CONFIGS, TINY
 
 from primus.core.config.errors import ConfigError
-from primus.core.train import resolve
+from primus.core.launch.train import resolve
 
 MOE = ["model.family=qwen3", "model.qk_norm=true", "model.head_dim=64", "model.moe.num_experts=4"]
 MOE += ["model.moe.balancing=loss_free", "train.init=engine"]
@@ -108,8 +108,8 @@ def test_refused_with_reason(overrides, world_size, key, why):
     ],
 )
 def test_runnable_presets_pass(config, world_size):
-    from primus.core.plugins import get_registry
-    from primus.core.presets import catalog
+    from primus.core.config.presets import catalog
+    from primus.core.contracts.plugins import get_registry
 
     if not config.endswith(".yaml") and config not in catalog(get_registry()):
         pytest.skip(f"{config} comes from a plugin that is not installed here")

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from primus.core import hookimpl, plugins
-from primus.core.plugins import Registry, build_plugin_manager
-from primus.core.protocols import BackendSpec
+from primus.core import hookimpl
+from primus.core.contracts import plugins
+from primus.core.contracts.plugins import Registry, build_plugin_manager
+from primus.core.contracts.protocols import BackendSpec
 
 
 class EngineStandIn:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 from typer.testing import CliRunner
 
-from primus.core import cli
+from primus.core.cli import app as cli
 
 runner = CliRunner()
 

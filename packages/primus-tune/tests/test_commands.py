@@ -9,7 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from primus.core import cli
+from primus.core.cli import app as cli
 from primus.tune.results import Environment, GemmResults, TuningEntry
 from primus.tune.shapes import linear_gemms
 
@@ -103,7 +103,7 @@ def test_benchmark_attention_times_each_available_provider(app, tmp_path):
 
 def test_help_does_not_import_torch():
     code = (
-        "import sys\nfrom primus.core import cli\nsys.argv = ['primus', '--help']\n"
+        "import sys\nfrom primus.core.cli import app as cli\nsys.argv = ['primus', '--help']\n"
         "try:\n    cli.main()\nexcept SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

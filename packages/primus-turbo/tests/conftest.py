@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from primus.core.plugins import Registry, build_plugin_manager
+from primus.core.contracts.plugins import Registry, build_plugin_manager
 
 # Without a GPU the Triton kernels run in Triton's interpreter (numpy, on CPU tensors). The flag is read
 # when a kernel is defined, so it is set here, before any test imports primus.turbo.triton.

@@ -46,7 +46,7 @@ def test_auto_on_rocm_prefers_aiter_then_flash(registry, fake_aiter, rocm_torch,
 
 def test_primus_plugins_lists_turbo():
     out = subprocess.run(
-        [sys.executable, "-m", "primus.core.cli", "plugins"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "primus.core.cli.app", "plugins"], capture_output=True, text=True, check=True
     ).stdout
     assert "primus-turbo" in out
     for name in ("attention:aiter", "attention:cudnn", "attention:flash", "attention:ring"):

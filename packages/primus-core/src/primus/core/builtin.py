@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from primus.core import hookimpl
-from primus.core.protocols import DOCUMENTS, KERNEL_OPS, KernelProvider
+from primus.core.contracts.protocols import DOCUMENTS, KERNEL_OPS, KernelProvider
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -47,27 +47,27 @@ def primus_kernels() -> list[KernelProvider]:
 
 @hookimpl
 def primus_strategies() -> list[Any]:
-    from primus.core.strategies import BUILTIN_STRATEGIES
+    from primus.core.planner.strategies import BUILTIN_STRATEGIES
 
     return BUILTIN_STRATEGIES
 
 
 @hookimpl
 def primus_on_train_start(config: Any, info: Any) -> None:
-    from primus.core import runlog
+    from primus.core.run import runlog
 
     runlog.start(config, info)
 
 
 @hookimpl
 def primus_on_log(step: int, metrics: dict[str, float], info: Any) -> None:
-    from primus.core import runlog
+    from primus.core.run import runlog
 
     runlog.step(step, metrics, info)
 
 
 @hookimpl
 def primus_on_train_end(summary: dict[str, Any], info: Any) -> None:
-    from primus.core import runlog
+    from primus.core.run import runlog
 
     runlog.end(summary, info)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from primus.core.config.errors import ConfigError
 from primus.core.config.fields import suggest
-from primus.core.protocols import ConfigIssue
+from primus.core.contracts.protocols import ConfigIssue
 
 log = logging.getLogger("primus.loggers")
 

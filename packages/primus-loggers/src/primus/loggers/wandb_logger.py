@@ -79,7 +79,7 @@ def primus_on_train_end(summary: dict[str, Any], info: Any) -> None:
     run, guard = _active.pop("run", None), _active.pop("guard", None)
     if run is None:
         return
-    from primus.core.stop import PREEMPTED_EXIT
+    from primus.core.run.stop import PREEMPTED_EXIT
 
     status = summary.get("status", "failed")
     with guard:

@@ -1,7 +1,7 @@
 """Megatron's state in a checkpoint folder, with megatron-core's ``dist_checkpointing``: each rank writes its
 shards, any layout can load them (resharding TP / PP / VPP / DP).
 
-Core's loop owns the policy (:mod:`primus.core.loop`: folder names ``step_00000012``, when to save, atomic
+Core's loop owns the policy (:mod:`primus.core.run.loop`: folder names ``step_00000012``, when to save, atomic
 commit with the manifest, keep-last, resume, the shape check); this module writes and reads the engine's part:
 the model (all chunks) and the optimizer (fp32 main params and Adam state, resharded across DP with the
 distributed optimizer). The step, which is also the data position (:mod:`primus.megatron.data`), and the
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from primus.core import checkpoints as core
-from primus.core.checkpoints import read_manifest
 from primus.core.config.schema import PrimusConfig
+from primus.core.run import checkpoints as core
+from primus.core.run.checkpoints import read_manifest
 from primus.megatron import compat
 
 log = logging.getLogger("primus.megatron.checkpoint")

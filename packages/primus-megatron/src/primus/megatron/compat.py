@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from primus.core.patches import Patch
+from primus.core.contracts.patches import Patch
 
 PATCHES: tuple[Patch, ...] = (
     Patch(

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from primus.core.launch_env import free_port
+from primus.core.launch.env import free_port
 
 # megatron warns once per process about every optional fused kernel it cannot find (TE, apex): expected on a
 # local-spec build; kept out of the run log.

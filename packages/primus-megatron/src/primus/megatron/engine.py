@@ -1,4 +1,4 @@
-"""The Megatron-Core backend's adapter for core's training loop (:mod:`primus.core.loop`).
+"""The Megatron-Core backend's adapter for core's training loop (:mod:`primus.core.run.loop`).
 
 ``build(cfg, ctx)`` makes megatron's own objects on this rank: process groups -> model chunks (kernel layer
 spec) -> [HF / seed weights] -> Float16Module -> megatron DDP, or FSDP2 (:mod:`.fsdp`) -> megatron optimizer (+
@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import grad_accumulation_steps
-from primus.core.health import collective_timeout
+from primus.core.contracts.protocols import RunContext
 from primus.core.kernels import fp8_experts
 from primus.core.kernels.documents import document_eos, document_ids
-from primus.core.loop import StepResult
-from primus.core.protocols import RunContext
+from primus.core.run.health import collective_timeout
+from primus.core.run.loop import StepResult
 from primus.megatron.dist import init_distributed, teardown
 
 log = logging.getLogger("primus.megatron")
@@ -294,7 +294,7 @@ class MegatronEngine:
         ]
 
     def interval_metrics(self) -> dict[str, float]:
-        """``moe_aux_loss`` (core's definition, primus.core.expert_load.METRICS) from megatron's own record of it (its
+        """``moe_aux_loss`` (core's definition, primus.core.run.expert_load.METRICS) from megatron's own record of it (its
         routers add each micro-batch's load-balancing loss per layer to a tracker), per routed batch: the routers'
         training forwards are counted here (a recomputed forward logs, and is counted, again), tensor- and
         context-parallel ranks hold parts of one batch's loss (megatron's Switch formula sums them), data-parallel
@@ -397,7 +397,7 @@ class MegatronEngine:
                 m.enable_forward_pre_hook()
 
     def load(self, folder: Path) -> None:
-        from primus.core.errors import UserError
+        from primus.core.contracts.errors import UserError
         from primus.megatron import checkpoint as ckpt
         from primus.megatron.dist import ranks
 

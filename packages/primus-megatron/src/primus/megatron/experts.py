@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from primus.core.contracts.protocols import load_ref
 from primus.core.kernels import reference
-from primus.core.protocols import load_ref
 
 STACKED, PER_EXPERT = "stacked", "per_expert"
 

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from primus.core import faults
+from primus.core.run import faults
 
 log = logging.getLogger("primus.megatron.faults")
 

@@ -34,8 +34,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from primus.core.contracts.protocols import ConfigIssue
 from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks
-from primus.core.protocols import ConfigIssue
 
 log = logging.getLogger("primus.megatron")
 

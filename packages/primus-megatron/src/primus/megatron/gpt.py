@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from primus.core.contracts.protocols import KernelProvider
 from primus.core.kernels import fused_loss_refusal
-from primus.core.protocols import KernelProvider
 
 
 class FusedLossGPTModel(GPTModel):

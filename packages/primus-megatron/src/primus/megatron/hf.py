@@ -223,7 +223,7 @@ class _Engine:
         init_parallel(p.tp, p.pp, p.vpp, p.cp, ep=p.ep)
         seed(cfg.train.seed)
         if registry is None:
-            from primus.core.plugins import get_registry
+            from primus.core.contracts.plugins import get_registry
 
             registry = get_registry()
         kernels = select_kernels(
@@ -239,9 +239,9 @@ class _Engine:
 
 
 def init_canonical(chunks: list[Any], cfg: PrimusConfig) -> None:
-    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.init`, by HF name), into this rank's
+    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.run.init`, by HF name), into this rank's
     TP/PP shards, so every layout, and the TorchTitan backend, starts from the same weights."""
-    from primus.core import init
+    from primus.core.run import init
 
     n = fill_from_hf(chunks, lambda name: init.tensor(name, cfg.model, cfg.train.seed), cfg.model)
     log.info("initialised %d tensors from train.seed %d (canonical init)", n, cfg.train.seed)
@@ -252,7 +252,7 @@ def load_init_from(chunks: list[Any], cfg: PrimusConfig) -> None:
     a megatron checkpoint of any layout (its model part; core converts another engine's to a HF folder first)."""
     from primus.core.hf.contract import check_folder
     from primus.core.hf.safetensors_io import HFReader
-    from primus.core.init_from import source
+    from primus.core.run.init_from import source
     from primus.megatron import checkpoint as ckpt
 
     src = source(cfg.train.init_from)
@@ -267,7 +267,7 @@ def load_init_from(chunks: list[Any], cfg: PrimusConfig) -> None:
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint folder (``step_N`` or a seed/imported one), or a checkpoints root (its newest complete one)."""
-    from primus.core.errors import UserError
+    from primus.core.contracts.errors import UserError
     from primus.megatron import checkpoint as ckpt
 
     if ckpt.read_manifest(path) is not None:

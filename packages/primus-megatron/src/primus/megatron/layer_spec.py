@@ -29,8 +29,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from primus.core.contracts.protocols import KernelProvider, load_ref
 from primus.core.kernels import fp8_experts, reference
-from primus.core.protocols import KernelProvider, load_ref
 from primus.megatron.rope import KernelRoPESelfAttention, rope_impl
 
 

@@ -11,7 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from primus.core.config.schema import PrimusConfig
-from primus.core.protocols import KernelProvider
+from primus.core.contracts.protocols import KernelProvider
 from primus.megatron import compat
 from primus.megatron.dist import stage
 from primus.megatron.gpt import fuse_loss, fused_loss

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from megatron.core.transformer.attention import SelfAttention
 
+from primus.core.contracts.protocols import KernelProvider, load_ref
 from primus.core.kernels import reference
-from primus.core.protocols import KernelProvider, load_ref
 
 
 def rope_impl(kernels: dict[str, KernelProvider]) -> tuple[Any, str]:

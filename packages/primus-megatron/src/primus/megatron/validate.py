@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from primus.core.config.schema import PrimusConfig
-from primus.core.protocols import ConfigIssue
+from primus.core.contracts.protocols import ConfigIssue
 from primus.megatron import faults, fp8
 
 # backend.extra keys: a seed checkpoint (same initial weights in every layout), raw
@@ -23,8 +23,8 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     # here the attention provider's context-parallel entry point does (kernel selection refuses a provider without
     # it), over megatron's 2 × cp chunks of the sequence (core checks that seq_len splits into them).
     if p.cp > 1:
+        from primus.core.contracts.plugins import get_registry
         from primus.core.kernels import context_parallel_attention
-        from primus.core.plugins import get_registry
 
         cp_capable = context_parallel_attention(get_registry())
         if not cp_capable:

@@ -1,7 +1,7 @@
 """TorchTitan's state in a checkpoint folder, through torchtitan's own checkpointer (DCP: each rank writes its
 shards, any layout can load them, resharding FSDP / TP / PP / DP).
 
-Core's loop owns the policy (:mod:`primus.core.loop`: folder names ``step_00000012``, when to save, atomic
+Core's loop owns the policy (:mod:`primus.core.run.loop`: folder names ``step_00000012``, when to save, atomic
 commit with the manifest, keep-last, resume, the shape check); this module writes and reads the engine's part
 with torchtitan's ``CheckpointManager.dcp_save`` / ``dcp_load`` over the states torchtitan itself checkpoints:
 the model, the optimizers, the LR schedulers, the data loader (its position: a resumed run continues with the
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from primus.core import checkpoints as core
 from primus.core.config.schema import PrimusConfig
+from primus.core.run import checkpoints as core
 from primus.torchtitan import compat
 
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from primus.core.patches import Patch
+from primus.core.contracts.patches import Patch
 
 log = logging.getLogger("primus.torchtitan")
 
@@ -121,7 +121,7 @@ PATCHES: tuple[Patch, ...] = (
         "trainer.exempt_from_weight_decay",
         "the step methods of torchtitan's optimizer and LR-scheduler containers, replaced per instance; the lr "
         "of each optimizer's param groups; each optimizer's one param group split in two (1-D params: no decay)",
-        "a step the health gate refuses applies no update; the learning rate is core's (primus.core.schedule), "
+        "a step the health gate refuses applies no update; the learning rate is core's (primus.core.run.schedule), "
         "set before each step, so torchtitan's schedulers never step; norms and biases take no weight decay, "
         "as in Megatron-Core",
         "test_compat.py::test_train_step_still_clips_then_steps_the_optimizer_and_schedule",

@@ -79,7 +79,7 @@ class PrimusDataLoader(BaseDataLoader):
         samples = int(state_dict["samples_consumed"])
         steps, rest = divmod(samples, self.global_batch_size)
         if rest:  # a user's change (a checkpoint without a data fingerprint: core's check did not see it): exit 2
-            from primus.core.checkpoints import CheckpointMismatch
+            from primus.core.run.checkpoints import CheckpointMismatch
 
             raise CheckpointMismatch(
                 f"the checkpoint's run consumed {samples} samples, not a whole number of global batches of "

@@ -1,4 +1,4 @@
-"""The TorchTitan backend's adapter for core's training loop (:mod:`primus.core.loop`).
+"""The TorchTitan backend's adapter for core's training loop (:mod:`primus.core.run.loop`).
 
 ``build(cfg, ctx)`` makes torchtitan's own objects on this rank: a JobConfig from the Primus config
 (:mod:`.job_config`), a TrainSpec holding the model args (flavor ``primus``), Primus's data loader and kernel
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from primus.core.config.schema import PrimusConfig
+from primus.core.contracts.protocols import CONTEXT_PARALLEL, RunContext
 from primus.core.kernels.fp8_recipe import fp8_output_head
-from primus.core.launch_env import free_port
-from primus.core.loop import StepResult
-from primus.core.protocols import CONTEXT_PARALLEL, RunContext
-from primus.core.rundir import checkpoint_root
+from primus.core.launch.env import free_port
+from primus.core.run.loop import StepResult
+from primus.core.run.rundir import checkpoint_root
 
 log = logging.getLogger("primus.torchtitan")
 
@@ -48,7 +48,7 @@ def _exit_quietly_after_success() -> None:
     run has succeeded, flush and leave without that teardown."""
 
     def leave() -> None:
-        from primus.core.stop import exit_code
+        from primus.core.run.stop import exit_code
 
         logging.shutdown()
         sys.stdout.flush()

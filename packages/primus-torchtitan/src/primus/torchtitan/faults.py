@@ -8,6 +8,6 @@
 This module imports neither torch nor torchtitan (validate uses it).
 """
 
-from primus.core.faults import EXTRA_KEY, KEYS, FaultInjection, issues
+from primus.core.run.faults import EXTRA_KEY, KEYS, FaultInjection, issues
 
 __all__ = ["EXTRA_KEY", "KEYS", "FaultInjection", "issues"]

@@ -21,9 +21,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from primus.core.contracts.protocols import ConfigIssue
 from primus.core.kernels import fp8_experts as fp8_experts_rule
 from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks
-from primus.core.protocols import ConfigIssue
 
 log = logging.getLogger("primus.torchtitan")
 
@@ -103,7 +103,7 @@ def choice(cfg: Any, provider: Any) -> Any:
     """The ``fp8`` entry of the run's kernel plan (:class:`primus.torchtitan.kernels.Choice`). Both providers
     run under ``train.compile``: on the H200 with torch 2.11, primus-turbo's compiled FP8 linear has eager's
     gradients (``benchmarks/fp8_compile_check.py``, the gate to run on a new torch or GPU)."""
-    from primus.core.errors import UserError
+    from primus.core.contracts.errors import UserError
     from primus.torchtitan.kernels import Choice
 
     if provider.name == "torchao" and cfg.parallel.tp > 1:  # `auto` fell to torchao (primus-turbo's unavailable)

@@ -110,7 +110,7 @@ def load_init_from(trainer: Any, cfg: PrimusConfig) -> None:
     the state-dict adapter, layer by layer) or of a torchtitan checkpoint of any layout (its model states, DCP)."""
     from primus.core.hf.contract import check_folder
     from primus.core.hf.safetensors_io import HFReader
-    from primus.core.init_from import source
+    from primus.core.run.init_from import source
     from primus.torchtitan.checkpoint import load_model
 
     src = source(cfg.train.init_from)
@@ -156,9 +156,9 @@ def fill_from_hf(model_parts: list[torch.nn.Module], cfg: PrimusConfig, get: Any
 
 
 def init_canonical(model_parts: list[torch.nn.Module], cfg: PrimusConfig) -> None:
-    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.init`, by HF name) into this rank's
+    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.run.init`, by HF name) into this rank's
     shards, so every layout, and the Megatron backend, starts from the same weights."""
-    from primus.core import init
+    from primus.core.run import init
 
     n = fill_from_hf(model_parts, cfg, lambda name: init.tensor(name, cfg.model, cfg.train.seed))
     log.info("initialised %d tensors from train.seed %d (canonical init)", n, cfg.train.seed)
@@ -174,8 +174,8 @@ def build_model(cfg: PrimusConfig, device: str = "cpu") -> torch.nn.Module:
 
 def resolve_checkpoint(path: Path) -> Path:
     """A DCP checkpoint folder (``step-N``), or a folder holding some (the newest complete one)."""
-    from primus.core import checkpoints
-    from primus.core.errors import UserError
+    from primus.core.contracts.errors import UserError
+    from primus.core.run import checkpoints
     from primus.torchtitan.checkpoint import NAMING
 
     if (path / ".metadata").is_file():

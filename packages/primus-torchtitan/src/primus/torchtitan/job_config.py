@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from primus.core.health import collective_timeout
+from primus.core.run.health import collective_timeout
 from primus.torchtitan import faults
 
 # Primus pipeline schedule names -> torch.distributed.pipelining names, as torchtitan 0.2.2 takes them.

@@ -100,7 +100,7 @@ def plan(
     documents: bool = False,
 ) -> dict[str, Choice]:
     """Decide per op whether the selected provider replaces torchtitan's module (``providers``: op →
-    :class:`~primus.core.protocols.KernelProvider`). ``swap_reference`` swaps core's reference providers
+    :class:`~primus.core.contracts.protocols.KernelProvider`). ``swap_reference`` swaps core's reference providers
     too (tests of the mechanism); normally torchtitan's modules already compute them. ``fp8_head``: the output
     head becomes an FP8 linear (``kernels.fp8_recipe.bf16_output_head: false``), so it is not fused with the loss
     (the fused kernel would run it in bf16 and leave the FP8 module unused). ``documents`` (``data.document_mask``):

@@ -1,4 +1,4 @@
-"""torchtitan's MetricsProcessor, kept silent: core's loop (:mod:`primus.core.loop`) reports every metric.
+"""torchtitan's MetricsProcessor, kept silent: core's loop (:mod:`primus.core.run.loop`) reports every metric.
 
 torchtitan's Trainer still builds a metrics processor (its batch generator counts tokens and data-loading time
 on it); this one never logs, so torchtitan neither prints its own line nor computes its end-of-step loss

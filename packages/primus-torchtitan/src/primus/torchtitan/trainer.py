@@ -10,7 +10,7 @@ of a step, before torchtitan clips, the gradients are rescaled to those of the m
 Health: once the step's grad norm is known (torchtitan's clip,
 :func:`primus.torchtitan.compat.grad_norm_recorder`) and before the optimizer update, the step's global loss
 and grad norm go to core's gate (``self.gate``); a refused update is dropped: gradients zeroed, the
-optimizer does not step. The learning rate is core's (:mod:`primus.core.schedule`), set on every
+optimizer does not step. The learning rate is core's (:mod:`primus.core.run.schedule`), set on every
 optimizer before the step (:meth:`PrimusTrainer.set_lr`); torchtitan's LR schedulers do not step. Norms and
 biases take no weight decay (:func:`exempt_from_weight_decay`), as in Megatron-Core.
 

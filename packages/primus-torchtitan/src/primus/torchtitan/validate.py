@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from primus.core.config.schema import PrimusConfig
-from primus.core.protocols import ConfigIssue
+from primus.core.contracts.protocols import ConfigIssue
 from primus.torchtitan import faults, fp8
 from primus.torchtitan.job_config import JOB_CONFIG_SECTIONS, PP_SCHEDULES, extra_value
 
@@ -247,8 +247,8 @@ def _cp_attention_issue(cfg: PrimusConfig, choice: str, ref: str) -> ConfigIssue
     """Under ``parallel.cp > 1`` the attention is a provider's context-parallel entry point (primus-turbo's ring
     attention) or torchtitan's own module under torch's context-parallel SDPA (``ref``; GPU only): a provider
     that attends over the whole sequence on one device is refused."""
+    from primus.core.contracts.plugins import get_registry
     from primus.core.kernels import context_parallel_attention
-    from primus.core.plugins import get_registry
 
     allowed = ["auto", ref, *context_parallel_attention(get_registry())]
     if choice in allowed:

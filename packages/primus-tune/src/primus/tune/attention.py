@@ -14,7 +14,7 @@ import torch
 from primus.tune.bench import interleaved_medians
 
 if TYPE_CHECKING:
-    from primus.core.plugins import Registry
+    from primus.core.contracts.plugins import Registry
 
 
 def attention_flops(batch: int, seq: int, heads: int, head_dim: int, causal: bool = True) -> float:

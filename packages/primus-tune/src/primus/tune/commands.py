@@ -34,7 +34,7 @@ def _fail(msg: str, code: int = 2) -> typer.Exit:
 
 def _config(config: str, overrides: list[str] | None):
     from primus.core.config.errors import ConfigError
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
 
     try:
         return resolve(config, overrides or [], check_plugins=False).config
@@ -75,7 +75,7 @@ def _record_device(device: str, cfg: Any) -> str:
         return "meta"
     import torch
 
-    from primus.core.modelmath import count_params
+    from primus.core.planner.modelmath import count_params
 
     free, _ = torch.cuda.mem_get_info()
     return "cuda" if 8 * count_params(cfg.model).total < free / 2 else "meta"
@@ -299,7 +299,7 @@ def benchmark_attention(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the results here")] = None,
 ) -> None:
     """Each attention provider available here (core's registry): causal forward and forward+backward TF/s."""
-    from primus.core.plugins import get_registry
+    from primus.core.contracts.plugins import get_registry
     from primus.tune.attention import benchmark_providers
 
     rows = benchmark_providers(

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from primus.core.errors import UserError
+from primus.core.contracts.errors import UserError
 from primus.tune.results import TuningEntry, pick_winner
 from primus.tune.shapes import GemmShape
 

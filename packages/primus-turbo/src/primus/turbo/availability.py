@@ -1,6 +1,6 @@
 """Can a provider run here? One check per provider, with the reason when it cannot.
 
-Each check has the :class:`primus.core.protocols.KernelProvider` ``available`` signature:
+Each check has the :class:`primus.core.contracts.protocols.KernelProvider` ``available`` signature:
 ``(device, **constraints) -> Availability`` with ``device`` one of ``"cuda"``, ``"rocm"``, ``"cpu"``
 and the constraints core passes at selection (``dtype``: ``"bf16"``/``"fp16"``/``"fp32"`` or a
 ``torch.dtype``; ``head_dim``; ``cp``: the context-parallel size, which the attention checks answer: only a
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from primus.core.protocols import Availability
+from primus.core.contracts.protocols import Availability
 
 HALF_DTYPES = ("fp16", "bf16")
 MAX_HEAD_DIM = 256  # cuDNN, flash and AITER's CK kernels alike

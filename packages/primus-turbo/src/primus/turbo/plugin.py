@@ -22,7 +22,7 @@ Their impl is the model swap ``convert_to_fp8(model, recipe, skip) -> names swap
 from __future__ import annotations
 
 from primus.core import hookimpl
-from primus.core.protocols import DOCUMENTS, FP8_GROUPED_GEMM, KernelProvider
+from primus.core.contracts.protocols import DOCUMENTS, FP8_GROUPED_GEMM, KernelProvider
 
 _CHECK = "primus.turbo.availability"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from primus.core.errors import UserError
-from primus.core.protocols import ConfigIssue
+from primus.core.contracts.errors import UserError
+from primus.core.contracts.protocols import ConfigIssue
 
 
 class ConfigError(UserError, ValueError):

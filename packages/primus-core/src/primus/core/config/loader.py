@@ -23,7 +23,7 @@ from primus.core.config.errors import ConfigError
 from primus.core.config.fields import coerce
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.yaml_reader import Loader, YAMLRefused
-from primus.core.protocols import ConfigIssue
+from primus.core.contracts.protocols import ConfigIssue
 
 _Loader = Loader  # SafeLoader with a config's limits (yaml_reader)
 

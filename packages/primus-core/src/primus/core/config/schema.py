@@ -142,7 +142,7 @@ class TrainConfig(Section):
     init_from: str | None = Field(
         None,
         description="start from these weights: a Hugging Face folder (its config.json gives the model) or a Primus "
-        "checkpoint of either engine (primus.core.init_from)",
+        "checkpoint of either engine (primus.core.run.init_from)",
     )
     objective: Literal["pretrain", "sft"] = Field(
         "pretrain",
@@ -152,7 +152,7 @@ class TrainConfig(Section):
     init: Literal["canonical", "engine"] = Field(
         "canonical",
         description="initial weights: canonical = each tensor drawn from train.seed by its Hugging Face name, the "
-        "same on every engine and layout (primus.core.init); engine = the engine's own init (the default of a "
+        "same on every engine and layout (primus.core.run.init); engine = the engine's own init (the default of a "
         "model with shared experts, which have no Hugging Face mapping yet)",
     )
     health: HealthConfig = Field(default_factory=HealthConfig)

@@ -18,10 +18,10 @@ from pydantic import BaseModel, ValidationError
 from primus.core.config.errors import ConfigError
 from primus.core.config.fields import _model_in, suggest
 from primus.core.config.schema import ModelConfig, PrimusConfig
-from primus.core.protocols import KERNEL_OPS, ConfigIssue, validate_with
+from primus.core.contracts.protocols import KERNEL_OPS, ConfigIssue, validate_with
 
 if TYPE_CHECKING:
-    from primus.core.plugins import Registry
+    from primus.core.contracts.plugins import Registry
 
 
 def _walk_loc(loc: tuple[Any, ...]) -> tuple[str, type[BaseModel] | None]:

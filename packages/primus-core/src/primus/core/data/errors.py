@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from primus.core.errors import UserError
+from primus.core.contracts.errors import UserError
 
 
 class DataError(UserError, ValueError):

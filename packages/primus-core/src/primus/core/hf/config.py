@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from primus.core.checkpoints import SHAPE_KEYS
 from primus.core.config.schema import ModelConfig
-from primus.core.errors import UserError
+from primus.core.contracts.errors import UserError
+from primus.core.run.checkpoints import SHAPE_KEYS
 
 # model_type -> (Primus family, HF architecture class)
 FAMILIES = {

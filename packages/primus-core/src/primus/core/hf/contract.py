@@ -17,12 +17,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from primus.core.errors import UserError
+from primus.core.contracts.errors import UserError
 
 if TYPE_CHECKING:
     from primus.core.config.schema import ModelConfig, PrimusConfig
+    from primus.core.contracts.plugins import Registry
     from primus.core.hf.safetensors_io import HFReader
-    from primus.core.plugins import Registry
 
 log = logging.getLogger("primus.hf")
 
@@ -127,14 +127,14 @@ OFFLINE_OVERRIDES = _offline_overrides()
 
 def _registry() -> Registry:
     """The process's registry, for a top-level call that was handed none."""
-    from primus.core.plugins import get_registry
+    from primus.core.contracts.plugins import get_registry
 
     return get_registry()
 
 
 def interop(cfg: PrimusConfig, registry: Registry) -> HFInterop:
     """The HF importer/exporter of ``cfg.backend.name``; a clear error when the backend has none."""
-    from primus.core.protocols import load_ref
+    from primus.core.contracts.protocols import load_ref
 
     spec = registry.backends.get(cfg.backend.name)
     if spec is None:
@@ -248,10 +248,10 @@ def export_checkpoint(
     that verifies) -> a HF folder ``out`` that ``from_pretrained`` loads.
 
     ``registry``: as in :func:`import_checkpoint`. ``verified``: ``checkpoint`` is what
-    :func:`primus.core.checkpoints.readable` returned (its files are not read twice)."""
-    from primus.core.checkpoints import readable
+    :func:`primus.core.run.checkpoints.readable` returned (its files are not read twice)."""
     from primus.core.hf.config import hf_config
     from primus.core.hf.safetensors_io import write_hf
+    from primus.core.run.checkpoints import readable
 
     # refuses a broken or uncommitted one, naming the file or the folder
     folder = Path(checkpoint) if verified else readable(Path(checkpoint))

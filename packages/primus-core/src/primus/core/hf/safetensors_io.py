@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from primus.core.errors import UserError
+from primus.core.contracts.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -7,7 +7,7 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
   ``documents`` feature also takes ``documents=[b, s]`` (each position's document in a packed sample: attention
   stays causal within each document; :mod:`primus.core.kernels.documents`).
   A provider with the ``context_parallel`` feature also offers ``attention.context_parallel(q, k, v, *, group,
-  causal=True, scale=None)`` over a sequence split across ``group`` (:data:`~primus.core.protocols.CONTEXT_PARALLEL`).
+  causal=True, scale=None)`` over a sequence split across ``group`` (:data:`~primus.core.contracts.protocols.CONTEXT_PARALLEL`).
 - ``rms_norm(x, weight, eps) -> y`` over the last dim.
 - ``swiglu(gate, up) -> silu(gate) * up``. A provider may also offer ``swiglu.packed(x) -> swiglu(*x.chunk(2, -1))``
   (gate and up as the halves of one projection's output, the gradient returned in ``x``'s layout).
@@ -36,7 +36,7 @@ The call contract of each op (what ``provider.load()`` returns), shared by every
 FP8 linears (``kernels.fp8`` not ``off``) are ``gemm`` providers picked by :func:`select_fp8` and returned
 under the key ``"fp8"``; their impl is ``convert_to_fp8(model, recipe, skip) -> names swapped``. One that also offers
 ``convert_to_fp8.grouped_gemm_for(recipe) -> grouped_gemm`` (the ``grouped_gemm`` contract with FP8 operands; its
-:data:`~primus.core.protocols.FP8_GROUPED_GEMM` feature) runs a mixture-of-experts model's experts in the FP8 blocks,
+:data:`~primus.core.contracts.protocols.FP8_GROUPED_GEMM` feature) runs a mixture-of-experts model's experts in the FP8 blocks,
 and ``convert_to_fp8.grouped_gemm_speedup() -> float | None``: its measured forward + backward speed over bf16's
 grouped GEMM on this device at the experts' shapes (None: not measured here), which :func:`fp8_experts` reads.
 """
@@ -47,8 +47,8 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from primus.core.errors import UserError
-from primus.core.protocols import (
+from primus.core.contracts.errors import UserError
+from primus.core.contracts.protocols import (
     CONTEXT_PARALLEL,
     DOCUMENTS,
     FP8_GROUPED_GEMM,
@@ -59,8 +59,8 @@ from primus.core.protocols import (
 
 if TYPE_CHECKING:
     from primus.core.config.schema import KernelsConfig
+    from primus.core.contracts.plugins import Registry
     from primus.core.planner.profile import EngineProfile
-    from primus.core.plugins import Registry
 
 log = logging.getLogger("primus.kernels")
 
@@ -93,7 +93,7 @@ def fused_loss_refusal(
 
 def context_parallel_attention(registry: Registry) -> list[str]:
     """The installed attention providers that attend over a sequence split by ``parallel.cp`` (their
-    :data:`~primus.core.protocols.CONTEXT_PARALLEL` feature), by name."""
+    :data:`~primus.core.contracts.protocols.CONTEXT_PARALLEL` feature), by name."""
     return [p.name for p in registry.providers("attention") if CONTEXT_PARALLEL in p.features]
 
 
@@ -129,7 +129,7 @@ def select_kernels(
 ) -> dict[str, KernelProvider]:
     """Pick a provider per op; log each choice once. A provider asked for by name that cannot run
     here raises :class:`KernelUnavailable` with its reason. ``documents``: the attention masks by document
-    (``data.document_mask``), which only providers with the :data:`~primus.core.protocols.DOCUMENTS` feature do
+    (``data.document_mask``), which only providers with the :data:`~primus.core.contracts.protocols.DOCUMENTS` feature do
     (attention checks get it as a constraint too). ``moe``: the model has experts (else :data:`MOE_OPS` are left
     out)."""
     chosen: dict[str, KernelProvider] = {}
@@ -177,7 +177,7 @@ FP8_PROVIDERS = {"primus": "fp8", "torchao": "torchao"}
 def select_fp8(kernels: KernelsConfig, registry: Registry, device: str, *, moe: bool = False) -> KernelProvider | None:
     """The FP8 linear provider for ``kernels.fp8`` (None when off); raises :class:`KernelUnavailable`
     naming why when none can run here. ``moe``: the model has experts, so only a provider with the
-    :data:`~primus.core.protocols.FP8_GROUPED_GEMM` feature can run it."""
+    :data:`~primus.core.contracts.protocols.FP8_GROUPED_GEMM` feature can run it."""
     if kernels.fp8 == "off":
         return None
     recipe = kernels.fp8_recipe

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from primus.core.protocols import DOCUMENTS
+from primus.core.contracts.protocols import DOCUMENTS
 
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig

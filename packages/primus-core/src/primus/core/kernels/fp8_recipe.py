@@ -96,7 +96,7 @@ def config_issues(cfg: Any, *, engine: str) -> list[Any]:
     """What both engines refuse for ``kernels.fp8`` (without importing torch): fp32 compute, delayed
     rowwise, delayed under torch.compile, no block left in FP8, GEMM dims ``_scaled_mm`` cannot take
     (each named), and for a mixture-of-experts model what its FP8 experts cannot do (:func:`_moe_issues`)."""
-    from primus.core.protocols import ConfigIssue
+    from primus.core.contracts.protocols import ConfigIssue
 
     k, m, t = cfg.kernels, cfg.model, cfg.train
     if k.fp8 == "off":
@@ -167,7 +167,7 @@ def _moe_issues(k: Any) -> list[Any]:
     """FP8 experts run on the FP8 provider's grouped GEMM (primus-turbo's: ``torch._scaled_grouped_mm``), which scales
     by the current amax only (delayed histories would be one per expert and group of tokens); torchao's FP8 provider
     swaps ``nn.Linear`` modules only and has no grouped GEMM here."""
-    from primus.core.protocols import ConfigIssue
+    from primus.core.contracts.protocols import ConfigIssue
 
     out = []
     if k.fp8_recipe.scaling == "delayed":

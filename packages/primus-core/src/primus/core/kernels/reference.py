@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from primus.core.contracts.protocols import Availability
 from primus.core.kernels.documents import document_causal_mask
-from primus.core.protocols import Availability
 
 
 def attention(

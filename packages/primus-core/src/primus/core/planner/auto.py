@@ -22,8 +22,8 @@ from primus.core.planner.profile import backend_spec, profile_of
 from primus.core.planner.search import Candidate, Cluster, candidates
 
 if TYPE_CHECKING:
-    from primus.core.plugins import Registry
-    from primus.core.protocols import BackendSpec
+    from primus.core.contracts.plugins import Registry
+    from primus.core.contracts.protocols import BackendSpec
 
 log = logging.getLogger("primus.planner")
 
@@ -83,7 +83,7 @@ def refusals(cfg: PrimusConfig, spec: BackendSpec | None, world_size: int) -> Ca
     ``world_size`` devices ("path: message" each; empty where it can): core's own check of the sizes against the world,
     then the backend's validation (``spec``'s ``BackendSpec.validate``; None: no backend to ask)."""
     from primus.core.config.validate import world_issues
-    from primus.core.protocols import validate_with
+    from primus.core.contracts.protocols import validate_with
 
     def check(layout: Layout) -> list[str]:
         run = layout_config(cfg, layout)
@@ -112,7 +112,7 @@ def choose(
     cluster = Cluster(dev, max(world_size // gpn, 1), gpn, cal.HEADROOM)
     t = cfg.train
     explicit = {k: getattr(cfg.parallel, k) for k in explicit_keys if k not in ("strategy",)}
-    from primus.core.strategies import kernel_terms  # strategies imports the planner
+    from primus.core.planner.strategies import kernel_terms  # strategies imports the planner
 
     engine = profile_of(cfg.backend.name, registry)
     every = candidates(
@@ -136,7 +136,7 @@ def choose(
     ]
     if not cands:
         from primus.core.config.errors import ConfigError
-        from primus.core.protocols import ConfigIssue
+        from primus.core.contracts.protocols import ConfigIssue
 
         allowed = [c for c in every if _agrees(c, explicit)] or every
         accepted = [c for c in allowed if not c.refused] or allowed
@@ -173,8 +173,8 @@ def check_fits(cfg: PrimusConfig, world_size: int, dev: Device | None = None, re
     """Refuse, before any model is built, a layout whose estimated per-device memory exceeds the device's
     by more than the memory model's validated error (``calibration.FIT_TOLERANCE``), with the numbers.
     Every backend is checked: with its profile, or as the generic engine where it gives none."""
-    from primus.core.errors import UserError
-    from primus.core.strategies import estimate_memory
+    from primus.core.contracts.errors import UserError
+    from primus.core.planner.strategies import estimate_memory
 
     dev = dev or local_device()
     est = estimate_memory(cfg, world_size, registry)

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field, replace
 from primus.core.config.schema import ModelConfig
 from primus.core.kernels import fused_loss_refusal
 from primus.core.kernels.fp8_recipe import fp8_blocks
-from primus.core.modelmath import count_params
 from primus.core.planner import calibration as cal
 from primus.core.planner.calibration import GIB
+from primus.core.planner.modelmath import count_params
 from primus.core.planner.profile import ADAM_BYTES, EngineProfile, profile_of
 
 # parts of the breakdown that live outside the framework's caching allocator (torch.cuda.max_memory_reserved
@@ -230,7 +230,7 @@ class KernelTerms:
     """What the run's kernels change in the memory and step-time models: ``fp8`` (kernels.fp8: off |
     tensorwise | rowwise) in ``fp8_layers`` of the model's layers (None: all, see :func:`fp8_layers`), and
     ``fused_loss``: the cross-entropy provider fuses the output projection (counted where the engine uses it, not
-    with ``fp8_head``, an FP8 output projection). ``primus.core.strategies.kernel_terms`` reads them from a config."""
+    with ``fp8_head``, an FP8 output projection). ``primus.core.planner.strategies.kernel_terms`` reads them from a config."""
 
     fp8: str = "off"
     fp8_layers: int | None = None

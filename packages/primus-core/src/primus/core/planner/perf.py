@@ -41,7 +41,6 @@ import math
 from dataclasses import dataclass
 
 from primus.core.config.schema import ModelConfig
-from primus.core.modelmath import count_params
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import (
@@ -52,6 +51,7 @@ from primus.core.planner.memory import (
     routed_expert_params,
     stage_params,
 )
+from primus.core.planner.modelmath import count_params
 
 # A TP split makes each GEMM narrower and puts collectives between them that stall the stream:
 # the fraction of the unsplit rate kept per doubling of tp (0.9: TP 8 keeps 73%).

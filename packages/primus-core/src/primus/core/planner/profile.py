@@ -41,11 +41,11 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from primus.core.contracts.protocols import BackendSpec, load_ref
 from primus.core.planner import calibration as cal
-from primus.core.protocols import BackendSpec, load_ref
 
 if TYPE_CHECKING:
-    from primus.core.plugins import Registry
+    from primus.core.contracts.plugins import Registry
 
 DP_MODES = ("ddp", "ddp_distopt", "fsdp")  # what a Layout's dp_mode may be
 ADAM_BYTES = 8  # Adam's first and second moments, fp32, per parameter (every engine)
@@ -175,7 +175,7 @@ def installed_backends() -> dict[str, BackendSpec]:
     per process."""
     from importlib.metadata import entry_points
 
-    from primus.core.plugins import GROUP
+    from primus.core.contracts.plugins import GROUP
 
     found: dict[str, tuple[tuple[int, str], BackendSpec]] = {}
     for ep in entry_points(group=GROUP):

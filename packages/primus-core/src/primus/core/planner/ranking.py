@@ -23,9 +23,9 @@ from primus.core.planner.search import MICRO_BATCHES, Candidate, Cluster, candid
 
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig
-    from primus.core.plugins import Registry
-    from primus.core.protocols import ConfigIssue
-    from primus.core.train import Resolved
+    from primus.core.contracts.plugins import Registry
+    from primus.core.contracts.protocols import ConfigIssue
+    from primus.core.launch.train import Resolved
 
 # what a config is refused for when its parallel sizes or batch were written for another cluster
 WORLD_PATHS = frozenset({"parallel", "parallel.strategy", "train.global_batch_size"})
@@ -51,7 +51,7 @@ def resolve_on(
     Where the only refusals are of its parallel sizes or global batch against the world size (:data:`WORLD_PATHS`),
     it is read again with its parallel section left to the search (:data:`ANY_LAYOUT`, checked on one device: the
     planner checks each layout it ranks at ``world_size``); any other refusal is raised (:class:`ConfigError`)."""
-    from primus.core.train import resolve
+    from primus.core.launch.train import resolve
 
     try:
         return resolve(config, list(overrides), world_size, registry, check_plugins=False), []
@@ -87,7 +87,7 @@ def rank(
     """Every layout ``engine`` (a backend's name: its profile, and its validation where it is installed) can run
     ``cfg`` with on ``cluster``, best first (:func:`~primus.core.planner.search.candidates`); those the planner may
     recommend (:attr:`Candidate.runnable`) come first."""
-    from primus.core.strategies import kernel_terms
+    from primus.core.planner.strategies import kernel_terms
 
     t = cfg.train
     spec = backend_spec(engine, registry)

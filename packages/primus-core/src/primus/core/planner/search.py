@@ -22,15 +22,15 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from primus.core.config.schema import ModelConfig
-from primus.core.modelmath import flops_per_token
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import GIB, PLAIN_KERNELS, KernelTerms, Layout, MemoryBreakdown, estimate
+from primus.core.planner.modelmath import flops_per_token
 from primus.core.planner.perf import StepTime, step_time
 from primus.core.planner.profile import GENERIC, EngineProfile, profile_of
 
 if TYPE_CHECKING:
-    from primus.core.plugins import Registry
+    from primus.core.contracts.plugins import Registry
 
 USABLE = 0.9  # of device memory: headroom for allocator spikes and fragmentation the model does not see
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # tokens per step when the config sets no global batch (Llama 3 used 4M+)

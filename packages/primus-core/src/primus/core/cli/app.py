@@ -1,0 +1,277 @@
+"""The ``primus`` command. Importing this module imports neither torch nor an engine (fast --help)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from primus.core.cli.analyze import analyze
+from primus.core.cli.checkpoint import checkpoint_app
+from primus.core.cli.data import data_app
+from primus.core.cli.eval import evaluate
+from primus.core.cli.helpers import Overrides, WorldSize, _fail, _resolve, err, out
+from primus.core.cli.plan import plan
+from primus.core.cli.preflight import preflight
+from primus.core.cli.profile import profile
+from primus.core.cli.slurm import slurm_app
+from primus.core.cli.train import train
+from primus.core.contracts.errors import UserError
+
+app = typer.Typer(
+    help="Primus: one config and one CLI over Megatron-Core and TorchTitan.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Resolve, show and validate configs.", no_args_is_help=True)
+presets_app = typer.Typer(help="Model and recipe presets.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(presets_app, name="presets")
+app.add_typer(data_app, name="data")
+app.add_typer(checkpoint_app, name="checkpoint")
+app.add_typer(slurm_app, name="slurm")
+app.command("plan")(plan)
+app.command("analyze")(analyze)
+app.command("preflight")(preflight)
+app.command("profile")(profile)
+app.command()(train)
+app.command("eval")(evaluate)
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+@config_app.command("show")
+def config_show(
+    config: Annotated[str | None, typer.Argument(help="a YAML file or a preset name")] = None,
+    overrides: Overrides = None,
+    world_size: WorldSize = None,
+    sources: Annotated[bool, typer.Option(help="show the layer each value came from")] = True,
+    as_yaml: Annotated[bool, typer.Option("--yaml", help="print plain YAML")] = False,
+) -> None:
+    """Print the resolved config and, per value, the layer it came from."""
+    import yaml
+
+    from primus.core.config.fields import describe
+
+    res = _resolve(config, overrides, world_size, check_plugins=False)
+    data = res.config.model_dump(mode="json")
+    if as_yaml:
+        out.print(yaml.safe_dump(data, sort_keys=False), end="", highlight=False)
+        return
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    labels = set(res.layers.sources.values()) | {"default", "resolved (world size)"}
+    table.add_column("key", no_wrap=True)
+    table.add_column("value", no_wrap=True)  # a value is never cut; the description gives way
+    if sources:
+        table.add_column("from", style="cyan", no_wrap=True, min_width=max(map(len, labels)))
+    table.add_column("description", style="dim", overflow="ellipsis")
+    for key, value in _flatten(data):
+        src = res.layers.sources.get(key) or next(
+            (s for p, s in res.layers.sources.items() if key.startswith(p + ".")), None
+        )
+        if src is None and key in ("parallel.dp_shard", "train.global_batch_size"):
+            src = "resolved (world size)"
+        row = [key, json.dumps(value)] + ([src or "default"] if sources else []) + [describe(key)]
+        table.add_row(*row)
+    out.print(table)
+    from primus.core.config.validate import registry_issues
+
+    for issue in registry_issues(res.config, res.registry, res.world_size):
+        err.print(f"warning: {issue}", style="yellow", highlight=False, markup=False)
+
+
+def _flatten(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(data, dict) and data and not prefix.endswith("extra"):
+        rows: list[tuple[str, Any]] = []
+        for k, v in data.items():
+            rows += _flatten(v, f"{prefix}.{k}" if prefix else k)
+        return rows
+    return [(prefix, data)]
+
+
+@config_app.command("validate")
+def config_validate(
+    config: Annotated[str, typer.Argument(help="a YAML file or a preset name")],
+    overrides: Overrides = None,
+    world_size: WorldSize = None,
+) -> None:
+    """Check a config against the schema, the world size and the installed plugins, and that its run folder
+    (logging.output_dir, checkpoint.dir) can be written."""
+    from primus.core.launch.run_checks import check_folders
+
+    res = _resolve(config, overrides, world_size)
+    try:
+        check_folders(res.config)
+    except UserError as exc:
+        raise _fail(exc) from None
+    out.print(
+        f"ok: {res.config.model.name} on backend {res.config.backend.name}, world size {res.world_size}, "
+        f"parallel {res.config.parallel.sizes()}",
+        highlight=False,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ presets
+
+
+@presets_app.command("list")
+def presets_list() -> None:
+    """Model presets (params, shape) and recipes."""
+    from primus.core.config.loader import load_layers
+    from primus.core.config.presets import catalog, resolver
+    from primus.core.config.schema import ModelConfig
+    from primus.core.contracts.plugins import get_registry
+    from primus.core.planner.modelmath import count_params, human
+
+    reg = get_registry()
+    cat = catalog(reg)
+    models = Table(
+        "name", "params", "active", "layers", "hidden", "heads", "kv heads", "ffn", "vocab", "from",
+        title="models", box=None,
+    )  # fmt: skip
+    recipes = Table("name", "model", "backend", "description", "from", title="recipes", box=None)
+    rows = []
+    for p in cat.values():
+        data = load_layers(str(p.path), resolve_preset=resolver(reg)).data
+        m = ModelConfig.model_validate(data.get("model", {}))
+        if p.kind == "model":
+            rows.append((m.name.startswith("tiny") is False, count_params(m), p, m))
+        else:
+            recipes.add_row(
+                p.name, m.name, data.get("backend", {}).get("name", "torchtitan"), data.get("description", ""), p.dist
+            )
+    for _, n, p, m in sorted(rows, key=lambda r: (r[0], r[1].total)):  # tiny presets first, then by size
+        models.add_row(
+            p.name,
+            human(n.total),
+            human(n.active),
+            str(m.num_layers),
+            str(m.hidden_size),
+            str(m.num_attention_heads),
+            str(m.num_kv_heads),
+            str(m.ffn_hidden_size) if m.moe is None else f"{m.moe.num_experts}×{m.moe.expert_ffn_hidden_size}",
+            str(m.vocab_size),
+            p.dist,
+        )
+    out.print(models)
+    out.print(recipes)
+
+
+@presets_app.command("show")
+def presets_show(name: Annotated[str, typer.Argument(help="preset name")]) -> None:
+    """The whole preset, with its extends chain resolved."""
+    import yaml
+
+    from primus.core.config.loader import load_layers
+    from primus.core.config.presets import catalog, resolver
+    from primus.core.contracts.plugins import get_registry
+
+    reg = get_registry()
+    preset = catalog(reg).get(name)
+    if preset is None:
+        from primus.core.config.fields import suggest
+
+        hint = suggest(name, list(catalog(reg)))
+        raise _fail(ValueError(f"no preset named {name!r}" + (f"; did you mean {hint!r}?" if hint else "")))
+    layers = load_layers(str(preset.path), resolve_preset=resolver(reg))
+    out.print(f"# {preset.kind} preset {name} ({preset.dist}): {preset.path}", highlight=False)
+    out.print(yaml.safe_dump(layers.data, sort_keys=False), end="", highlight=False)
+
+
+# ------------------------------------------------------------------------------------------------ plugins, env
+
+
+@app.command()
+def plugins() -> None:
+    """Installed plugins: distribution, version, what each provides, and any that failed (then exit 1)."""
+    from primus.core.contracts.plugins import get_registry
+
+    reg = get_registry()
+    _ = reg.backends, reg.kernels, reg.strategies, reg.preset_dirs  # collect, so failures are recorded
+    table = Table("plugin", "distribution", "version", "status", "provides", box=None)
+    for rec in reg.pm.records.values():
+        provides = "; ".join(f"{k}: {', '.join(v)}" for k, v in rec.provides.items())
+        status = rec.status if rec.status == "ok" else f"{rec.status}: {rec.error}"
+        table.add_row(rec.name, rec.dist, rec.version, status, provides)
+    out.print(table)
+    for msg in reg.shadowed:
+        out.print(f"shadowed: {msg}", highlight=False)
+    if any(rec.status != "ok" for rec in reg.pm.records.values()):
+        raise typer.Exit(1)  # an installed plugin that does not load is broken, not optional
+
+
+def _version(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+@app.command()
+def env() -> None:
+    """Versions of Python, torch, the engines and Primus packages, and the devices found."""
+    table = Table("component", "version", box=None)
+    table.add_row("python", platform.python_version())
+    for dist in (
+        "torch",
+        "megatron-core",
+        "torchtitan",
+        "triton",
+        "primus-core",
+        "primus-megatron",
+        "primus-torchtitan",
+        "primus-turbo",
+        "primus-tune",
+    ):
+        table.add_row(dist, _version(dist))
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            kind = (
+                "rocm " + str(torch.version.hip)
+                if getattr(torch.version, "hip", None)
+                else f"cuda {torch.version.cuda}"
+            )
+            for i in range(torch.cuda.device_count()):
+                props = torch.cuda.get_device_properties(i)
+                table.add_row(f"device {i}", f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {kind})")
+        else:
+            table.add_row("devices", f"cpu only ({os.cpu_count()} cores)")
+    except ImportError:
+        table.add_row("devices", "unknown (torch not installed)")
+    out.print(table)
+
+
+def add_plugin_commands() -> None:
+    """Mount the command groups plugins offer (primus_commands); a clash with a built-in name is refused."""
+    from primus.core.contracts.plugins import get_registry
+
+    taken = {g.name for g in app.registered_groups} | {c.name or c.callback.__name__ for c in app.registered_commands}
+    for name, group in get_registry().commands:
+        if name in taken:
+            logging.getLogger("primus.plugins").error("command group %r is already taken; not added", name)
+            continue
+        app.add_typer(group, name=name)
+        taken.add(name)
+
+
+def main() -> None:
+    try:
+        add_plugin_commands()
+        app()
+    except UserError as exc:
+        err.print(f"error: {exc}", style="red", highlight=False, markup=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""``primus checkpoint ...``: Hugging Face import / export for either backend, and verifying a checkpoint's files
+(mounted by :mod:`primus.core.cli.app`).
+
+Importing this module imports neither torch nor an engine: the work is imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+checkpoint_app = typer.Typer(
+    help="Hugging Face import / export of checkpoints; verifying their files.", no_args_is_help=True
+)
+_out = Console()
+_err = Console(stderr=True)
+log = logging.getLogger("primus.hf")
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    _err.print(f"error: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
+    """The resolved config of ``config`` + ``overrides`` whose model is the HF folder's architecture, and whose
+    tokenizer is the folder's (unless the user set ``data.tokenizer``, as with ``train.init_from``)."""
+    import json
+
+    from primus.core.config.validate import resolve_parallel, validate_config
+    from primus.core.hf.config import model_fields_from_hf
+    from primus.core.launch.train import resolve
+    from primus.core.run.init_from import takes_model_tokenizer
+
+    res = resolve(config, overrides)
+    hf_json = Path(hf_dir) / "config.json"
+    if not hf_json.is_file():
+        from primus.core.hf.safetensors_io import HFCheckpointError
+
+        raise HFCheckpointError(f"--from-hf {hf_dir}: no config.json there (not a Hugging Face model folder)")
+    fields = model_fields_from_hf(json.loads(hf_json.read_text()), name=Path(hf_dir).absolute().name)
+    data = res.config.model_dump()
+    changed = [k for k, v in fields.items() if data["model"].get(k) != v and k != "name"]
+    if changed:
+        log.info("model from %s: %s", hf_json, ", ".join(f"{k}={fields[k]!r}" for k in changed))
+    if isinstance(fields.get("moe"), dict) and isinstance(data["model"].get("moe"), dict):
+        fields["moe"] = {**data["model"]["moe"], **fields["moe"]}  # the run's balancing / capacity stay
+    data["model"] = {**data["model"], **fields}
+    if (Path(hf_dir) / "tokenizer.json").is_file() and takes_model_tokenizer(res.layers.sources.get("data.tokenizer")):
+        data["data"]["tokenizer"] = str(Path(hf_dir).absolute())  # as train.init_from takes it: the embedding's own
+    cfg = validate_config(data, world_size=res.world_size, registry=res.registry)
+    return resolve_parallel(cfg, res.world_size)
+
+
+@checkpoint_app.command("import")
+def import_(
+    config: Annotated[str, typer.Argument(help="a YAML file or a preset name: backend, parallel layout, precision")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides, applied last")] = None,
+    from_hf: Annotated[str, typer.Option("--from-hf", help="Hugging Face folder: config.json + *.safetensors")] = "",
+    out: Annotated[str | None, typer.Option("--out", help="checkpoint folder (default <output_dir>/hf_import)")] = None,
+) -> None:
+    """Hugging Face weights -> the checkpoint of the config's backend (the model is config.json's)."""
+    from primus.core.config.errors import ConfigError
+    from primus.core.contracts.errors import UserError
+    from primus.core.hf.contract import import_checkpoint
+    from primus.core.hf.safetensors_io import folder_problem
+    from primus.core.launch.train import output_dir
+
+    if not from_hf:
+        raise _fail(ValueError("--from-hf DIR is required"))
+    if problem := folder_problem(Path(from_hf)):  # before the config: the cheapest thing to get wrong
+        raise _fail(ValueError(f"--from-hf {from_hf}: {problem}"))
+    try:
+        cfg = config_with_hf_model(config, overrides or [], from_hf)
+        target = Path(out) if out else output_dir(cfg) / "hf_import"
+        path = import_checkpoint(cfg, from_hf, target)
+    except (ConfigError, UserError) as exc:
+        raise _fail(exc) from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        _out.print(f"imported {from_hf} -> {path} ({cfg.backend.name}, model {cfg.model.name})", highlight=False)
+
+
+@checkpoint_app.command("export")
+def export(
+    checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, or a folder of them (the newest is taken)")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides of the run's config")] = None,
+    to_hf: Annotated[str, typer.Option("--to-hf", help="Hugging Face folder to write")] = "",
+    config: Annotated[
+        str | None, typer.Option("--config", help="the run's config (default: config.yaml of the run folder)")
+    ] = None,
+    max_shard_mb: Annotated[int, typer.Option("--max-shard-mb", help="largest safetensors shard, MiB")] = 5120,
+) -> None:
+    """A backend checkpoint -> a Hugging Face folder (config.json, safetensors shards + index, tokenizer). Refuses a
+    checkpoint whose files are not what its manifest records, or a folder without manifest (an uncommitted save)."""
+    from primus.core.config.errors import ConfigError
+    from primus.core.contracts.errors import UserError
+    from primus.core.hf.contract import OFFLINE_OVERRIDES, export_checkpoint
+    from primus.core.launch.train import resolve
+    from primus.core.run.checkpoints import readable
+
+    if not to_hf:
+        raise _fail(ValueError("--to-hf DIR is required"))
+    path = Path(checkpoint)
+    if not path.exists():
+        raise _fail(FileNotFoundError(f"checkpoint {path} does not exist"))
+    from primus.core.run.init_from import find_run_config
+
+    source = config or find_run_config(path)
+    if source is None:
+        raise _fail(ValueError(f"no config.yaml beside {path} or in its run folder: pass --config"))
+    try:
+        folder = readable(path)  # the checkpoint itself, or the newest under it, that verifies
+        res = resolve(str(source), [*OFFLINE_OVERRIDES, *(overrides or [])], world_size=1)
+        cfg = res.config
+        written = export_checkpoint(
+            cfg, folder, to_hf, max_shard_bytes=max_shard_mb * 2**20, registry=res.registry, verified=True
+        )
+    except (ConfigError, UserError) as exc:
+        raise _fail(exc) from None
+    _out.print(f"exported {folder} ({cfg.backend.name}) -> {written}", highlight=False)
+
+
+@checkpoint_app.command("verify")
+def verify(
+    checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, or a folder of them (each is verified)")],
+) -> None:
+    """Check a checkpoint's files against its manifest (present, sizes, checksums): OK, or the problems (exit 2)."""
+    from primus.core.run import checkpoints as ckpt
+
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise _fail(FileNotFoundError(f"checkpoint {path} is not a folder"))
+    single = ckpt.read_manifest(path) is not None
+    folders = [path] if single else [folder for _, folder in ckpt.complete_checkpoints(path, ckpt.NAMING)]
+    if not folders:
+        raise _fail(
+            ValueError(
+                f"{path} is no committed checkpoint (no {ckpt.MANIFEST}: an uncommitted or partial save) and holds none"
+            )
+        )
+    broken = 0
+    for folder in folders:
+        man = ckpt.read_manifest(folder) or {}
+        problems = ckpt.verify(folder)
+        if problems:
+            broken += 1
+            _out.print(f"BROKEN {folder} (step {man.get('step')}):", highlight=False, soft_wrap=True)
+            for problem in problems:
+                _out.print(f"  {problem}", highlight=False, soft_wrap=True)
+        elif "files" not in man:
+            _out.print(
+                f"OK {folder} (step {man.get('step')}; written before manifests recorded files: nothing to verify)",
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            files = man["files"]
+            size = sum(r["bytes"] for r in files.values()) / 2**20
+            _out.print(
+                f"OK {folder} (step {man.get('step')}, {len(files)} files, {size:.1f} MiB)",
+                highlight=False,
+                soft_wrap=True,
+            )
+    if broken:
+        raise typer.Exit(2)

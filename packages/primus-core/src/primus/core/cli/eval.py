@@ -1,0 +1,50 @@
+"""``primus eval CONFIG --checkpoint CKPT``: the evaluation loss of a checkpoint alone (under torchrun when more
+than one process). The evaluation data is the config's (``eval.holdout`` as in training, or ``eval.source``).
+
+Importing this module imports neither torch nor an engine: the work is imported when the command runs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from primus.core.cli.helpers import Overrides, _fail, _resolve, _setup_logging, out
+
+
+def evaluate(
+    config: Annotated[str, typer.Argument(help="the run's YAML file or preset name")],
+    overrides: Overrides = None,
+    checkpoint: Annotated[
+        Path, typer.Option(help="a checkpoint folder (step_NNNNNNNN), or a checkpoint root: its newest")
+    ] = ...,
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, help="processes (devices)")] = 1,
+    output: Annotated[Path | None, typer.Option(help="also write the result to this JSON file")] = None,
+) -> None:
+    """Evaluate a checkpoint: eval_loss and eval_perplexity over eval.batches global batches (one JSON line)."""
+    from primus.core.contracts.errors import UserError
+    from primus.core.launch.train import LAUNCHED_ENV, eval_rank, launch_torchrun
+
+    _setup_logging("warning")
+    inside = os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ
+    res = _resolve(config, overrides, None if inside else nproc_per_node)
+    if not checkpoint.exists():
+        raise _fail(UserError(f"--checkpoint {checkpoint}: no such folder"))
+    if nproc_per_node > 1 and not inside:
+        argv = ["eval", config, *(overrides or []), "--checkpoint", str(checkpoint)]
+        argv += ["--output", str(output)] if output else []
+        from primus.core.launch.env import free_port
+
+        raise typer.Exit(launch_torchrun(argv, nproc_per_node=nproc_per_node, master_port=free_port()))
+    try:
+        result = eval_rank(res, checkpoint)
+    except UserError as exc:
+        raise _fail(exc) from None
+    if int(os.environ.get("RANK", "0")) == 0:
+        line = json.dumps(result)
+        out.print(line, highlight=False, markup=False, soft_wrap=True)
+        if output:
+            output.write_text(line + "\n")

@@ -1,0 +1,176 @@
+"""``primus plan``: per-GPU memory and estimated step time of every layout an engine can run, best first.
+
+The config is read at the cluster's world size (``--gpus`` × ``--nodes``); only layouts that fit within the usable
+memory less ``--headroom`` and that the engine's backend accepts (its own validation) are ranked, each with its fastest
+micro-batch (:mod:`primus.core.planner.ranking`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from primus.core.planner.calibration import HEADROOM
+
+#: ``--engine generic``: plan core's generic engine (:data:`primus.core.planner.profile.GENERIC`) by name. Primus's own
+#: engines not installed here are planned as it too (and said so); any other name no backend has is refused.
+GENERIC_ENGINE = "generic"
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
+OVERHEAD = ("workspace", "fragmentation", "context")  # shown summed as "overhead"
+
+
+def plan(
+    config: Annotated[str | None, typer.Argument(help="a YAML file or a preset name")] = None,
+    overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides")] = None,
+    preset: Annotated[str | None, typer.Option(help="a preset name (instead of CONFIG)")] = None,
+    gpus: Annotated[int, typer.Option(help="GPUs per node")] = 8,
+    nodes: Annotated[int, typer.Option(help="nodes")] = 1,
+    device_name: Annotated[
+        str, typer.Option("--device", help="H100, H200, B200, A100, MI300X, MI325X, MI355X")
+    ] = "H100",
+    gpu_memory: Annotated[float | None, typer.Option(help="GiB per GPU (default: the device's)")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            help="an installed backend, planned with its profile (default: backend.name); generic: core's generic engine"
+        ),
+    ] = None,
+    top: Annotated[int, typer.Option(help="layouts shown")] = 10,
+    headroom: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=0.9,
+            help="share of the usable memory a layout must leave free (default: the memory model's error band)",
+        ),
+    ] = HEADROOM,
+) -> None:
+    """Rank the parallel layouts that fit and the engine accepts: DDP (+ distributed optimizer), FSDP, TP(+SP), PP/VPP,
+    recompute, each with its fastest micro-batch (set train.micro_batch_size=N to fix it). Exit 3: nothing fits;
+    4: the engine refuses every layout that fits."""
+    from primus.core.cli.helpers import _fail, err, out
+    from primus.core.config.errors import ConfigError
+    from primus.core.contracts.plugins import KNOWN_BACKEND_DISTS
+    from primus.core.planner import Cluster, device
+    from primus.core.planner.memory import GIB
+    from primus.core.planner.profile import backend_spec, load_profile
+    from primus.core.planner.ranking import global_batch, rank, resolve_on, searched_micro_batches
+    from primus.core.planner.strategies import kernel_terms
+
+    if preset and config:  # with --preset, positional words are all overrides
+        overrides = [config, *(overrides or [])]
+    ref = preset or config
+    if ref is None:
+        raise typer.BadParameter("give CONFIG or --preset NAME")
+    try:
+        res, own = resolve_on(ref, overrides or [], gpus * nodes)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    cfg = res.config
+    if own:  # a recipe written for another cluster: its layout does not run here, the others are planned all the same
+        err.print(
+            f"note: the config's own layout does not run on {nodes}×{gpus} GPUs ("
+            + "; ".join(str(issue) for issue in own)
+            + "); planning every layout",
+            style="yellow",
+            markup=False,
+        )
+    key = "--engine" if engine else "backend.name"
+    engine = engine or cfg.backend.name
+    spec = backend_spec(engine, res.registry)
+    if spec is None and engine != GENERIC_ENGINE and engine not in KNOWN_BACKEND_DISTS:  # a typo is no engine
+        from primus.core.config.fields import suggest
+        from primus.core.planner.profile import installed_backends
+
+        names = sorted({*res.registry.backends, *installed_backends()})
+        hint = suggest(engine, [*names, GENERIC_ENGINE])
+        err.print(
+            f"error: {key} {engine!r}: no installed backend has that name"
+            + (f"; did you mean {hint!r}?" if hint else "")
+            + f"; allowed: {', '.join(names) or 'none installed'}, or {GENERIC_ENGINE!r} (core's generic engine)",
+            style="red",
+            markup=False,
+        )
+        raise typer.Exit(2)
+    try:
+        load_profile(spec)  # a broken planner= is reported here, before the search loads it
+    except (ImportError, AttributeError, TypeError) as exc:  # the backend's planner= is broken
+        err.print(f"error: --engine {engine!r}: its planner profile does not load: {exc}", style="red", markup=False)
+        raise typer.Exit(2) from None
+    if (spec is None and engine != GENERIC_ENGINE) or (spec is not None and spec.planner is None):  # generic, said
+        why = res.registry.missing_backend_message(engine) if spec is None else f"backend {engine!r} gives no profile"
+        err.print(
+            f"note: {why}; planned as the generic engine (primus.core.planner.profile.GENERIC)",
+            style="yellow",
+            markup=False,
+        )
+    try:
+        dev = device(device_name, gpu_memory)
+    except ValueError as exc:
+        err.print(f"error: --device: {exc}", style="red", markup=False)
+        raise typer.Exit(2) from None
+    cluster = Cluster(dev, nodes, gpus, headroom)
+    t = cfg.train
+    gbs, mbs = global_batch(res), searched_micro_batches(res)
+    k, terms = cfg.kernels, kernel_terms(cfg, res.registry)
+    cands = rank(cfg, cluster, engine, res.registry, mbs, gbs)
+    if not cands:
+        err.print("error: no layout divides this cluster (check --gpus, --nodes and the global batch)", style="red")
+        raise typer.Exit(2)
+    fitting = [c for c in cands if c.runnable]
+    searched = "fixed" if isinstance(mbs, int) else "searched"
+    title = (
+        f"{cfg.model.name} on {nodes}×{gpus} {dev.name} ({dev.memory_gib:.0f} GiB, {cluster.capacity / GIB:.0f} usable, "
+        f"≤ {cluster.budget / GIB:.0f} with {headroom:.0%} headroom), {engine}, seq {t.seq_len}, "
+        f"micro-batch {searched}, global batch {gbs or 'auto'}"
+    )
+    if t.compile:
+        title += ", compiled"
+    if k.fp8 != "off":
+        title += f", FP8 {k.fp8} GEMMs in {terms.fp8_layers} of {cfg.model.num_layers} layers"
+    cats = (*CATEGORIES, "fp8") if k.fp8 != "off" else CATEGORIES
+    table = Table(title=title, box=None)
+    for col in ("#", "layout", "mbs", *cats, "overhead", "total GiB", "step s", "tok/s/GPU", "MFU"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    accepted = [c for c in cands if not c.refused] or cands
+    shown = (fitting or sorted(accepted, key=lambda c: c.memory.total))[:top]
+    for i, c in enumerate(shown, 1):
+        g = c.memory.gib()
+        table.add_row(
+            str(i),
+            c.layout.describe(),
+            str(c.layout.micro_batch),
+            *(f"{g.get(name, 0.0):.1f}" for name in cats),
+            f"{sum(g.get(name, 0.0) for name in OVERHEAD):.1f}",
+            f"{c.memory.total / GIB:.1f}",
+            f"{c.time.total:.2f}",
+            f"{c.tokens_per_s_per_device:,.0f}",
+            f"{c.mfu:.1%}",
+        )
+    out.print(table)
+    refused = [c for c in cands if c.fits and c.refused]
+    reasons = Counter(r for c in refused for r in c.refused).most_common(3)
+    why = "; ".join(f"{r} ({n}×)" for r, n in reasons)
+    if not fitting and refused:
+        err.print(f"error: {engine} refuses every layout that fits: {why}", style="red", markup=False)
+        raise typer.Exit(4)
+    if not fitting:
+        best = shown[0]
+        err.print(
+            f"error: nothing fits: the smallest layout ({best.layout.describe()}, micro-batch {best.layout.micro_batch})"
+            f" needs {best.memory.total / GIB:.1f} GiB per GPU, {cluster.capacity / GIB:.1f} GiB usable, "
+            f"{cluster.budget / GIB:.1f} with {headroom:.0%} headroom",
+            style="red",
+            markup=False,
+        )
+        raise typer.Exit(3)
+    if refused:
+        err.print(f"note: {len(refused)} layouts that fit are left out, {engine} refuses them: {why}", markup=False)
+    best = fitting[0]
+    # the micro-batch where the recommendation changes the config's (the table gives each layout's)
+    mb_note = f", micro-batch {best.layout.micro_batch}" if best.layout.micro_batch != t.micro_batch_size else ""
+    fp8_note = f", FP8 {k.fp8}" if k.fp8 != "off" else ""
+    out.print(f"recommended: {best.layout.describe()}{mb_note}{fp8_note}", highlight=False)
