@@ -49,6 +49,14 @@ def imported(path: Path, me: str, modules: dict[str, Path]) -> set[str]:
             names = [n for n in subs if n in modules]
             if len(names) < len(subs):  # some names are attributes of `base` itself
                 names.append(base)
+        elif (  # importlib.import_module("a.b") / import_module("a.b:attr"), a literal: an edge like any import
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            names = [node.args[0].value.partition(":")[0]]
         for name in names:
             while name and name not in modules:  # `import a.b.c` of an attribute path: its nearest module
                 name = name.rpartition(".")[0]
@@ -126,6 +134,8 @@ def test_the_scan_sees_cycles_through_every_import_form(tmp_path):
         "a.py": "from primus.x.b import thing\n",  # module level, absolute
         "b.py": "def f():\n    from . import c\n",  # in a function, relative submodule
         "c.py": "import primus.x.a.thing\n",  # an attribute path: its module
+        "g.py": "import importlib\ndef f():\n    importlib.import_module('primus.x.h')\n",  # a string
+        "h.py": "from primus.x.g import f\n",
         "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from primus.x import e\n",
         "e.py": "from primus.x.d import y\n",  # d -> e is only under TYPE_CHECKING: no cycle
         "sub/__init__.py": "from ..sub.f import z\n",  # relative, two dots from a package's __init__
@@ -135,5 +145,9 @@ def test_the_scan_sees_cycles_through_every_import_form(tmp_path):
         (src / name).write_text(text)
     graph = import_graph(tmp_path / "packages")
     assert graph["primus.x.d"] == set()
-    assert cycles(graph) == [["primus.x.a", "primus.x.b", "primus.x.c"], ["primus.x.sub", "primus.x.sub.f"]]
+    assert cycles(graph) == [
+        ["primus.x.a", "primus.x.b", "primus.x.c"],
+        ["primus.x.g", "primus.x.h"],
+        ["primus.x.sub", "primus.x.sub.f"],
+    ]
     assert cycles({"p": {"q"}, "q": {"r"}, "r": set(), "s": {"s"}}) == []  # a chain; a self-import is no cycle

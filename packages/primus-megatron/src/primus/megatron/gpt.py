@@ -21,7 +21,7 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from primus.core.contracts.protocols import KernelProvider
-from primus.core.kernels import fused_loss_refusal
+from primus.core.planner.profile import fused_loss_refusal
 
 
 class FusedLossGPTModel(GPTModel):

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from primus.core.kernels import fused_loss_refusal, reference
+from primus.core.kernels import reference
+from primus.core.planner.profile import fused_loss_refusal
 from primus.torchtitan import compat
 from primus.torchtitan.loss import fuse_output, head_loss, token_sum
 

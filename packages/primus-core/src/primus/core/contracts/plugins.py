@@ -10,7 +10,6 @@ lowest tie-break rank), so a third party can replace a built-in by offering the 
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -103,11 +102,15 @@ class PrimusPluginManager(pluggy.PluginManager):
                 # pluggy's DeprecationWarning is hidden outside tests (not raised in __main__): log it too
                 log.warning("plugin %s (%s): %s", name, dist, caller.spec.warn_on_impl)
 
-    def load_entrypoints(self) -> None:
-        if os.environ.get(DISABLE_ENV):
+    def load_entrypoints(self, only: str | None = None, force: bool = False) -> None:
+        """Every ``primus`` entry point unless autoload is off (``force``: even then); ``only``: that one, read
+        whatever the switch (core's own plugin)."""
+        if os.environ.get(DISABLE_ENV) and only is None and not force:
             return
         seen: set[str] = set()
         for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+            if only is not None and ep.name != only:
+                continue
             if ep.name in seen:
                 continue
             seen.add(ep.name)
@@ -123,25 +126,20 @@ class PrimusPluginManager(pluggy.PluginManager):
             self.register_checked(plugin, ep.name, dist, version, ep.value)
 
 
-def build_plugin_manager(extra_plugins: list[tuple[str, Any]] = ()) -> PrimusPluginManager:
-    """Specs → installed entry points → core's defaults (if not installed as a dist) → extras."""
+def build_plugin_manager(
+    extra_plugins: list[tuple[str, Any]] = (), autoload: bool | None = None
+) -> PrimusPluginManager:
+    """Specs → installed entry points (``autoload`` None: unless switched off by the environment) → core's own
+    plugin, found by its entry point like any other (the host imports no room above it) → extras."""
     pm = PrimusPluginManager()
-    pm.load_entrypoints()
-    if "core" not in pm.records or pm.records["core"].status != "ok":
-        pm.records.pop("core", None)
-        pm.register_checked(
-            importlib.import_module("primus.core.builtin"), "core", CORE_DIST, _core_version(), "primus.core.builtin"
-        )
+    if autoload is not False:
+        pm.load_entrypoints(force=bool(autoload))
+    if "core" not in pm.records:
+        pm.load_entrypoints(only="core")
     for name, plugin in extra_plugins:
         pm.register_checked(plugin, name, name, "", getattr(plugin, "__name__", repr(plugin)))
     pm.hook.primus_addhooks.call_historic(kwargs={"pluginmanager": pm})
     return pm
-
-
-def _core_version() -> str:
-    from primus.core import __version__
-
-    return __version__
 
 
 def _collect(pm: PrimusPluginManager, hook_name: str, kind: type) -> list[tuple[str, Any]]:

@@ -60,7 +60,6 @@ from primus.core.contracts.protocols import (
 if TYPE_CHECKING:
     from primus.core.config.schema import KernelsConfig
     from primus.core.contracts.plugins import Registry
-    from primus.core.planner.profile import EngineProfile
 
 log = logging.getLogger("primus.kernels")
 
@@ -69,26 +68,6 @@ SELECTABLE_OPS = tuple(op for op in KERNEL_OPS if op != "gemm")
 
 class KernelUnavailable(UserError, RuntimeError):
     pass
-
-
-def fused_loss_refusal(
-    engine: str | EngineProfile,
-    *,
-    tp: int,
-    pp: int = 1,
-    cp: int = 1,
-    fp8_head: bool = False,
-    registry: Registry | None = None,
-) -> str:
-    """Why ``engine`` (a backend's name, or its planner profile) keeps its own output layer + loss instead of a
-    provider's ``linear_cross_entropy`` in this layout ("" where it fuses them). One rule for the backends and the
-    planner's memory model: :meth:`EngineProfile.fused_loss_refusal <primus.core.planner.profile.EngineProfile>`
-    with the engine's facts (``fused_loss``, ``fused_loss_refused``: what it cannot fuse under PP or CP).
-    ``fp8_head``: the output head is an FP8 linear (:func:`~primus.core.kernels.fp8_recipe.fp8_output_head`), which
-    the bf16 fused kernel would bypass."""
-    from primus.core.planner.profile import profile_of
-
-    return profile_of(engine, registry).fused_loss_refusal(tp=tp, pp=pp, cp=cp, fp8_head=fp8_head)
 
 
 def context_parallel_attention(registry: Registry) -> list[str]:

@@ -50,12 +50,11 @@ import math
 from dataclasses import dataclass, field, replace
 
 from primus.core.config.schema import ModelConfig
-from primus.core.kernels import fused_loss_refusal
 from primus.core.kernels.fp8_recipe import fp8_blocks
 from primus.core.planner import calibration as cal
 from primus.core.planner.calibration import GIB
 from primus.core.planner.modelmath import count_params
-from primus.core.planner.profile import ADAM_BYTES, EngineProfile, profile_of
+from primus.core.planner.profile import ADAM_BYTES, EngineProfile, fused_loss_refusal, profile_of
 
 # parts of the breakdown that live outside the framework's caching allocator (torch.cuda.max_memory_reserved
 # does not see them); the rest is what the allocator holds at the peak

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -168,27 +168,28 @@ def profile_of(engine: str | EngineProfile, registry: Registry | None = None) ->
 
 @functools.cache
 def installed_backends() -> dict[str, BackendSpec]:
-    """Every backend of the installed distributions' ``primus`` entry points, read without the plugin host and
-    whether or not its autoload is switched off (a profile is data: the planner of a process whose registry left
-    the plugins out still knows them). A plugin that fails to load is skipped (``primus plugins`` reports it); of
-    two backends of one name the higher ``priority`` wins, then the distribution whose name sorts first. Read once
-    per process."""
-    from importlib.metadata import entry_points
+    """Every backend of the installed distributions' ``primus`` entry points, through the plugin host (its
+    duplicate rule) whether or not its autoload is switched off (a profile is data: the planner of a process whose
+    registry left the plugins out still knows them). A plugin that fails to load is skipped (``primus plugins``
+    reports it). Read once per process."""
+    from primus.core.contracts.plugins import Registry, build_plugin_manager
 
-    from primus.core.contracts.plugins import GROUP
+    return dict(Registry(build_plugin_manager(autoload=True)).backends)
 
-    found: dict[str, tuple[tuple[int, str], BackendSpec]] = {}
-    for ep in entry_points(group=GROUP):
-        try:
-            hook = getattr(ep.load(), "primus_backends", None)
-            specs = list(hook() or []) if callable(hook) else []
-        except Exception:  # noqa: BLE001 - one broken plugin must not take the planner down
-            continue
-        dist = ep.dist.metadata["Name"] if getattr(ep, "dist", None) is not None else ep.name
-        for spec in specs:
-            if not isinstance(spec, BackendSpec):
-                continue
-            rank = (-spec.priority, dist)
-            if spec.name not in found or rank < found[spec.name][0]:
-                found[spec.name] = (rank, replace(spec, dist=dist))
-    return {name: spec for name, (_, spec) in found.items()}
+
+def fused_loss_refusal(
+    engine: str | EngineProfile,
+    *,
+    tp: int,
+    pp: int = 1,
+    cp: int = 1,
+    fp8_head: bool = False,
+    registry: Registry | None = None,
+) -> str:
+    """Why ``engine`` (a backend's name, or its planner profile) keeps its own output layer + loss instead of a
+    provider's ``linear_cross_entropy`` in this layout ("" where it fuses them). One rule for the backends and the
+    planner's memory model: :meth:`EngineProfile.fused_loss_refusal <primus.core.planner.profile.EngineProfile>`
+    with the engine's facts (``fused_loss``, ``fused_loss_refused``: what it cannot fuse under PP or CP).
+    ``fp8_head``: the output head is an FP8 linear (:func:`~primus.core.kernels.fp8_recipe.fp8_output_head`), which
+    the bf16 fused kernel would bypass."""
+    return profile_of(engine, registry).fused_loss_refusal(tp=tp, pp=pp, cp=cp, fp8_head=fp8_head)

@@ -1,0 +1,74 @@
+"""Which primus source files one ``primus train`` enters before the first optimizer step, and how many imports of
+``primus.*`` sit inside functions.
+
+    python tools/run_path_files.py [PRESET] [-v]
+
+Counted with ``sys.setprofile`` in this process (one rank, CPU): every Python function call whose code lives in a
+``packages/*/src/primus`` file marks that file entered, from ``primus train PRESET train.steps=10`` until the first
+call of a ``step`` method defined in ``torch/optim/``; then the run stops. Module bodies executed at import count
+too (their code objects are entered like calls). Function-level imports are counted on the sources with ``ast``:
+``import``/``from`` statements of ``primus`` modules nested in a function."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tempfile
+from pathlib import Path
+
+PACKAGES = Path(__file__).resolve().parents[1] / "packages"
+
+
+class FirstStep(BaseException):
+    pass
+
+
+def files_to_first_step(preset: str) -> list[str]:
+    entered: dict[str, int] = {}
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        f = frame.f_code.co_filename
+        if "/torch/optim/" in f and frame.f_code.co_name == "step":
+            raise FirstStep
+        if "/src/primus/" in f and f not in entered:
+            entered[f] = len(entered)
+
+    with tempfile.TemporaryDirectory() as out:
+        sys.argv = ["primus", "train", preset, "train.steps=10", f"logging.output_dir={out}"]
+        sys.setprofile(profile)
+        try:
+            from primus.core.cli import app as cli  # imported under the profile: module bodies count
+
+            cli.main()
+        except (FirstStep, SystemExit):
+            pass
+        finally:
+            sys.setprofile(None)
+    return [f.split("/src/", 1)[1] for f in sorted(entered, key=entered.get)]
+
+
+def function_level_imports() -> int:
+    seen: set[int] = set()
+    trees = [ast.parse(p.read_text()) for p in PACKAGES.glob("*/src/**/*.py")]  # kept alive: ids stay unique
+    for tree in trees:
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                for node in ast.walk(fn):
+                    mod = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                    if isinstance(node, ast.ImportFrom):
+                        mod = [("." if node.level else "") + (node.module or "")]
+                    if any(m.startswith(("primus", ".")) for m in mod):
+                        seen.add(id(node))
+    return len(seen)
+
+
+if __name__ == "__main__":
+    args, verbose = [a for a in sys.argv[1:] if not a.startswith("-")], "-v" in sys.argv
+    files = files_to_first_step(args[0] if args else "tiny-demo")
+    if verbose:
+        print("\n".join(files))
+    core = [f for f in files if f.startswith("primus/core/")]
+    print(f"files entered before the first optimizer step: {len(files)} ({len(core)} in primus-core)")
+    print(f"function-level imports of primus modules: {function_level_imports()}")
