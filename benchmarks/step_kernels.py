@@ -36,8 +36,8 @@ def parse_case(spec: str) -> tuple[str, str, dict[str, int]]:
 
 def run_case(spec: str, work: Path, hbm: float, timeout: int) -> dict:
     from primus.core.contracts.plugins import get_registry
+    from primus.core.launch.ranking import resolve_on
     from primus.core.planner.modelmath import count_params
-    from primus.core.planner.ranking import resolve_on
     from primus.core.profile.analyze import analyze_files, categorize
 
     backend, preset, opts = parse_case(spec)

@@ -14,11 +14,11 @@ from primus.core.config.presets import catalog
 from primus.core.config.validate import validate_config
 from primus.core.contracts.plugins import get_registry
 from primus.core.contracts.protocols import validate_with
+from primus.core.launch.ranking import global_batch, rank, resolve_on, searched_micro_batches
 from primus.core.planner import Cluster, device
 from primus.core.planner.auto import layout_config
 from primus.core.planner.calibration import HEADROOM
 from primus.core.planner.profile import backend_spec
-from primus.core.planner.ranking import global_batch, rank, resolve_on, searched_micro_batches
 
 ENGINES = ("megatron", "torchtitan")
 DEVICES = ("H100", "H200", "MI300X")

@@ -13,12 +13,12 @@ import re
 
 import pytest
 
+from primus.core.launch.ranking import rank
 from primus.core.launch.train import resolve
 from primus.core.planner import Cluster, KernelTerms, candidates, device
 from primus.core.planner.auto import to_parallel
 from primus.core.planner.calibration import HEADROOM
 from primus.core.planner.memory import GIB
-from primus.core.planner.ranking import rank
 from primus.core.planner.strategies import estimate_memory, fused_loss
 from primus.tune.plugin import PRESETS_DIR
 

@@ -17,12 +17,12 @@ from primus.core.config.presets import model_config
 from primus.core.config.validate import validate_config
 from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
 from primus.core.contracts.protocols import BackendSpec, ConfigIssue
+from primus.core.launch.ranking import rank, resolve_on
 from primus.core.planner import GENERIC, Cluster, KernelTerms, Layout, best, candidates, device
 from primus.core.planner import calibration as cal
 from primus.core.planner.auto import layout_config
 from primus.core.planner.memory import GIB
 from primus.core.planner.perf import step_time
-from primus.core.planner.ranking import rank, resolve_on
 
 RECIPE_405B = "llama3.1-405b-tp-pp-vpp"  # tp 8 × pp 7 = 56 devices a replica, global batch 252
 

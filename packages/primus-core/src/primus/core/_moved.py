@@ -43,6 +43,7 @@ MOVED = {
     "primus.core.testing": "primus.core.run.testing",
     "primus.core.strategies": "primus.core.planner.strategies",
     "primus.core.modelmath": "primus.core.planner.modelmath",
+    "primus.core.planner.ranking": "primus.core.launch.ranking",
     "primus.core.presets": "primus.core.config.presets",
     "primus.core.hookspecs": "primus.core.contracts.hookspecs",
     "primus.core.protocols": "primus.core.contracts.protocols",

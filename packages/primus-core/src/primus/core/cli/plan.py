@@ -2,7 +2,7 @@
 
 The config is read at the cluster's world size (``--gpus`` × ``--nodes``); only layouts that fit within the usable
 memory less ``--headroom`` and that the engine's backend accepts (its own validation) are ranked, each with its fastest
-micro-batch (:mod:`primus.core.planner.ranking`)."""
+micro-batch (:mod:`primus.core.launch.ranking`)."""
 
 from __future__ import annotations
 
@@ -54,10 +54,10 @@ def plan(
     from primus.core.cli.helpers import _fail, err, out
     from primus.core.config.errors import ConfigError
     from primus.core.contracts.plugins import KNOWN_BACKEND_DISTS
+    from primus.core.launch.ranking import global_batch, rank, resolve_on, searched_micro_batches
     from primus.core.planner import Cluster, device
     from primus.core.planner.memory import GIB
     from primus.core.planner.profile import backend_spec, load_profile
-    from primus.core.planner.ranking import global_batch, rank, resolve_on, searched_micro_batches
     from primus.core.planner.strategies import kernel_terms
 
     if preset and config:  # with --preset, positional words are all overrides

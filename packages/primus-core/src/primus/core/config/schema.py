@@ -397,3 +397,18 @@ class PrimusConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
+
+
+# What makes two models' checkpoints interchangeable (every layout of the same shape can load it).
+SHAPE_KEYS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "kv_channels",
+    "ffn_hidden_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "qk_norm",
+)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from primus.core.config.schema import ModelConfig
+from primus.core.config.schema import SHAPE_KEYS, ModelConfig
 from primus.core.contracts.errors import UserError
-from primus.core.run.checkpoints import SHAPE_KEYS
 
 # model_type -> (Primus family, HF architecture class)
 FAMILIES = {

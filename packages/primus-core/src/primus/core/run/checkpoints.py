@@ -34,26 +34,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from primus.core.config.schema import PrimusConfig
+from primus.core.config.schema import SHAPE_KEYS, PrimusConfig
 from primus.core.contracts.errors import UserError
 
 log = logging.getLogger("primus.core.run.checkpoints")
 
 MANIFEST = "manifest.json"
 TMP_SUFFIX = ".tmp"
-# What makes two models' checkpoints interchangeable (every layout of the same shape can load it).
-SHAPE_KEYS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_kv_heads",
-    "kv_channels",
-    "ffn_hidden_size",
-    "vocab_size",
-    "tie_word_embeddings",
-    "qkv_bias",
-    "qk_norm",
-)
 
 
 class CheckpointMismatch(UserError, ValueError):
