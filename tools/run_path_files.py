@@ -16,7 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-PACKAGES = Path(__file__).resolve().parents[1] / "packages"
+PACKAGES = Path(
+    sys.argv[2]
+    if len(sys.argv) > 2 and not sys.argv[2].startswith("-")
+    else Path(__file__).resolve().parents[1] / "packages"
+)
 
 
 class FirstStep(BaseException):
@@ -39,7 +43,10 @@ def files_to_first_step(preset: str) -> list[str]:
         sys.argv = ["primus", "train", preset, "train.steps=10", f"logging.output_dir={out}"]
         sys.setprofile(profile)
         try:
-            from primus.core.cli import app as cli  # imported under the profile: module bodies count
+            from primus.core import cli  # imported under the profile: module bodies count
+
+            if not hasattr(cli, "main"):  # since core's rooms: primus.core.cli is a package, main is in cli.app
+                from primus.core.cli import app as cli
 
             cli.main()
         except (FirstStep, SystemExit):
