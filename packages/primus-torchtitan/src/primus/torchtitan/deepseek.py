@@ -6,7 +6,8 @@ Two differences from ``transformers``' DeepseekV3ForCausalLM are closed here, so
 torchtitan applies YaRN (the frequencies and the softmax scale's mscale) only when the run's sequence exceeds
 the original context, transformers whenever the config has it: :class:`PrimusDeepSeekV3Args` keeps its RoPE table
 one position past the original context when YaRN is on (longer tables are only sliced). Its final RMSNorm takes
-torch's default epsilon: :class:`PrimusDeepSeekV3Model` gives it ``model.norm_eps``.
+torch's default epsilon: :class:`PrimusDeepSeekV3Model` gives it ``model.norm_eps``. The routing bias is in every
+model (DeepSeek's HF folders hold it); with ``model.moe.balancing: none`` it is kept and never updated.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ NO_YARN = 2**62  # an original context no run exceeds: torchtitan leaves the RoP
 
 @dataclasses.dataclass
 class PrimusDeepSeekV3Args(DeepSeekV3ModelArgs):
+    freeze_expert_bias: bool = False  # keep the routing bias, never update it (model.moe.balancing: none)
+
     def update_from_config(self, job_config: Any, **kwargs: Any) -> None:
         super().update_from_config(job_config, **kwargs)
         self.max_seq_len = self.yarn_seq_len(self.max_seq_len)
@@ -36,6 +39,11 @@ class PrimusDeepSeekV3Model(DeepSeekV3Model):
     def __init__(self, model_args: DeepSeekV3ModelArgs):
         super().__init__(model_args)
         self.norm.eps = model_args.norm_eps
+        if getattr(model_args, "freeze_expert_bias", False):
+            # torchtitan registers the bias only with a positive rate, and updates it when the rate is truthy
+            for layer in self.layers.values():
+                if layer.moe_enabled:
+                    layer.moe.load_balance_coeff = 0.0
 
 
 def deepseek_args(m: ModelConfig, seq_len: int) -> PrimusDeepSeekV3Args:
@@ -72,7 +80,8 @@ def deepseek_args(m: ModelConfig, seq_len: int) -> PrimusDeepSeekV3Args:
             num_expert_groups=e.expert_groups if e.expert_groups > 1 else None,
             num_limited_groups=e.groups_per_token if e.expert_groups > 1 else None,
             use_grouped_mm=torch.cuda.is_available(),
-            load_balance_coeff=1e-3 if e.balancing == "loss_free" else None,
+            # the routing bias is part of every DeepSeek model (its HF folders hold it); balancing none: frozen
+            load_balance_coeff=1e-3,
         ),
         q_lora_rank=a.q_lora_rank or 0,
         kv_lora_rank=a.kv_lora_rank,
@@ -81,6 +90,7 @@ def deepseek_args(m: ModelConfig, seq_len: int) -> PrimusDeepSeekV3Args:
         v_head_dim=a.v_head_dim,
         attn_type="sdpa",
         rope_theta=m.rope_theta,
+        freeze_expert_bias=e.balancing != "loss_free",
         **yarn,
     )
     args.max_seq_len = args.yarn_seq_len(seq_len)

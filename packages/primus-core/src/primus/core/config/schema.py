@@ -33,9 +33,13 @@ class RopeScaling(Section):
     original_max_position_embeddings: int = Field(8192, gt=0, description="context the base model was trained at")
     beta_fast: float = Field(32.0, gt=0, description="yarn: rotations above which a frequency is kept as it is")
     beta_slow: float = Field(1.0, gt=0, description="yarn: rotations below which a frequency is fully interpolated")
-    mscale: float = Field(1.0, ge=0, description="yarn (DeepSeek): attention factor of the rotary dims, with mscale_all_dim")
+    mscale: float = Field(
+        1.0, ge=0, description="yarn (DeepSeek): attention factor of the rotary dims, with mscale_all_dim"
+    )
     mscale_all_dim: float = Field(
-        0.0, ge=0, description="yarn, MLA: softmax scale × (0.1·mscale_all_dim·ln(factor) + 1)² (DeepSeek-V3: 1.0; 0: none)"
+        0.0,
+        ge=0,
+        description="yarn, MLA: softmax scale × (0.1·mscale_all_dim·ln(factor) + 1)² (DeepSeek-V3: 1.0; 0: none)",
     )
 
 
