@@ -153,3 +153,31 @@ def test_same_loss_curve_on_both_engines(curves):
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.4, losses  # it trains
     assert [r["loss"] for r in rows] == pytest.approx(losses, rel=LOSS_RTOL)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)
+
+
+# megatron is not planned here: it splits 61 layers (a prime) over pipeline stages evenly only, refuses FSDP2 of
+# experts and MLA under TP, and no layout without those fits 32×8 H200 (`primus plan` says so, naming the refusals)
+@pytest.mark.parametrize("engine", ["torchtitan"])
+def test_plan_deepseek_v3_on_32_h200_nodes_is_accepted(engine):
+    """``primus plan deepseek-v3 --device H200 --nodes 32``: the layouts it shows (the first its recommendation)
+    pass core's and the engine's validation at 256 ranks (it proposed PP 32 × VPP 2 for 61 layers before)."""
+    from primus.core.config.validate import validate_config
+    from primus.core.planner import Cluster, device
+    from primus.core.planner.auto import layout_config
+    from primus.core.planner.calibration import HEADROOM
+    from primus.core.planner.profile import backend_spec
+    from primus.core.planner.ranking import global_batch, rank, resolve_on, searched_micro_batches
+    from primus.core.plugins import get_registry
+    from primus.core.protocols import validate_with
+
+    registry = get_registry()
+    res, _ = resolve_on("deepseek-v3", [f"backend.name={engine}"], 256, registry)
+    cluster = Cluster(device("H200"), 32, 8, HEADROOM)
+    ranked = rank(res.config, cluster, engine, registry, searched_micro_batches(res), global_batch(res))
+    shown = [c for c in ranked if c.runnable][:10]
+    assert shown, f"no layout of deepseek-v3 fits 32×8 H200 on {engine}"
+    for c in shown:
+        run = layout_config(res.config, c.layout)
+        assert validate_with(backend_spec(engine), run, 256) == [], c.layout.describe()
+        validate_config(run.model_dump(), world_size=256, registry=registry)
+        assert c.layout.ep > 1 and c.memory.total <= cluster.budget
