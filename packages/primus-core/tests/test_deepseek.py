@@ -150,3 +150,17 @@ def test_config_json_round_trips(hf_tiny):
     with pytest.raises(HFConfigError, match="'expert_groups': 2"):
         other = m.model_copy(update={"moe": m.moe.model_copy(update={"expert_groups": 2})})
         check_matches(other, hf, "here")
+
+
+def test_planner_counts_mla_widths_and_latents(registry):
+    """The planner's attention terms under MLA: FLOPs over the mean of the q/k (192) and value (128) head widths,
+    not hidden / heads (56); activations of q, k (192 per head), v, output (128 per head) and the latents; a KV cache
+    of the compressed latent and the shared RoPE key (576 values per token and layer, vs 2·128·192 expanded)."""
+    from primus.core.deepseek import attention_activation_elements, head_width, kv_cache_per_token
+
+    m = model_config("deepseek-v3", registry)
+    assert head_width(m) == 160 and m.kv_channels == 56
+    assert attention_activation_elements(m) == 2 * 128 * 192 + 2 * 128 * 128 + 2 * 1536 + 2 * 512 + 64
+    assert kv_cache_per_token(m) == 576
+    dense = model_config("qwen3-8b", registry)
+    assert head_width(dense) == dense.kv_channels

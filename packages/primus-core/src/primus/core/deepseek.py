@@ -118,3 +118,21 @@ def issues(m: ModelConfig) -> list[ConfigIssue]:
             why = "more experts per token than its groups hold"
             out.append(ConfigIssue("model.moe.experts_per_token", why, e.experts_per_token))
     return out
+
+
+def head_width(m: ModelConfig) -> float:
+    """The per-head width attention's FLOPs scale with (QKᵀ over the q/k dims, AV over the value dims): their mean
+    under MLA (DeepSeek-V3: (192 + 128) / 2 = 160, not hidden / heads = 56), the head dim otherwise."""
+    return m.kv_channels if m.mla is None else (m.mla.qk_head_dim + m.mla.v_head_dim) / 2
+
+
+def attention_activation_elements(m: ModelConfig) -> float:
+    """Elements per token one attention layer keeps for its backward: q, k, v and the attention output
+    (``2·h·c + 2·kv·c`` with GQA); MLA's q and k of the q/k head width, v and the output of the value width, plus its
+    latents and their norm outputs (the compressed KV: ``kv_lora_rank + qk_rope_head_dim``)."""
+    h = m.num_attention_heads
+    if m.mla is None:
+        return 2 * h * m.kv_channels + 2 * m.num_kv_heads * m.kv_channels
+    a = m.mla
+    latents = 2 * (a.q_lora_rank or 0) + 2 * a.kv_lora_rank + a.qk_rope_head_dim
+    return 2 * h * a.qk_head_dim + 2 * h * a.v_head_dim + latents
