@@ -70,16 +70,14 @@ def router_fields(m: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def attention_spec(norm_kernel: Any, attention_kernel: Any) -> Any:
-    """MLASelfAttention with megatron's local linears and Primus's RMSNorm and core attention."""
+def attention_spec(norm: Any, core_attention: Any) -> Any:
+    """MLASelfAttention with megatron's local linears, ``norm`` (the spec of both latent RMSNorms) and
+    ``core_attention`` (Primus's provider attention; both from :mod:`primus.megatron.layer_spec`)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from primus.megatron.layer_spec import KernelCoreAttention, KernelRMSNorm
-
-    norm = ModuleSpec(module=KernelRMSNorm, params={"kernel": norm_kernel, "for_qk": True})
     return ModuleSpec(
         module=MLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -89,7 +87,7 @@ def attention_spec(norm_kernel: Any, attention_kernel: Any) -> Any:
             linear_q_up_proj=ColumnParallelLinear,
             linear_kv_down_proj=ColumnParallelLinear,
             linear_kv_up_proj=ColumnParallelLinear,
-            core_attention=ModuleSpec(module=KernelCoreAttention, params={"kernel": attention_kernel}),
+            core_attention=core_attention,
             linear_proj=RowParallelLinear,
             q_layernorm=norm,
             kv_layernorm=norm,

@@ -261,7 +261,8 @@ def layer_spec(
     if mla:  # multi-head latent attention (primus.megatron.deepseek)
         from primus.megatron.deepseek import attention_spec
 
-        attention = attention_spec(_impl(kernels, "rms_norm"), _impl(kernels, "attention"))
+        core = ModuleSpec(module=KernelCoreAttention, params={"kernel": _impl(kernels, "attention")})
+        attention = attention_spec(qk, core)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

@@ -127,7 +127,7 @@ def model_fields_from_hf(hf: dict[str, Any], name: str | None = None) -> dict[st
     if model_type == "deepseek_v3":
         from primus.core.hf.deepseek import deepseek_fields
 
-        return deepseek_fields(hf, name, _rope(hf))
+        return deepseek_fields(hf, name, _rope(hf), HFConfigError)
     family = FAMILIES[model_type][0]
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConfigError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; allowed: silu")
@@ -177,7 +177,7 @@ def hf_config(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     if m.family == "deepseek":
         from primus.core.hf.deepseek import deepseek_config
 
-        return deepseek_config(m, dtype)
+        return deepseek_config(m, dtype, HFConfigError)
     if m.family == "qwen2" and not m.qkv_bias:
         raise HFConfigError("model.qkv_bias false cannot be written as Qwen2 (transformers' Qwen2 always has it)")
     if m.family in ("llama", "mistral") and m.qk_norm:

@@ -10,14 +10,11 @@ if TYPE_CHECKING:
     from primus.core.config.schema import ModelConfig
 
 
-def _error(msg: str) -> Exception:
-    from primus.core.hf.config import HFConfigError
-
-    return HFConfigError(msg)
-
-
-def deepseek_fields(hf: dict[str, Any], name: str | None, rope: tuple[float, dict[str, Any] | None]) -> dict[str, Any]:
-    """The ``model`` section (a plain dict) of a DeepSeek-V3 ``config.json``."""
+def deepseek_fields(
+    hf: dict[str, Any], name: str | None, rope: tuple[float, dict[str, Any] | None], error: type[Exception]
+) -> dict[str, Any]:
+    """The ``model`` section (a plain dict) of a DeepSeek-V3 ``config.json``; ``error``: what a field Primus cannot
+    represent raises (:class:`primus.core.hf.config.HFConfigError`)."""
     refused = {
         "hidden_act": ("silu", hf.get("hidden_act", "silu")),
         "attention_bias": (False, bool(hf.get("attention_bias", False))),
@@ -30,14 +27,14 @@ def deepseek_fields(hf: dict[str, Any], name: str | None, rope: tuple[float, dic
     for key, (allowed, value) in refused.items():
         if value != allowed:
             why = " (multi-token prediction is not trained by Primus)" if key == "num_nextn_predict_layers" else ""
-            raise _error(f"config.json {key} {value!r} is not supported{why}; allowed: {allowed!r}")
+            raise error(f"config.json {key} {value!r} is not supported{why}; allowed: {allowed!r}")
     theta, scaling = rope
     if scaling is not None and scaling["type"] != "yarn":
-        raise _error(f"config.json rope_scaling type {scaling['type']!r} is not supported for DeepSeek; allowed: yarn")
+        raise error(f"config.json rope_scaling type {scaling['type']!r} is not supported for DeepSeek; allowed: yarn")
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     if kv_heads != heads:
-        raise _error(f"config.json num_key_value_heads {kv_heads} is not supported (MLA); allowed: {heads}")
+        raise error(f"config.json num_key_value_heads {kv_heads} is not supported (MLA); allowed: {heads}")
     return {
         "name": name or hf.get("_name_or_path") or "deepseek_v3",
         "family": "deepseek",
@@ -76,17 +73,17 @@ def deepseek_fields(hf: dict[str, Any], name: str | None, rope: tuple[float, dic
     }
 
 
-def deepseek_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
+def deepseek_config(m: ModelConfig, dtype: str, error: type[Exception]) -> dict[str, Any]:
     """The ``config.json`` of ``DeepseekV3ForCausalLM`` with the architecture ``m``."""
     e, a = m.moe, m.mla
     if e is None:
-        raise _error("model.moe null cannot be written as DeepSeek-V3 (its layers after the dense ones are MoE)")
+        raise error("model.moe null cannot be written as DeepSeek-V3 (its layers after the dense ones are MoE)")
     for key, value, allowed in (
         ("router", e.router, "sigmoid"),
         ("layer_frequency", e.layer_frequency, 1),
     ):
         if value != allowed:
-            raise _error(f"model.moe.{key} {value!r} cannot be written as DeepSeek-V3; allowed: {allowed!r}")
+            raise error(f"model.moe.{key} {value!r} cannot be written as DeepSeek-V3; allowed: {allowed!r}")
     out: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
