@@ -34,6 +34,9 @@ PUBLISHED = {
     "qwen3-30b-a3b": 30.5,
     "qwen3-235b-a22b": 235.0,
     "mixtral-8x7b": 46.7,
+    "deepseek-v3": 671.0,
+    "deepseek-v2-lite": 15.7,
+    "moonlight-16b-a3b": 16.0,  # its name; its card's 15.29B leaves the embeddings out (test_deepseek.py)
 }
 # Mixture-of-experts: the parameters a token runs through, as the model cards quote them ("A3B", "A22B"; Mixtral's
 # 12.9B), embeddings included, with half a unit of the rounding they are quoted at (Qwen3-30B-A3B's card says 3.3B

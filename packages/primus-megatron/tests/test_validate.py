@@ -15,7 +15,7 @@ from primus.megatron.validate import validate
 def test_backend_registered():
     spec = get_registry(refresh=True).backends["megatron"]
     assert spec.dist == "primus-megatron"
-    assert spec.model_families == {"llama", "qwen2", "qwen3", "mistral"}
+    assert spec.model_families == {"llama", "qwen2", "qwen3", "mistral", "deepseek"}
     assert load_ref(spec.engine).__module__ == "primus.megatron.engine"
 
 

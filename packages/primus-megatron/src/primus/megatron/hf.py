@@ -80,12 +80,33 @@ _EXPERT_ROLES = {
     "mlp.experts.experts.linear_fc1.weight": ("gate", "up"),
     "mlp.experts.experts.linear_fc2.weight": ("down",),
 }
+# multi-head latent attention (megatron's MLASelfAttention, local spec: its two latent norms are modules) and
+# DeepSeek's routing bias, which DeepseekV3ForCausalLM folders hold (mlp.gate.e_score_correction_bias)
+_DEEPSEEK_ROLES = {
+    "self_attention.linear_q_proj.weight": ("q",),
+    "self_attention.linear_q_down_proj.weight": ("q_a",),
+    "self_attention.q_layernorm.weight": ("q_a_norm",),
+    "self_attention.linear_q_up_proj.weight": ("q_b",),
+    "self_attention.linear_kv_down_proj.weight": ("kv_a",),
+    "self_attention.kv_layernorm.weight": ("kv_a_norm",),
+    "self_attention.linear_kv_up_proj.weight": ("kv_b",),
+    "mlp.router.expert_bias": ("router_bias",),
+}
 _GLOBAL = {"embedding.word_embeddings.weight": EMBED, "decoder.final_layernorm.weight": FINAL_NORM}
 
 
-def _roles(suffix: str, expert: int | None) -> tuple[str, ...]:
+def _layer_roles(m: ModelConfig) -> dict[str, tuple[str, ...]]:
+    return _LAYER_ROLES | _DEEPSEEK_ROLES if m.family == "deepseek" else _LAYER_ROLES
+
+
+def _skipped(suffix: str, m: ModelConfig) -> bool:
+    """Model state with no HF tensor in this family."""
+    return suffix in _NOT_IN_HF and m.family != "deepseek"
+
+
+def _roles(suffix: str, expert: int | None, m: ModelConfig) -> tuple[str, ...]:
     if expert is None:
-        return _LAYER_ROLES[suffix]
+        return _layer_roles(m)[suffix]
     return tuple(expert_role(expert, r) for r in _EXPERT_ROLES[suffix])
 
 
@@ -99,10 +120,10 @@ def megatron_tensor(
     if key == "output_layer.weight":
         return get(EMBED if m.tie_word_embeddings else LM_HEAD)
     suffix = key.removeprefix(_LAYER)
-    if suffix not in (_EXPERT_ROLES if expert is not None else _LAYER_ROLES) or layer is None:
+    if suffix not in (_EXPERT_ROLES if expert is not None else _layer_roles(m)) or layer is None:
         raise KeyError(f"no HF counterpart of megatron tensor {key!r}")
     names = layer_names(m, layer)
-    parts = [get(names[role]) for role in _roles(suffix, expert)]
+    parts = [get(names[role]) for role in _roles(suffix, expert, m)]
     if len(parts) == 3:
         return fuse_qkv(*parts, m)
     return torch.cat(parts, dim=0) if len(parts) == 2 else parts[0]
@@ -118,7 +139,7 @@ def hf_tensors(
         return {} if m.tie_word_embeddings else {LM_HEAD: full}
     suffix = key.removeprefix(_LAYER)
     names = layer_names(m, layer)
-    roles = _roles(suffix, expert)
+    roles = _roles(suffix, expert, m)
     if len(roles) == 3:
         parts = split_qkv(full, m)
     elif len(roles) == 2:
@@ -172,7 +193,7 @@ def fill_from_hf(chunks: list[Any], get: Callable[[str], torch.Tensor], m: Model
     for chunk in chunks:
         for st in _sharded_tensors(chunk):
             key, layer, expert, where = _place(st)
-            if key.removeprefix(_LAYER) in _NOT_IN_HF:
+            if _skipped(key.removeprefix(_LAYER), m):
                 continue
             if (key, layer, expert) not in cache:
                 cache[(key, layer, expert)] = megatron_tensor(key, layer, get, m, expert)
@@ -191,7 +212,7 @@ def gather_to_hf(chunks: list[Any], m: ModelConfig) -> dict[str, torch.Tensor]:
     for chunk in chunks:
         for st in _sharded_tensors(chunk):
             key, layer, expert, where = _place(st)
-            if key.removeprefix(_LAYER) in _NOT_IN_HF:
+            if _skipped(key.removeprefix(_LAYER), m):
                 continue
             shape = st.global_shape[st.prepend_axis_num :]
             buf = whole.setdefault((key, layer, expert), torch.zeros(shape, dtype=st.data.dtype))

@@ -53,6 +53,8 @@ class KernelCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,  # multi-head latent attention's q/k and v head dims (the tensors carry them)
+        v_channels: int | None = None,
         *,
         kernel: Any = "",
     ):
@@ -233,7 +235,12 @@ def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None) 
 
 
 def layer_spec(
-    kernels: dict[str, KernelProvider], *, qk_norm: bool, fp8: Any = None, moe: ModuleSpec | None = None
+    kernels: dict[str, KernelProvider],
+    *,
+    qk_norm: bool,
+    fp8: Any = None,
+    moe: ModuleSpec | None = None,
+    mla: bool = False,
 ) -> ModuleSpec:
     """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its four linears FP8 ones; ``moe`` (a
     :func:`moe_spec`) replaces its dense MLP."""
@@ -250,11 +257,18 @@ def layer_spec(
     norm = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
     qk = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
     rope, _ = rope_impl(kernels)
+    attention = None
+    if mla:  # multi-head latent attention (primus.megatron.deepseek)
+        from primus.megatron.deepseek import attention_spec
+
+        core = ModuleSpec(module=KernelCoreAttention, params={"kernel": _impl(kernels, "attention")})
+        attention = attention_spec(qk, core)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
-            self_attention=ModuleSpec(
+            self_attention=attention
+            or ModuleSpec(
                 module=KernelRoPESelfAttention if rope else SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal, **({"rope": rope} if rope else {})},
                 submodules=SelfAttentionSubmodules(
@@ -282,18 +296,33 @@ def layer_spec(
 
 
 def block_spec(
-    config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bool, vp_stage: int | None, fp8: Any = None
+    config: Any,
+    kernels: dict[str, KernelProvider],
+    *,
+    qk_norm: bool,
+    vp_stage: int | None,
+    fp8: Any = None,
+    mla: bool = False,
 ) -> TransformerBlockSubmodules:
     """The layers of one model chunk plus the final norm (which must also be the kernel norm:
     megatron's default final norm is TE, apex or torch's, the last refusing sequence parallel)."""
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(
-        layer_specs=_layer_specs(config, kernels, qk_norm=qk_norm, vp_stage=vp_stage, n=n, fp8=fp8),
+        layer_specs=_layer_specs(config, kernels, qk_norm=qk_norm, vp_stage=vp_stage, n=n, fp8=fp8, mla=mla),
         layer_norm=ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")}),
     )
 
 
-def _layer_specs(config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bool, vp_stage: Any, n: int, fp8: Any):
+def _layer_specs(
+    config: Any,
+    kernels: dict[str, KernelProvider],
+    *,
+    qk_norm: bool,
+    vp_stage: Any,
+    n: int,
+    fp8: Any,
+    mla: bool = False,
+):
     """This chunk's n block specs; with ``fp8`` (KernelsConfig, fp8 on) the blocks the recipe keeps in FP8
     (global layer numbers: pipeline offset included) get FP8 linears; with experts (``config.moe_layer_freq``, one
     flag per global layer) the MoE layers get megatron's MoE layer."""
@@ -315,7 +344,7 @@ def _layer_specs(config: Any, kernels: dict[str, KernelProvider], *, qk_norm: bo
     def spec(moe: bool, in_fp8: bool) -> ModuleSpec:
         block_fp8 = fp8 if in_fp8 else None
         return layer_spec(
-            kernels, qk_norm=qk_norm, fp8=block_fp8, moe=moe_spec(kernels, shared, block_fp8) if moe else None
+            kernels, qk_norm=qk_norm, fp8=block_fp8, moe=moe_spec(kernels, shared, block_fp8) if moe else None, mla=mla
         )
 
     return [spec(bool(moe), in_fp8) for moe, in_fp8 in zip(moe_flags, fp8_flags, strict=True)]

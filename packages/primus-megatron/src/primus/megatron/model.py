@@ -58,7 +58,14 @@ def transformer_config(cfg: PrimusConfig) -> TransformerConfig:
             recompute_num_layers=p.recompute_layers or (1 if p.recompute_method == "uniform" else layers_per_stage),
         )
     extra = {**pipeline_p2p(p.pp, p.vpp), **cfg.backend.extra.get("transformer_config", {})}
-    return TransformerConfig(
+    config_cls = TransformerConfig
+    if m.mla is not None:  # multi-head latent attention: primus.megatron.deepseek
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        from primus.megatron.deepseek import mla_fields
+
+        config_cls, extra = MLATransformerConfig, {**mla_fields(m), **extra}
+    return config_cls(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -102,6 +109,8 @@ def moe_fields(cfg: PrimusConfig) -> dict[str, Any]:
     if m.moe is None:
         return {}
     compat.moe_without_te()
+    from primus.megatron.deepseek import router_fields
+
     e = m.moe
     return dict(
         num_moe_experts=e.num_experts,
@@ -121,7 +130,7 @@ def moe_fields(cfg: PrimusConfig) -> dict[str, Any]:
         moe_permute_fusion=False,
         expert_model_parallel_size=cfg.parallel.ep,
         expert_tensor_parallel_size=1,  # as dist.init_parallel builds the groups
-    )
+    ) | (router_fields(m) if m.family == "deepseek" else {})
 
 
 def gpt_model(
@@ -172,7 +181,7 @@ def build_chunks(
         vp_stage = vp if cfg.parallel.vpp > 1 else None
         model = gpt_model(
             config,
-            block_spec(config, kernels, qk_norm=m.qk_norm, vp_stage=vp_stage, fp8=cfg.kernels),
+            block_spec(config, kernels, qk_norm=m.qk_norm, vp_stage=vp_stage, fp8=cfg.kernels, mla=m.mla is not None),
             vocab_size=m.vocab_size,
             max_seq=max(cfg.train.seq_len, 1),
             tied=m.tie_word_embeddings,

@@ -17,6 +17,6 @@ def primus_backends() -> list[BackendSpec]:
             validate="primus.megatron.validate:validate",
             hf="primus.megatron.hf:INTEROP",
             planner="primus.megatron.planner_profile:PROFILE",
-            model_families=frozenset({"llama", "qwen2", "qwen3", "mistral"}),
+            model_families=frozenset({"llama", "qwen2", "qwen3", "mistral", "deepseek"}),
         )
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.contracts.protocols import ConfigIssue
-from primus.megatron import faults, fp8
+from primus.megatron import deepseek, faults, fp8
 
 # backend.extra keys: a seed checkpoint (same initial weights in every layout), raw
 # TransformerConfig / DistributedDataParallelConfig fields passed through unchanged, and the
@@ -135,7 +135,7 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
         refuse(
             "train.compile", "torch.compile of megatron-core modules is not supported by this backend", True, "false"
         )
-    if m.rope_scaling is not None and m.rope_scaling.type == "yarn":
+    if m.rope_scaling is not None and m.rope_scaling.type == "yarn" and m.mla is None:  # MLA: its own YaRN
         refuse(
             "model.rope_scaling.type",
             "YaRN scaling is not wired to megatron's YarnRotaryEmbedding here",
@@ -145,6 +145,7 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     if cfg.data.format == "megatron" and cfg.data.source in ("bundled", "mock"):
         refuse("data.source", "data.format: megatron reads .bin/.idx prefixes; give a path", cfg.data.source)
     out.extend(fp8.issues(cfg))
+    out.extend(deepseek.issues(cfg))
     for problem in faults.issues(cfg.backend.extra):
         refuse("backend.extra.fault_injection", problem, allowed=", ".join(faults.KEYS))
     unknown = set(cfg.backend.extra) - EXTRA_KEYS - {"fsdp"}  # fsdp: refused above with its reason

@@ -27,6 +27,7 @@ from primus.core.config.schema import PrimusConfig
 from primus.torchtitan import compat
 
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
+from torchtitan.models.deepseek_v3.model.state_dict_adapter import DeepSeekV3StateDictAdapter  # noqa: E402
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter  # noqa: E402
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
 
@@ -90,6 +91,7 @@ ADAPTERS = {
     "llama3": Llama3StateDictAdapter,
     "qwen3": Qwen3SharedExpertsStateDictAdapter,
     "dense": DenseStateDictAdapter,
+    "deepseek_v3": DeepSeekV3StateDictAdapter,  # interleaved RoPE pairs on both sides: no permutation
 }
 
 

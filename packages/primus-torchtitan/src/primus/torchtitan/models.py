@@ -14,7 +14,7 @@ from typing import Any
 from primus.core.config.schema import ModelConfig
 
 # family -> the torchtitan model (registry name) that runs it
-ENGINE_MODEL = {"llama": "llama3", "mistral": "llama3", "qwen3": "qwen3"}
+ENGINE_MODEL = {"llama": "llama3", "mistral": "llama3", "qwen3": "qwen3", "deepseek": "deepseek_v3"}
 
 FLAVOR = "primus"  # the flavor name a run registers its model args under
 
@@ -97,7 +97,9 @@ def moe_args(m: ModelConfig) -> dict[str, Any]:
             num_shared_experts=e.shared_experts,
             score_func=e.router,
             route_norm=e.normalize_topk,
-            route_scale=1.0,
+            route_scale=e.scaling_factor,
+            num_expert_groups=e.expert_groups if e.expert_groups > 1 else None,
+            num_limited_groups=e.groups_per_token if e.expert_groups > 1 else None,
             score_before_experts=False,
             top_k=e.experts_per_token,
             use_grouped_mm=torch.cuda.is_available(),
@@ -128,13 +130,20 @@ def qwen3_args(m: ModelConfig, seq_len: int) -> Any:
 
 
 def model_args(m: ModelConfig, seq_len: int) -> Any:
-    return {"llama3": llama3_args, "qwen3": qwen3_args, "dense": dense_args}[engine_model(m)](m, seq_len)
+    from primus.torchtitan.deepseek import deepseek_args
+
+    build = {"llama3": llama3_args, "qwen3": qwen3_args, "dense": dense_args, "deepseek_v3": deepseek_args}
+    return build[engine_model(m)](m, seq_len)
 
 
 def base_train_spec(m: ModelConfig) -> Any:
     """The TrainSpec of the model that runs ``m``: torchtitan's own, or llama3's with Primus's dense model."""
     from torchtitan.protocols.train_spec import get_train_spec
 
+    if engine_model(m) == "deepseek_v3":
+        from primus.torchtitan.deepseek import train_spec as deepseek_spec
+
+        return deepseek_spec()
     if engine_model(m) != "dense":
         return get_train_spec(engine_model(m))
     from primus.torchtitan.dense import DenseTransformer, parallelize_dense

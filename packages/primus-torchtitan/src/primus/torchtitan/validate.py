@@ -14,7 +14,7 @@ from primus.core.contracts.protocols import ConfigIssue
 from primus.torchtitan import faults, fp8
 from primus.torchtitan.job_config import JOB_CONFIG_SECTIONS, PP_SCHEDULES, extra_value
 
-FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "deepseek"})
 
 
 def _model_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
@@ -93,6 +93,7 @@ def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
             )
     if m.moe is not None:
         out += _moe_issues(cfg)
+    out += _deepseek_issues(cfg)
     if p.distributed_optimizer:
         out.append(
             ConfigIssue(
@@ -154,15 +155,31 @@ def _parallel_issues(cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
     return out
 
 
+def _deepseek_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    """What torchtitan 0.2.2's deepseek_v3 model (:mod:`primus.torchtitan.deepseek`) does not cover."""
+    m, out = cfg.model, []
+    if m.family == "deepseek" and m.moe is None:
+        why = "torchtitan's deepseek_v3 model makes every layer after the first dense ones a mixture-of-experts layer"
+        out.append(ConfigIssue("model.moe", why, value=None, allowed="a mixture-of-experts section"))
+    rs = m.rope_scaling
+    if m.family == "deepseek" and rs is not None and rs.mscale != rs.mscale_all_dim:
+        why = "torchtitan's YaRN scales the softmax only (no attention factor on the rotary dims): mscale must equal it"
+        out.append(ConfigIssue("model.rope_scaling.mscale", why, value=rs.mscale, allowed=str(rs.mscale_all_dim)))
+    return out
+
+
 def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     """What torchtitan 0.2.2's MoE (in its qwen3 model: every layer, no auxiliary loss, no token dropping) and this
     backend's wiring of it do not cover."""
     m, p, e = cfg.model, cfg.parallel, cfg.model.moe
     out: list[ConfigIssue] = []
-    if m.family != "qwen3":
-        why = "torchtitan 0.2.2 builds mixture-of-experts layers in its qwen3 model (Primus maps no other)"
-        out.append(ConfigIssue("model.family", why, value=m.family, allowed="qwen3"))
-    if e.first_dense_layers or e.layer_frequency != 1:
+    if m.family not in ("qwen3", "deepseek"):
+        why = "torchtitan 0.2.2 builds mixture-of-experts layers in its qwen3 and deepseek_v3 models"
+        out.append(ConfigIssue("model.family", why, value=m.family, allowed="qwen3, deepseek"))
+    if m.family == "deepseek" and e.layer_frequency != 1:
+        why = "torchtitan's deepseek_v3 model makes every layer after the first dense ones a mixture-of-experts layer"
+        out.append(ConfigIssue("model.moe.layer_frequency", why, value=e.layer_frequency, allowed="1"))
+    if m.family == "qwen3" and (e.first_dense_layers or e.layer_frequency != 1):
         key = "model.moe.first_dense_layers" if e.first_dense_layers else "model.moe.layer_frequency"
         value = e.first_dense_layers or e.layer_frequency
         why = "torchtitan's qwen3 model makes every layer a mixture-of-experts layer"

@@ -31,6 +31,16 @@ class RopeScaling(Section):
     low_freq_factor: float = Field(1.0, gt=0, description="llama3: low-frequency wavelength factor")
     high_freq_factor: float = Field(4.0, gt=0, description="llama3: high-frequency wavelength factor")
     original_max_position_embeddings: int = Field(8192, gt=0, description="context the base model was trained at")
+    beta_fast: float = Field(32.0, gt=0, description="yarn: rotations above which a frequency is kept as it is")
+    beta_slow: float = Field(1.0, gt=0, description="yarn: rotations below which a frequency is fully interpolated")
+    mscale: float = Field(
+        1.0, ge=0, description="yarn (DeepSeek): attention factor of the rotary dims, with mscale_all_dim"
+    )
+    mscale_all_dim: float = Field(
+        0.0,
+        ge=0,
+        description="yarn, MLA: softmax scale × (0.1·mscale_all_dim·ln(factor) + 1)² (DeepSeek-V3: 1.0; 0: none)",
+    )
 
 
 class MoEConfig(Section):
@@ -55,6 +65,18 @@ class MoEConfig(Section):
         "or none",
     )
     aux_loss_coeff: float = Field(1e-3, ge=0, description="aux_loss: its weight in the loss (Qwen3 1e-3, Mixtral 2e-2)")
+    expert_groups: int = Field(
+        1, gt=0, description="group-limited routing: the experts form this many groups (DeepSeek-V3: 8, n_group)"
+    )
+    groups_per_token: int = Field(
+        1,
+        gt=0,
+        description="group-limited routing: a token's experts come from its best groups, ranked by the sum of each "
+        "group's top 2 scores (DeepSeek-V3: 4, topk_group)",
+    )
+    scaling_factor: float = Field(
+        1.0, gt=0, description="the routed experts' weights × this (DeepSeek-V3: 2.5, routed_scaling_factor)"
+    )
     capacity_factor: float | None = Field(
         None, gt=0, description="tokens an expert takes, × the even share; beyond it tokens are dropped (null: none)"
     )
@@ -69,9 +91,25 @@ class MoEConfig(Section):
         return max(0, -(-(num_layers - self.first_dense_layers) // self.layer_frequency))
 
 
+class MLAConfig(Section):
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank projection, keys and values
+    from one compressed latent of ``kv_lora_rank`` (each with its RMSNorm); the query/key head is a part without
+    position (``qk_nope_head_dim``) and a RoPE part (``qk_rope_head_dim``, the key's shared by all heads)."""
+
+    q_lora_rank: int | None = Field(None, gt=0, description="query low-rank width (null: a full q projection)")
+    kv_lora_rank: int = Field(512, gt=0, description="compressed key/value latent width (what a KV cache holds)")
+    qk_nope_head_dim: int = Field(128, gt=0, description="per-head query/key dims without RoPE")
+    qk_rope_head_dim: int = Field(64, gt=0, description="per-head query/key dims with RoPE (even)")
+    v_head_dim: int = Field(128, gt=0, description="per-head value dims")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 class ModelConfig(Section):
     name: str = Field("tiny-llama", description="preset name or a label for this architecture")
-    family: Literal["llama", "qwen2", "qwen3", "mistral"] = Field(
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "deepseek"] = Field(
         "llama", description="architecture family (decides qkv bias / qk-norm defaults in engines)"
     )
     hidden_size: int = Field(128, gt=0, description="model width d")
@@ -90,6 +128,7 @@ class ModelConfig(Section):
     qk_norm: bool = Field(False, description="RMSNorm on per-head q and k (Qwen3)")
     init_std: float = Field(0.02, gt=0, description="std of the normal weight init")
     moe: MoEConfig | None = Field(None, description="mixture-of-experts MLPs (null: a dense model)")
+    mla: MLAConfig | None = Field(None, description="multi-head latent attention (family deepseek; null: GQA)")
 
     @property
     def kv_channels(self) -> int:

@@ -85,9 +85,12 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 allowed="a divisor of num_attention_heads",
             )
         )
+    from primus.core.config import deepseek
+
+    out.extend(deepseek.issues(m))
     if m.moe is not None:
         out.extend(_moe_issues(m))
-        if t.init_from and m.moe.shared_experts:
+        if t.init_from and m.moe.shared_experts and m.family != "deepseek":
             why = "Hugging Face weights of shared experts are not mapped (no Qwen3-MoE or Mixtral checkpoint has them)"
             out.append(ConfigIssue("train.init_from", why, t.init_from, "null, or model.moe.shared_experts 0"))
         if m.moe.num_experts % p.ep:

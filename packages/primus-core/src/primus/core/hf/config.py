@@ -21,6 +21,7 @@ FAMILIES = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen3_moe": ("qwen3", "Qwen3MoeForCausalLM"),
     "mixtral": ("mistral", "MixtralForCausalLM"),
+    "deepseek_v3": ("deepseek", "DeepseekV3ForCausalLM"),
 }
 MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
 MOE_MODEL_TYPE = {"qwen3": "qwen3_moe", "mistral": "mixtral"}  # Primus family with model.moe -> HF model_type
@@ -49,6 +50,9 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             out[key] = float(scaling[key])
     if "original_max_position_embeddings" in scaling:
         out["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):  # YaRN's (DeepSeek writes them all)
+        if scaling.get(key) is not None:
+            out[key] = float(scaling[key])
     return theta, out
 
 
@@ -119,6 +123,10 @@ def model_fields_from_hf(hf: dict[str, Any], name: str | None = None) -> dict[st
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise HFConfigError(f"config.json model_type {model_type!r} is not supported; allowed: {', '.join(FAMILIES)}")
+    if model_type == "deepseek_v3":
+        from primus.core.hf.deepseek import deepseek_fields
+
+        return deepseek_fields(hf, name, _rope(hf), HFConfigError)
     family = FAMILIES[model_type][0]
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConfigError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; allowed: silu")
@@ -165,6 +173,10 @@ def model_config_from_hf(hf: dict[str, Any], name: str | None = None) -> ModelCo
 
 def hf_config(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """The ``config.json`` of a HF model with the architecture ``m`` (what ``from_pretrained`` reads)."""
+    if m.family == "deepseek":
+        from primus.core.hf.deepseek import deepseek_config
+
+        return deepseek_config(m, dtype, HFConfigError)
     if m.family == "qwen2" and not m.qkv_bias:
         raise HFConfigError("model.qkv_bias false cannot be written as Qwen2 (transformers' Qwen2 always has it)")
     if m.family in ("llama", "mistral") and m.qk_norm:
@@ -218,6 +230,7 @@ def hf_config(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 # What must agree between a run's model and a HF folder it starts from (the weights' shapes and meaning).
 ARCH_KEYS = (*SHAPE_KEYS, "rope_theta", "rope_scaling", "norm_eps")
 MOE_ARCH_KEYS = ("num_experts", "experts_per_token", "expert_ffn_hidden_size", "first_dense_layers", "normalize_topk")
+DEEPSEEK_ARCH_KEYS = ("shared_experts", "router", "expert_groups", "groups_per_token", "scaling_factor")
 
 
 def _arch(m: ModelConfig) -> dict[str, Any]:
@@ -225,6 +238,9 @@ def _arch(m: ModelConfig) -> dict[str, Any]:
     if m.moe is not None and not m.moe.first_dense_layers:
         out.pop("ffn_hidden_size")  # no dense MLP (Mixtral's config.json has no width for one)
     out["moe"] = None if m.moe is None else {k: getattr(m.moe, k) for k in MOE_ARCH_KEYS}
+    if m.mla is not None:
+        out["mla"] = m.mla.model_dump()
+        out["moe"] |= {k: getattr(m.moe, k) for k in DEEPSEEK_ARCH_KEYS}
     return out
 
 

@@ -54,8 +54,12 @@ def expert_role(j: int, role: str) -> str:
 def _mlp_names(m: ModelConfig, i: int, p: str) -> dict[str, str]:
     if m.moe is None or not m.moe.is_moe_layer(i):
         return {r: p + f"mlp.{r}_proj.weight" for r in ("gate", "up", "down")}
-    router, expert = _MOE_NAMES["qwen" if m.family.startswith("qwen") else "mixtral"]
+    router, expert = _MOE_NAMES["qwen" if m.family.startswith("qwen") or m.family == "deepseek" else "mixtral"]
     names = {"router": p + router}
+    if m.family == "deepseek":
+        from primus.core.config.deepseek import ROUTER_BIAS
+
+        names["router_bias"] = p + ROUTER_BIAS
     for j in range(m.moe.num_experts):
         names |= {expert_role(j, r): p + expert[r].format(j=j) for r in ("gate", "up", "down")}
     if m.moe.shared_experts:
@@ -69,11 +73,14 @@ def layer_names(m: ModelConfig, i: int) -> dict[str, str]:
     ``shared.gate|up|down`` with shared experts (:data:`SHARED_NAMES`: canonical initial weights; HF interop refuses
     them)."""
     p = f"model.layers.{i}."
+    if m.mla is not None:
+        from primus.core.config.deepseek import attention_names
+
+        attention = attention_names(m, p)
+    else:
+        attention = {r: p + f"self_attn.{r}_proj.weight" for r in "qkvo"}
     names = {
-        "q": p + "self_attn.q_proj.weight",
-        "k": p + "self_attn.k_proj.weight",
-        "v": p + "self_attn.v_proj.weight",
-        "o": p + "self_attn.o_proj.weight",
+        **attention,
         **_mlp_names(m, i, p),
         "input_norm": p + "input_layernorm.weight",
         "post_norm": p + "post_attention_layernorm.weight",
@@ -208,7 +215,7 @@ def check_folder(m: ModelConfig, reader: HFReader, where: str) -> None:
         raise HFCheckpointError(f"{where}: {problem}")
 
 
-SUPPORTED = ("Llama", "Qwen2", "Qwen3", "Mistral", "Qwen3-MoE", "Mixtral")
+SUPPORTED = ("Llama", "Qwen2", "Qwen3", "Mistral", "Qwen3-MoE", "Mixtral", "DeepSeek-V3")
 
 
 def import_checkpoint(

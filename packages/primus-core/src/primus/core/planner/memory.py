@@ -186,7 +186,12 @@ def activation_bytes_per_layer(
     t_sp = t if layout.sequence_parallel else 1
     layer_input = r * s * b * d / t_sp
     norms = dtype_bytes * s * b * 2 * d / t_sp
-    sharded = dtype_bytes * s * b * (2 * h * c + 2 * kv * c + mlp_elements(model)) / t
+    attention = 2 * h * c + 2 * kv * c
+    if model.mla is not None:  # multi-head latent attention's q/k/v widths and latents (primus.core.config.deepseek)
+        from primus.core.config.deepseek import attention_activation_elements
+
+        attention = attention_activation_elements(model)
+    sharded = dtype_bytes * s * b * (attention + mlp_elements(model)) / t
     full = 2 * layer_input + norms + sharded  # the layer input and the residual, both norm outputs, the rest
     selective = full * layout.engine_profile.selective_kept
     return {"none": full, "selective": selective, "full": layer_input, "working": full}

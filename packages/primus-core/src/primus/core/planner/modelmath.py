@@ -55,6 +55,11 @@ def count_params(m: ModelConfig) -> ParamCount:
     if m.qkv_bias:
         attn += h * c + 2 * k * c
     layer_norms = 2 * d + (2 * c if m.qk_norm else 0)
+    if m.mla is not None:  # multi-head latent attention: primus.core.config.deepseek
+        from primus.core.config.deepseek import attention_params
+
+        attn, mla_norms = attention_params(m)
+        attn, layer_norms = attn - mla_norms, layer_norms + mla_norms
     per_layer = attn + 3 * d * f + layer_norms
     emb = m.vocab_size * d
     moe_n = moe_layer = moe_active = 0
@@ -62,7 +67,7 @@ def count_params(m: ModelConfig) -> ParamCount:
         e = m.moe
         moe_n = e.num_moe_layers(m.num_layers)
         expert, always = 3 * d * e.expert_ffn_hidden_size, attn + layer_norms + d * e.num_experts  # + router
-        always += e.shared_experts * expert
+        always += e.shared_experts * expert + (e.num_experts if m.family == "deepseek" else 0)  # + its bias
         moe_layer, moe_active = always + e.num_experts * expert, always + e.experts_per_token * expert
     return ParamCount(
         embedding=emb,
@@ -86,6 +91,10 @@ def matmul_params(m: ModelConfig) -> int:
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training (fwd + bwd) FLOPs per token; see the module docstring for the formula."""
+    if m.mla is not None:
+        from primus.core.config.deepseek import attention_flops_per_token
+
+        return 6.0 * matmul_params(m) + attention_flops_per_token(m, seq_len)
     return 6.0 * matmul_params(m) + 12.0 * m.num_layers * m.num_attention_heads * m.kv_channels * seq_len
 
 

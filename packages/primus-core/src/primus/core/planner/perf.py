@@ -41,6 +41,8 @@ import math
 from dataclasses import dataclass
 
 from primus.core.config.schema import ModelConfig
+from primus.core.config.deepseek import head_width
+from primus.core.planner.modelmath import count_params
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import (
@@ -145,7 +147,7 @@ def layer_seconds_per_token(
     out = {
         "gemm": 6 * dense / gemm_rate(dev, fp8)
         + 6 * experts / (gemm_rate(dev, fp8) * moe_gemm_fraction(expert_tokens)),
-        "attention": 6 * h * c * seq_len / (dev.peak_flops * dev.attention_fraction),  # causal: half of 12·h·c·s
+        "attention": 6 * h * head_width(model) * seq_len / (dev.peak_flops * dev.attention_fraction),  # ½ 12·h·c·s
         "memory_bound": cal.MEMORY_BOUND_PASSES * 2 * (d + f) / hbm * fused,
     }
     if model.moe is not None:  # routing each token's k copies to their experts and back, averaged over the layers
@@ -245,7 +247,7 @@ def context_parallel_exchange(
     bw = (dev.inter_gbps if spans else dev.intra_gbps) * 1e9
     comm = passes * (layout.cp - 1) * block / bw
     tokens = layout.micro_batch * seq_len / (layout.tp * layout.cp)
-    heads, c = model.num_attention_heads, model.kv_channels
+    heads, c = model.num_attention_heads, head_width(model)
     attention = tokens * 6 * heads * c * seq_len / (dev.peak_flops * dev.attention_fraction)
     exposed = max(comm - attention, 0.0) + passes * (layout.cp - 1) * cal.CP_RING_STEP_S
     return lps * layout.micro_batches * exposed

@@ -210,7 +210,9 @@ def candidates(
                 if gbs % (mb * dp):
                     continue
                 m = gbs // (mb * dp)
-                vpps = [1] + [v for v in (2, 3, 4) if pp > 1 and lps % v == 0 and m % pp == 0]
+                vpps = [1] + [
+                    v for v in (2, 3, 4) if pp > 1 and lps % v == 0 and m % pp == 0 and pp * v <= model.num_layers
+                ]  # every model chunk holds a layer (61 layers: not PP 32 × VPP 2)
                 # experts split the data- and context-parallel ranks (their tokens differ)
                 for vpp, ep in ((v, e) for v in vpps for e in _ep_options(model, dp * cp)):
                     for mode in profile.dp_modes(tp, pp, dp * cp):  # gradients reduce over dp · cp

@@ -56,6 +56,11 @@ def shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
         role_shape |= {"expert.down": (h, ef)}
         sf = m.moe.shared_experts * ef  # the shared experts: one MLP of their summed width
         role_shape |= {"shared.gate": (sf, h), "shared.up": (sf, h), "shared.down": (h, sf)}
+        role_shape["router_bias"] = (m.moe.num_experts,)
+    if m.mla is not None:  # multi-head latent attention's projections and norms (primus.core.config.deepseek)
+        from primus.core.config.deepseek import attention_shapes
+
+        role_shape |= attention_shapes(m)
     out = {EMBED: ((v, h), "normal")}
     for i in range(m.num_layers):
         for role, name in layer_names(m, i).items():

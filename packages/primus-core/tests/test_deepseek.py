@@ -1,0 +1,166 @@
+"""DeepSeek-V3-class models in core: the presets' parameter counts against the published ones (core's model math,
+MLA included), the config rules of MLA and group-limited routing, and the HF contract (names, shapes, config.json)
+against transformers' own DeepseekV3ForCausalLM."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from primus.core.config.errors import ConfigError
+from primus.core.config.validate import validate_config
+from primus.core.modelmath import count_params, flops_per_token, matmul_params
+from primus.core.presets import model_config
+
+# (published billions, what the publisher counts). DeepSeek counts the parameters of every matmul a token runs
+# (the output head in, the embedding lookup out: modelmath.matmul_params); Moonlight's card counts both embedding
+# tables out. Each quoted figure is rounded: half a unit of its last digit is allowed on top of 1%.
+PUBLISHED = {
+    "deepseek-v3": {"total": (671, "all"), "active": (37, "matmul")},
+    "deepseek-v2-lite": {"total": (15.7, "all"), "active": (2.4, "matmul")},
+    "moonlight-16b-a3b": {"total": (15.29, "non_embedding"), "active": (2.24, "non_embedding")},
+}
+
+
+def _count(m, which: str, convention: str) -> float:
+    p = count_params(m)
+    if convention == "all":
+        n = p.total if which == "total" else p.active
+    elif convention == "matmul":
+        n = p.total - p.embedding if which == "total" else matmul_params(m)
+    else:
+        n = (p.total if which == "total" else p.active) - p.embedding - p.output_head
+    return n / 1e9
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("which", ["total", "active"])
+def test_counts_match_published(registry, name, which):
+    billions, convention = PUBLISHED[name][which]
+    ours = _count(model_config(name, registry), which, convention)
+    digits = len(str(billions).split(".")[1]) if "." in str(billions) else 0
+    tol = 0.01 * billions + 0.5 * 10**-digits
+    assert abs(ours - billions) <= tol, f"{name} {which}: {ours:.3f}B vs published {billions}B ({convention})"
+
+
+def test_deepseek_v3_counts_by_hand(registry):
+    """DeepSeek-V3's layer by hand: MLA (q 1536 / kv 512 latents, their norms), 256 experts + 1 shared + router and
+    its bias; 3 dense layers of width 18432."""
+    m = model_config("deepseek-v3", registry)
+    d, h = 7168, 128
+    attn = d * 1536 + 1536 + 1536 * h * 192 + d * 576 + 512 + 512 * h * 256 + h * 128 * d
+    expert = 3 * d * 2048
+    moe_layer = attn + 2 * d + 256 * expert + expert + 256 * d + 256
+    p = count_params(m)
+    assert p.moe_layers == 58 and p.moe_layer == moe_layer
+    assert p.moe_layer_active == moe_layer - 248 * expert
+    assert p.total == 2 * 129280 * d + 3 * (attn + 2 * d + 3 * d * 18432) + 58 * moe_layer + d
+    # attention FLOPs: QK^T over 192 dims, AV over 128, 61 layers, 128 heads
+    assert flops_per_token(m, 4096) == pytest.approx(6 * matmul_params(m) + 6 * 61 * h * (192 + 128) * 4096)
+
+
+BASE = {
+    "family": "deepseek",
+    "num_kv_heads": 4,
+    "mla": {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16},
+    "moe": {"num_experts": 8, "experts_per_token": 2, "expert_groups": 4, "router": "sigmoid"},
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "needle"),
+    [
+        ({"mla": None}, "model.mla", "go together"),
+        ({"family": "qwen3"}, "model.family", "go together"),
+        ({"mla": {**BASE["mla"], "qk_rope_head_dim": 7}}, "model.mla.qk_rope_head_dim", "even"),
+        ({"num_kv_heads": 2}, "model.num_kv_heads", "own key and value"),
+        ({"qk_norm": True}, "model.qk_norm", "has none"),
+        ({"moe": {**BASE["moe"], "expert_groups": 3}}, "model.moe.expert_groups", "groups of 2 or more"),
+        ({"moe": {**BASE["moe"], "groups_per_token": 5}}, "model.moe.groups_per_token", "exceeds model.moe.expert_"),
+        (
+            {"moe": {**BASE["moe"], "experts_per_token": 5, "groups_per_token": 2}},
+            "model.moe.experts_per_token",
+            "hold",
+        ),
+        ({"mla": {**BASE["mla"], "kv_lora_rank": 0}}, "model.mla.kv_lora_rank", "greater than 0"),
+        ({"moe": {**BASE["moe"], "bogus": 1}}, "model.moe.bogus", "unknown key"),
+    ],
+)
+def test_refusals_name_the_key(change, key, needle):
+    body = {k: v for k, v in (BASE | change).items() if v is not None}
+    with pytest.raises(ConfigError) as info:
+        validate_config({"model": body}, world_size=1)
+    assert key in str(info.value) and needle in str(info.value), str(info.value)
+
+
+def test_the_tiny_preset_is_valid(registry):
+    from primus.core.config.schema import PrimusConfig
+    from primus.core.config.validate import semantic_issues
+
+    assert semantic_issues(PrimusConfig(model=model_config("tiny-deepseek", registry))) == []
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    """transformers' DeepseekV3ForCausalLM of core's config.json for tiny-deepseek, saved."""
+    import torch
+    import transformers
+
+    from primus.core.hf.config import hf_config
+    from primus.core.plugins import get_registry
+
+    m = model_config("tiny-deepseek", get_registry())
+    cfg = hf_config(m)
+    config = transformers.DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("hf_deepseek")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return m, folder
+
+
+def test_hf_names_and_shapes_are_transformers(hf_tiny):
+    """Every tensor transformers saves is one core names (init.shapes, by HF name), with the same shape."""
+    from safetensors import safe_open
+
+    from primus.core import init
+
+    m, folder = hf_tiny
+    saved = {}
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            saved |= {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}  # noqa: SIM118
+    ours = {k: tuple(v[0]) for k, v in init.shapes(m).items()}
+    assert ours == saved
+
+
+def test_config_json_round_trips(hf_tiny):
+    from primus.core.hf.config import check_matches, model_config_from_hf
+
+    m, folder = hf_tiny
+    hf = json.loads((folder / "config.json").read_text())
+    back = model_config_from_hf(hf)
+    assert back.model_dump() == m.model_copy(update={"name": back.name}).model_dump()
+    check_matches(m, hf, "here")
+    from primus.core.hf.config import HFConfigError
+
+    for key, value in (("num_nextn_predict_layers", 1), ("scoring_func", "softmax"), ("moe_layer_freq", 2)):
+        with pytest.raises(HFConfigError, match=f"config.json {key} "):
+            model_config_from_hf(hf | {key: value})
+    with pytest.raises(HFConfigError, match="'expert_groups': 2"):
+        other = m.model_copy(update={"moe": m.moe.model_copy(update={"expert_groups": 2})})
+        check_matches(other, hf, "here")
+
+
+def test_planner_counts_mla_widths_and_latents(registry):
+    """The planner's attention terms under MLA: FLOPs over the mean of the q/k (192) and value (128) head widths,
+    not hidden / heads (56); activations of q, k (192 per head), v, output (128 per head) and the latents; a KV cache
+    of the compressed latent and the shared RoPE key (576 values per token and layer, vs 2·128·192 expanded)."""
+    from primus.core.config.deepseek import attention_activation_elements, head_width, kv_cache_per_token
+
+    m = model_config("deepseek-v3", registry)
+    assert head_width(m) == 160 and m.kv_channels == 56
+    assert attention_activation_elements(m) == 2 * 128 * 192 + 2 * 128 * 128 + 2 * 1536 + 2 * 512 + 64
+    assert kv_cache_per_token(m) == 576
+    dense = model_config("qwen3-8b", registry)
+    assert head_width(dense) == dense.kv_channels

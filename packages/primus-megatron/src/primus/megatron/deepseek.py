@@ -1,0 +1,116 @@
+"""DeepSeek-V3-class models (``model.family: deepseek``) on megatron-core 0.16.1: multi-head latent attention
+through its ``MLASelfAttention`` with a local (non-Transformer-Engine) spec (the linears are megatron's own
+tensor-parallel ones, the two latent norms and the core attention Primus's providers: it runs on the CPU), and
+DeepSeek's router through ``TopKRouter`` (sigmoid scores + the expert bias, group-limited top-k, the routed
+scaling factor).
+
+Where megatron differs from DeepSeek-V3's definition, the config is refused by name (:func:`issues`): its
+group-limited routing ranks a group by its top ``experts_per_token / groups_per_token`` scores (DeepSeek-V3's
+8 / 4: the top 2, as transformers); a sigmoid router always renormalises its top-k; the compressed KV
+projection is not split over tensor-parallel ranks here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from primus.core.config.schema import ModelConfig, PrimusConfig
+from primus.core.protocols import ConfigIssue
+
+
+def mla_without_te() -> bool:
+    """megatron-core's MLA tests ``isinstance(linear_proj, TELinear)`` when its import of Transformer Engine's
+    extension succeeded; without TE that name is a placeholder, not a type (the test raises). Say there is no TE to
+    this module, as its own except branch would; True when changed."""
+    import inspect
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if not mla.HAVE_TE or inspect.isclass(mla.TELinear):
+        return False
+    mla.HAVE_TE = False
+    mla.TELinear = mla.TEColumnParallelLinear = None
+    return True
+
+
+def mla_fields(m: ModelConfig) -> dict[str, Any]:
+    """``MLATransformerConfig``'s fields of ``model.mla`` (and of YaRN: megatron's MLA owns its RoPE)."""
+    mla_without_te()
+    a, rs = m.mla, m.rope_scaling
+    out: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        q_lora_rank=a.q_lora_rank,
+        kv_lora_rank=a.kv_lora_rank,
+        qk_head_dim=a.qk_nope_head_dim,
+        qk_pos_emb_head_dim=a.qk_rope_head_dim,
+        v_head_dim=a.v_head_dim,
+        rotary_base=m.rope_theta,
+        rope_type="rope" if rs is None else "yarn",
+        rotary_scaling_factor=1.0 if rs is None else rs.factor,
+        mscale=1.0 if rs is None else rs.mscale,
+        mscale_all_dim=0.0 if rs is None else rs.mscale_all_dim,
+    )
+    if rs is not None:
+        out |= dict(
+            original_max_position_embeddings=rs.original_max_position_embeddings,
+            beta_fast=rs.beta_fast,
+            beta_slow=rs.beta_slow,
+        )
+    return out
+
+
+def router_fields(m: ModelConfig) -> dict[str, Any]:
+    """DeepSeek's router options of megatron's TopKRouter."""
+    e = m.moe
+    out: dict[str, Any] = {"moe_router_topk_scaling_factor": e.scaling_factor if e.scaling_factor != 1.0 else None}
+    if e.router == "sigmoid":  # the routing bias is part of the model (its HF folders hold it); none: not updated
+        out |= {"moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 1e-3 * (e.balancing != "none")}
+    if e.expert_groups > 1:
+        out |= {"moe_router_num_groups": e.expert_groups, "moe_router_group_topk": e.groups_per_token}
+    return out
+
+
+def attention_spec(norm: Any, core_attention: Any) -> Any:
+    """MLASelfAttention with megatron's local linears, ``norm`` (the spec of both latent RMSNorms) and
+    ``core_attention`` (Primus's provider attention; both from :mod:`primus.megatron.layer_spec`)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear,
+            linear_q_down_proj=ColumnParallelLinear,
+            linear_q_up_proj=ColumnParallelLinear,
+            linear_kv_down_proj=ColumnParallelLinear,
+            linear_kv_up_proj=ColumnParallelLinear,
+            core_attention=core_attention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=norm,
+            kv_layernorm=norm,
+        ),
+    )
+
+
+def issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    m, out = cfg.model, []
+    if m.family != "deepseek":
+        return out
+    e = m.moe
+    if e is not None and e.expert_groups > 1 and e.experts_per_token != 2 * e.groups_per_token:
+        why = (
+            "megatron-core ranks an expert group by its top experts_per_token / groups_per_token scores, DeepSeek "
+            "by its top 2"
+        )
+        allowed = f"{2 * e.groups_per_token} (2 × model.moe.groups_per_token)"
+        out.append(ConfigIssue("model.moe.experts_per_token", why, value=e.experts_per_token, allowed=allowed))
+    if e is not None and e.router == "sigmoid" and not e.normalize_topk and e.experts_per_token > 1:
+        why = "megatron-core's sigmoid router always renormalises its top-k scores"
+        out.append(ConfigIssue("model.moe.normalize_topk", why, value=False, allowed="true"))
+    if cfg.parallel.tp > 1:
+        why = "multi-head latent attention's latent projections are not split over tensor-parallel ranks here"
+        out.append(ConfigIssue("parallel.tp", why, value=cfg.parallel.tp, allowed="1"))
+    return out
