@@ -195,7 +195,7 @@ def plugins() -> None:
     from primus.core.plugins import get_registry
 
     reg = get_registry()
-    _ = reg.backends, reg.kernels, reg.strategies, reg.preset_dirs  # collect, so failures are recorded
+    _ = reg.backends, reg.kernels, reg.strategies, reg.preset_dirs, reg.loggers  # collect, so failures are recorded
     table = Table("plugin", "distribution", "version", "status", "provides", box=None)
     for rec in reg.pm.records.values():
         provides = "; ".join(f"{k}: {', '.join(v)}" for k, v in rec.provides.items())

@@ -118,6 +118,15 @@ def plan(
     k, terms = cfg.kernels, kernel_terms(cfg, res.registry)
     cands = rank(cfg, cluster, engine, res.registry, mbs, gbs)
     if not cands:
+        if engine != GENERIC_ENGINE and rank(cfg, cluster, GENERIC_ENGINE, res.registry, mbs, gbs):
+            # the cluster divides, the engine runs none of its layouts (a one-process engine on several GPUs)
+            err.print(
+                f"error: {engine} refuses every layout on {nodes}×{gpus} GPUs: its planner profile offers none at "
+                f"world size {nodes * gpus}",
+                style="red",
+                markup=False,
+            )
+            raise typer.Exit(4)
         err.print("error: no layout divides this cluster (check --gpus, --nodes and the global batch)", style="red")
         raise typer.Exit(2)
     fitting = [c for c in cands if c.runnable]
