@@ -26,11 +26,14 @@ def plan(
     config: Annotated[str | None, typer.Argument(help="a YAML file or a preset name")] = None,
     overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides")] = None,
     preset: Annotated[str | None, typer.Option(help="a preset name (instead of CONFIG)")] = None,
-    gpus: Annotated[int, typer.Option(help="GPUs per node")] = 8,
-    nodes: Annotated[int, typer.Option(help="nodes")] = 1,
+    gpus: Annotated[int | None, typer.Option(help="GPUs per node [default: the recipe's cluster, else 8]")] = None,
+    nodes: Annotated[int | None, typer.Option(help="nodes [default: the recipe's cluster, else 1]")] = None,
     device_name: Annotated[
-        str, typer.Option("--device", help="H100, H200, B200, A100, MI300X, MI325X, MI355X")
-    ] = "H100",
+        str | None,
+        typer.Option(
+            "--device", help="H100, H200, B200, A100, MI300X, MI325X, MI355X [default: the recipe's cluster, else H100]"
+        ),
+    ] = None,
     gpu_memory: Annotated[float | None, typer.Option(help="GiB per GPU (default: the device's)")] = None,
     engine: Annotated[
         str | None,
@@ -65,6 +68,10 @@ def plan(
     ref = preset or config
     if ref is None:
         raise typer.BadParameter("give CONFIG or --preset NAME")
+    cluster_of = recipe_cluster(ref, overrides or [])  # what the recipe was written for fills what is not given
+    gpus = gpus or (cluster_of.gpus_per_node if cluster_of else 8)
+    nodes = nodes or (cluster_of.nodes if cluster_of else 1)
+    device_name = device_name or (cluster_of.device if cluster_of and cluster_of.device else "H100")
     try:
         res, own = resolve_on(ref, overrides or [], gpus * nodes)
     except ConfigError as exc:
@@ -146,11 +153,12 @@ def plan(
         table.add_column(col, justify="left" if col == "layout" else "right")
     accepted = [c for c in cands if not c.refused] or cands
     shown = (fitting or sorted(accepted, key=lambda c: c.memory.total))[:top]
+    mine = None if own else own_layout(cfg, cands)
     for i, c in enumerate(shown, 1):
         g = c.memory.gib()
         table.add_row(
             str(i),
-            c.layout.describe(),
+            c.layout.describe() + (" (the config's)" if c is mine else ""),
             str(c.layout.micro_batch),
             *(f"{g.get(name, 0.0):.1f}" for name in cats),
             f"{sum(g.get(name, 0.0) for name in OVERHEAD):.1f}",
@@ -160,6 +168,9 @@ def plan(
             f"{c.mfu:.1%}",
         )
     out.print(table)
+    if mine is not None and mine not in shown:
+        where = f"#{cands.index(mine) + 1} of {len(cands)}" if mine.runnable else "does not fit"
+        out.print(f"the config's own layout: {mine.layout.describe()} ({where})", highlight=False)
     refused = [c for c in cands if c.fits and c.refused]
     reasons = Counter(r for c in refused for r in c.refused).most_common(3)
     why = "; ".join(f"{r} ({n}×)" for r, n in reasons)
@@ -183,3 +194,28 @@ def plan(
     mb_note = f", micro-batch {best.layout.micro_batch}" if best.layout.micro_batch != t.micro_batch_size else ""
     fp8_note = f", FP8 {k.fp8}" if k.fp8 != "off" else ""
     out.print(f"recommended: {best.layout.describe()}{mb_note}{fp8_note}", highlight=False)
+
+
+def recipe_cluster(ref: str, overrides: list[str]):
+    """The ``cluster`` section of the config's layers (:class:`primus.core.config.schema.ClusterConfig`), or None."""
+    from primus.core.config.loader import load_layers
+    from primus.core.config.schema import ClusterConfig
+    from primus.core.plugins import get_registry
+    from primus.core.presets import resolver
+
+    data = load_layers(ref, overrides, resolver(get_registry())).data.get("cluster")
+    return ClusterConfig.model_validate(data) if isinstance(data, dict) else None
+
+
+def own_layout(cfg, cands):
+    """The best candidate with the config's own parallel sizes and recompute mode (each candidate is at its fastest
+    micro-batch), or None."""
+    p = cfg.parallel
+    same = [
+        c
+        for c in cands
+        if all(getattr(c.layout, k) == getattr(p, k) for k in ("tp", "pp", "vpp", "cp", "ep"))
+        and c.layout.recompute in (p.recompute, "partial" if p.recompute == "full" else p.recompute)
+    ]
+    # the data-parallel mode is the engine's reading of dp_shard / fsdp: the best one that runs stands for it
+    return next((c for c in same if c.runnable), same[0] if same else None)
