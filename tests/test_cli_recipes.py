@@ -36,7 +36,7 @@ def test_plan_reads_the_recipes_cluster_and_marks_its_layout():
 def test_version_help_env_and_required_options():
     assert primus("--version").stdout.split() == ["primus", "0.1.0"]
     help_text = primus("--help").stdout
-    commands = help_text[help_text.index("Commands"):]
+    commands = help_text[help_text.index("Commands") :]
     names = [ln.split()[1] for ln in commands.splitlines() if ln.startswith("│ ") and len(ln.split()) > 2]
     assert names[:4] == ["train", "eval", "plan", "profile"]
     assert "``" not in help_text and "``" not in primus("profile", "--help").stdout

@@ -382,7 +382,8 @@ def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> l
             ConfigIssue(
                 f"logging.loggers.{name}",
                 why + (f"; did you mean {hint!r}?" if hint else ""),
-                allowed=", ".join(registry.loggers) or "none installed (pip install 'primus-loggers[wandb]' or [mlflow])",
+                allowed=", ".join(registry.loggers)
+                or "none installed (pip install 'primus-loggers[wandb]' or [mlflow])",
             )
         )
     strategy = cfg.parallel.strategy
