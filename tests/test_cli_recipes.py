@@ -31,6 +31,8 @@ def test_plan_reads_the_recipes_cluster_and_marks_its_layout():
     assert len(marked) == 1 and "FSDP 8, selective recompute" in marked[0]
     other = primus("plan", "llama3.1-8b-fsdp", "--device", "H200", "--gpus", "4")  # the options still win
     assert "llama3.1-8b on 1×4 H200" in " ".join(other.stdout.split())
+    preset = primus("plan", "llama3.2-1b", "--gpus", "1")  # a model preset sets no seq_len: a training length
+    assert "seq 8192" in " ".join(preset.stdout.split()) and "planned at 8192" in preset.stderr
 
 
 def test_version_help_env_and_required_options():

@@ -18,6 +18,9 @@ from primus.core.planner.calibration import HEADROOM
 #: engines not installed here are planned as it too (and said so); any other name no backend has is refused.
 GENERIC_ENGINE = "generic"
 
+#: the sequence length a config that sets none (a model preset) is planned at, or the model's context if shorter
+PRESET_SEQ_LEN = 8192
+
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
 OVERHEAD = ("workspace", "fragmentation", "context")  # shown summed as "overhead"
 
@@ -76,6 +79,14 @@ def plan(
         res, own = resolve_on(ref, overrides or [], gpus * nodes)
     except ConfigError as exc:
         raise _fail(exc) from None
+    if res.layers.sources.get("train.seq_len") is None:  # a model preset: plan at a training length, not 128
+        seq = min(res.config.model.max_position_embeddings, PRESET_SEQ_LEN)
+        overrides = [*(overrides or []), f"train.seq_len={seq}"]
+        err.print(f"note: no train.seq_len in the config: planned at {seq} (set train.seq_len=N)", markup=False)
+        try:
+            res, own = resolve_on(ref, overrides, gpus * nodes)
+        except ConfigError as exc:
+            raise _fail(exc) from None
     cfg = res.config
     if own:  # a recipe written for another cluster: its layout does not run here, the others are planned all the same
         err.print(
