@@ -39,7 +39,7 @@ TORCH = "torch==2.13.0"
 # failed CI run when the connection drops).
 TRITON = "triton==3.8.0"
 RUFF = "ruff==0.17.6"
-LINT_PATHS = ("packages", "tests", "benchmarks", "noxfile.py")
+LINT_PATHS = ("packages", "tests", "benchmarks", "docs", "noxfile.py")
 # The root tests build and install tests/fixtures/primus-example-plugin without build isolation (works offline).
 INTEGRATION_DEPS = ["pytest>=8", "hatchling>=1.24"]
 # Extras that only do something on a GPU (e.g. primus-tune[cuda] = nvmath-python): not installed on CPU CI.

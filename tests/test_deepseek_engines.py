@@ -27,9 +27,9 @@ def make_hf_deepseek(folder):
     randomised too, saved to ``folder``."""
     import transformers
 
+    from primus.core.config.presets import model_config
+    from primus.core.contracts.plugins import get_registry
     from primus.core.hf.config import hf_config
-    from primus.core.plugins import get_registry
-    from primus.core.presets import model_config
 
     cfg = hf_config(model_config("tiny-deepseek", get_registry()))
     config = transformers.DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
@@ -100,9 +100,9 @@ def test_init_from_hf_folder(tmp_path, hf_folder, backend):
 )
 def test_engine_refuses_what_it_cannot_build(backend, override, key):
     from primus.core.config.errors import ConfigError
+    from primus.core.config.presets import model_config
     from primus.core.config.validate import validate_config
-    from primus.core.plugins import get_registry
-    from primus.core.presets import model_config
+    from primus.core.contracts.plugins import get_registry
 
     model = model_config("tiny-deepseek", get_registry()).model_dump(mode="json")
     for k, v in override.items():
@@ -174,13 +174,13 @@ def test_plan_deepseek_v3_on_32_h200_nodes_is_accepted(engine):
     """``primus plan deepseek-v3 --device H200 --nodes 32``: the layouts it shows (the first its recommendation)
     pass core's and the engine's validation at 256 ranks (it proposed PP 32 × VPP 2 for 61 layers before)."""
     from primus.core.config.validate import validate_config
+    from primus.core.contracts.plugins import get_registry
+    from primus.core.contracts.protocols import validate_with
+    from primus.core.launch.ranking import global_batch, rank, resolve_on, searched_micro_batches
     from primus.core.planner import Cluster, device
     from primus.core.planner.auto import layout_config
     from primus.core.planner.calibration import HEADROOM
     from primus.core.planner.profile import backend_spec
-    from primus.core.planner.ranking import global_batch, rank, resolve_on, searched_micro_batches
-    from primus.core.plugins import get_registry
-    from primus.core.protocols import validate_with
 
     registry = get_registry()
     res, _ = resolve_on("deepseek-v3", [f"backend.name={engine}"], 256, registry)

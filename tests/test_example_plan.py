@@ -56,5 +56,6 @@ def test_the_numbers_are_its_facts():
 
 
 def test_what_it_cannot_run_is_not_planned():
-    run = primus("plan", "--preset", "example-tiny", "--gpus", "8", "--device", "H100", check=False)
-    assert run.returncode == 2 and "no layout divides this cluster" in run.stderr
+    run = primus("plan", "--preset", "example-tiny", "--gpus", "2", "--device", "H100", check=False)
+    assert run.returncode == 4, run.stderr  # the documented exit: the engine refuses every layout
+    assert "example refuses every layout on 1×2 GPUs" in " ".join(run.stderr.split())

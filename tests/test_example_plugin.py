@@ -41,6 +41,7 @@ def test_backend_kernel_and_presets_are_listed(example_plugin):
     row = rows["example"]
     assert DIST in row and " ok " in row
     assert "backends: example" in row and "kernels: attention:example" in row and "presets:" in row
+    assert "loggers: example_log" in rows["example_log"]
 
     listed = primus("presets", "list").stdout
     assert any(ln.split()[:1] == ["example-tiny"] and DIST in ln for ln in listed.splitlines())
@@ -60,11 +61,18 @@ def _rows(out: Path) -> list[dict]:
 
 
 def test_it_trains_through_primus(example_plugin, tmp_path):
-    run = primus("train", "example-tiny", f"logging.output_dir={tmp_path}")
+    run = primus(
+        "train", "example-tiny", f"logging.output_dir={tmp_path}", "logging.loggers.example_log.path=copy.jsonl"
+    )
     assert "attention=example" in run.stderr
     losses = [r["loss"] for r in _rows(tmp_path)]
     assert len(losses) == 20
     assert losses[-1] < 0.5 * losses[0]
+    logged = [json.loads(line) for line in (tmp_path / "copy.jsonl").read_text().splitlines()]  # its logger too
+    assert [r["loss"] for r in logged[:-1]] == [r["loss"] for r in _rows(tmp_path) if "loss" in r][: len(logged) - 1]
+    assert logged[-1] == {"status": "ok"}
+    refused = primus("config", "validate", "example-tiny", "logging.loggers.example.project=x", check=False)
+    assert refused.returncode == 2 and "plugin 'example'" in refused.stderr and "is not a logger" in refused.stderr
 
 
 # The example backend writes an engine adapter only: what follows comes from core's loop (primus.core.run.loop).

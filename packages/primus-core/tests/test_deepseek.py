@@ -9,9 +9,9 @@ import json
 import pytest
 
 from primus.core.config.errors import ConfigError
+from primus.core.config.presets import model_config
 from primus.core.config.validate import validate_config
-from primus.core.modelmath import count_params, flops_per_token, matmul_params
-from primus.core.presets import model_config
+from primus.core.planner.modelmath import count_params, flops_per_token, matmul_params
 
 # (published billions, what the publisher counts). DeepSeek counts the parameters of every matmul a token runs
 # (the output head in, the embedding lookup out: modelmath.matmul_params); Moonlight's card counts both embedding
@@ -107,8 +107,8 @@ def hf_tiny(tmp_path_factory):
     import torch
     import transformers
 
+    from primus.core.contracts.plugins import get_registry
     from primus.core.hf.config import hf_config
-    from primus.core.plugins import get_registry
 
     m = model_config("tiny-deepseek", get_registry())
     cfg = hf_config(m)
@@ -123,7 +123,7 @@ def test_hf_names_and_shapes_are_transformers(hf_tiny):
     """Every tensor transformers saves is one core names (init.shapes, by HF name), with the same shape."""
     from safetensors import safe_open
 
-    from primus.core import init
+    from primus.core.run import init
 
     m, folder = hf_tiny
     saved = {}

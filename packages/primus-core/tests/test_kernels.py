@@ -87,7 +87,7 @@ def test_moe_permute_gathers_tokens_by_expert_and_weights_them_back():
 
 
 def test_auto_selects_core_providers_on_cpu(registry, caplog):
-    with caplog.at_level("INFO", logger="primus.kernels"):
+    with caplog.at_level("DEBUG", logger="primus.kernels"):
         chosen = select_kernels(KernelsConfig(), registry, "cpu")
     assert chosen["attention"].name == "sdpa" and chosen["rms_norm"].name == "torch"
     assert "attention: sdpa (auto)" in caplog.messages

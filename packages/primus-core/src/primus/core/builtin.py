@@ -60,6 +60,13 @@ def primus_on_train_start(config: Any, info: Any) -> None:
 
 
 @hookimpl
+def primus_on_optimizer_step(step: int, info: Any) -> None:
+    from primus.core.run import runlog
+
+    runlog.advance(step)
+
+
+@hookimpl
 def primus_on_log(step: int, metrics: dict[str, float], info: Any) -> None:
     from primus.core.run import runlog
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from primus.core.config.schema import ModelConfig, PrimusConfig
-from primus.core.protocols import ConfigIssue
+from primus.core.contracts.protocols import ConfigIssue
 
 
 def mla_without_te() -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,11 @@ from primus.core.kernels import fp8_experts
 from primus.core.kernels.documents import document_eos, document_ids
 from primus.core.run.health import collective_timeout
 from primus.core.run.loop import StepResult
-from primus.megatron.dist import init_distributed, teardown
+
+# megatron-core's FSDP modules announce at import "using Megatron-FSDP" (imported whether or not parallel.fsdp is
+# on); set before megatron.core is first imported below, so a run without FSDP does not say it uses it
+logging.getLogger("megatron.core.distributed.fsdp").setLevel(logging.WARNING)
+from primus.megatron.dist import init_distributed, teardown  # noqa: E402
 
 log = logging.getLogger("primus.megatron")
 
@@ -136,6 +141,8 @@ class MegatronEngine:
         p, t = cfg.parallel, cfg.train
         if cfg.logging.level != "debug":  # megatron logs every config object at INFO
             logging.getLogger("megatron.core").setLevel(logging.WARNING)
+        # megatron-core 0.16's own default cuda_graph_scope ("full") warns on every TransformerConfig it builds
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
         init_parallel(p.tp, p.pp, p.vpp, p.cp, _optimizer_instances(cfg), timeout_s, ep=p.ep)
         seed(t.seed)
         # what RoPE and the output layer + loss run (megatron's own, or a provider's), with the reason

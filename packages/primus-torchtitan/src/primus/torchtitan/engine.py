@@ -147,10 +147,16 @@ class TorchTitanEngine:
             _single_process_env()
         if ctx.info.rank != 0:
             logging.getLogger().setLevel(logging.WARNING)  # torchtitan logs to the root logger on every rank
+        from primus.torchtitan import quiet
+
+        quiet.install(cfg.logging.level, ctx.info.device)
         kernels = kernel_plan(cfg, ctx)
-        if ctx.info.rank == 0:
-            for choice in kernels.values():
-                log.info("torchtitan kernels: %s", choice.describe())
+        if ctx.info.rank == 0:  # one line: what each op runs, ops of one outcome together
+            outcomes: dict[str, list[str]] = {}
+            for op, choice in kernels.items():
+                what = ("swapped in" if choice.fn else "torchtitan module") + f" ({choice.note})"
+                outcomes.setdefault(what, []).append(f"{op}={choice.provider}")
+            log.info("torchtitan kernels: %s", "; ".join(f"{', '.join(ops)} → {o}" for o, ops in outcomes.items()))
         self.trainer = trainer = build_trainer(cfg, ctx, kernels)
         self.model_parts = trainer.model_parts
         self.layout = ckpt.layout(cfg, self.world_size)

@@ -33,17 +33,34 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Resolve, show and validate configs.", no_args_is_help=True)
 presets_app = typer.Typer(help="Model and recipe presets.", no_args_is_help=True)
+# in the order a user meets them: train first
+app.command()(train)
+app.command("eval")(evaluate)
+app.command("plan")(plan)
+app.command("profile")(profile)
+app.command("analyze")(analyze)
+app.command("preflight")(preflight)
 app.add_typer(config_app, name="config")
 app.add_typer(presets_app, name="presets")
 app.add_typer(data_app, name="data")
 app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(slurm_app, name="slurm")
-app.command("plan")(plan)
-app.command("analyze")(analyze)
-app.command("preflight")(preflight)
-app.command("profile")(profile)
-app.command()(train)
-app.command("eval")(evaluate)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        out.print(f"primus {_version('primus-core')}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
+    """Primus: one config and one CLI over Megatron-Core and TorchTitan."""
+
 
 # ------------------------------------------------------------------------------------------------ config
 
@@ -105,8 +122,11 @@ def config_validate(
 ) -> None:
     """Check a config against the schema, the world size and the installed plugins, and that its run folder
     (logging.output_dir, checkpoint.dir) can be written."""
+    from primus.core.cli.plan import recipe_cluster
     from primus.core.launch.run_checks import check_folders
 
+    if world_size is None and (cluster := recipe_cluster(config, overrides or [])) is not None:
+        world_size = cluster.world_size  # the recipe's own cluster (nodes × GPUs per node)
     res = _resolve(config, overrides, world_size)
     try:
         check_folders(res.config)
@@ -195,7 +215,7 @@ def plugins() -> None:
     from primus.core.contracts.plugins import get_registry
 
     reg = get_registry()
-    _ = reg.backends, reg.kernels, reg.strategies, reg.preset_dirs  # collect, so failures are recorded
+    _ = reg.backends, reg.kernels, reg.strategies, reg.preset_dirs, reg.loggers  # collect, so failures are recorded
     table = Table("plugin", "distribution", "version", "status", "provides", box=None)
     for rec in reg.pm.records.values():
         provides = "; ".join(f"{k}: {', '.join(v)}" for k, v in rec.provides.items())
@@ -230,6 +250,7 @@ def env() -> None:
         "primus-torchtitan",
         "primus-turbo",
         "primus-tune",
+        "primus-loggers",
     ):
         table.add_row(dist, _version(dist))
     try:
@@ -264,9 +285,28 @@ def add_plugin_commands() -> None:
         taken.add(name)
 
 
+def plain_help(group: typer.Typer) -> None:
+    """Help text as the terminal shows it: docstrings without reStructuredText markup (``x``, :mod:`x`), one
+    paragraph per blank line, and the first sentence in command lists."""
+    import re
+
+    for info in group.registered_commands:
+        doc = info.help or (info.callback.__doc__ if info.callback else None)
+        if not doc:
+            continue
+        doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc).replace("``", "")
+        paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", doc.strip())]
+        info.help = "\n\n".join(paragraphs)
+        info.short_help = info.short_help or re.split(r"(?<=\.)\s", paragraphs[0])[0].rstrip(".")
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            plain_help(sub.typer_instance)
+
+
 def main() -> None:
     try:
         add_plugin_commands()
+        plain_help(app)
         app()
     except UserError as exc:
         err.print(f"error: {exc}", style="red", highlight=False, markup=False)

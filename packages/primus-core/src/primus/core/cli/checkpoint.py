@@ -89,7 +89,7 @@ def import_(
 def export(
     checkpoint: Annotated[str, typer.Argument(help="a checkpoint folder, or a folder of them (the newest is taken)")],
     overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides of the run's config")] = None,
-    to_hf: Annotated[str, typer.Option("--to-hf", help="Hugging Face folder to write")] = "",
+    to_hf: Annotated[str, typer.Option("--to-hf", help="Hugging Face folder to write")] = ...,
     config: Annotated[
         str | None, typer.Option("--config", help="the run's config (default: config.yaml of the run folder)")
     ] = None,

@@ -18,6 +18,9 @@ from primus.core.planner.calibration import HEADROOM
 #: engines not installed here are planned as it too (and said so); any other name no backend has is refused.
 GENERIC_ENGINE = "generic"
 
+#: the sequence length a config that sets none (a model preset) is planned at, or the model's context if shorter
+PRESET_SEQ_LEN = 8192
+
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "buffers")
 OVERHEAD = ("workspace", "fragmentation", "context")  # shown summed as "overhead"
 
@@ -26,11 +29,14 @@ def plan(
     config: Annotated[str | None, typer.Argument(help="a YAML file or a preset name")] = None,
     overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides")] = None,
     preset: Annotated[str | None, typer.Option(help="a preset name (instead of CONFIG)")] = None,
-    gpus: Annotated[int, typer.Option(help="GPUs per node")] = 8,
-    nodes: Annotated[int, typer.Option(help="nodes")] = 1,
+    gpus: Annotated[int | None, typer.Option(help="GPUs per node [default: the recipe's cluster, else 8]")] = None,
+    nodes: Annotated[int | None, typer.Option(help="nodes [default: the recipe's cluster, else 1]")] = None,
     device_name: Annotated[
-        str, typer.Option("--device", help="H100, H200, B200, A100, MI300X, MI325X, MI355X")
-    ] = "H100",
+        str | None,
+        typer.Option(
+            "--device", help="H100, H200, B200, A100, MI300X, MI325X, MI355X [default: the recipe's cluster, else H100]"
+        ),
+    ] = None,
     gpu_memory: Annotated[float | None, typer.Option(help="GiB per GPU (default: the device's)")] = None,
     engine: Annotated[
         str | None,
@@ -65,10 +71,22 @@ def plan(
     ref = preset or config
     if ref is None:
         raise typer.BadParameter("give CONFIG or --preset NAME")
+    cluster_of = recipe_cluster(ref, overrides or [])  # what the recipe was written for fills what is not given
+    gpus = gpus or (cluster_of.gpus_per_node if cluster_of else 8)
+    nodes = nodes or (cluster_of.nodes if cluster_of else 1)
+    device_name = device_name or (cluster_of.device if cluster_of and cluster_of.device else "H100")
     try:
         res, own = resolve_on(ref, overrides or [], gpus * nodes)
     except ConfigError as exc:
         raise _fail(exc) from None
+    if res.layers.sources.get("train.seq_len") is None:  # a model preset: plan at a training length, not 128
+        seq = min(res.config.model.max_position_embeddings, PRESET_SEQ_LEN)
+        overrides = [*(overrides or []), f"train.seq_len={seq}"]
+        err.print(f"note: no train.seq_len in the config: planned at {seq} (set train.seq_len=N)", markup=False)
+        try:
+            res, own = resolve_on(ref, overrides, gpus * nodes)
+        except ConfigError as exc:
+            raise _fail(exc) from None
     cfg = res.config
     if own:  # a recipe written for another cluster: its layout does not run here, the others are planned all the same
         err.print(
@@ -118,6 +136,15 @@ def plan(
     k, terms = cfg.kernels, kernel_terms(cfg, res.registry)
     cands = rank(cfg, cluster, engine, res.registry, mbs, gbs)
     if not cands:
+        if engine != GENERIC_ENGINE and rank(cfg, cluster, GENERIC_ENGINE, res.registry, mbs, gbs):
+            # the cluster divides, the engine runs none of its layouts (a one-process engine on several GPUs)
+            err.print(
+                f"error: {engine} refuses every layout on {nodes}×{gpus} GPUs: its planner profile offers none at "
+                f"world size {nodes * gpus}",
+                style="red",
+                markup=False,
+            )
+            raise typer.Exit(4)
         err.print("error: no layout divides this cluster (check --gpus, --nodes and the global batch)", style="red")
         raise typer.Exit(2)
     fitting = [c for c in cands if c.runnable]
@@ -137,11 +164,12 @@ def plan(
         table.add_column(col, justify="left" if col == "layout" else "right")
     accepted = [c for c in cands if not c.refused] or cands
     shown = (fitting or sorted(accepted, key=lambda c: c.memory.total))[:top]
+    mine = None if own else own_layout(cfg, cands)
     for i, c in enumerate(shown, 1):
         g = c.memory.gib()
         table.add_row(
             str(i),
-            c.layout.describe(),
+            c.layout.describe() + (" (the config's)" if c is mine else ""),
             str(c.layout.micro_batch),
             *(f"{g.get(name, 0.0):.1f}" for name in cats),
             f"{sum(g.get(name, 0.0) for name in OVERHEAD):.1f}",
@@ -151,6 +179,9 @@ def plan(
             f"{c.mfu:.1%}",
         )
     out.print(table)
+    if mine is not None and mine not in shown:
+        where = f"#{cands.index(mine) + 1} of {len(cands)}" if mine.runnable else "does not fit"
+        out.print(f"the config's own layout: {mine.layout.describe()} ({where})", highlight=False)
     refused = [c for c in cands if c.fits and c.refused]
     reasons = Counter(r for c in refused for r in c.refused).most_common(3)
     why = "; ".join(f"{r} ({n}×)" for r, n in reasons)
@@ -174,3 +205,28 @@ def plan(
     mb_note = f", micro-batch {best.layout.micro_batch}" if best.layout.micro_batch != t.micro_batch_size else ""
     fp8_note = f", FP8 {k.fp8}" if k.fp8 != "off" else ""
     out.print(f"recommended: {best.layout.describe()}{mb_note}{fp8_note}", highlight=False)
+
+
+def recipe_cluster(ref: str, overrides: list[str]):
+    """The ``cluster`` section of the config's layers (:class:`primus.core.config.schema.ClusterConfig`), or None."""
+    from primus.core.config.loader import load_layers
+    from primus.core.config.presets import resolver
+    from primus.core.config.schema import ClusterConfig
+    from primus.core.contracts.plugins import get_registry
+
+    data = load_layers(ref, overrides, resolver(get_registry())).data.get("cluster")
+    return ClusterConfig.model_validate(data) if isinstance(data, dict) else None
+
+
+def own_layout(cfg, cands):
+    """The best candidate with the config's own parallel sizes and recompute mode (each candidate is at its fastest
+    micro-batch), or None."""
+    p = cfg.parallel
+    same = [
+        c
+        for c in cands
+        if all(getattr(c.layout, k) == getattr(p, k) for k in ("tp", "pp", "vpp", "cp", "ep"))
+        and c.layout.recompute in (p.recompute, "partial" if p.recompute == "full" else p.recompute)
+    ]
+    # the data-parallel mode is the engine's reading of dp_shard / fsdp: the best one that runs stands for it
+    return next((c for c in same if c.runnable), same[0] if same else None)

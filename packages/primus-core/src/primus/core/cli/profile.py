@@ -24,8 +24,11 @@ def profile(
 
     res = _resolve(config, overrides, nproc_per_node, check_plugins=False)
     p = res.config.profile
-    steps = max(res.config.train.steps, p.wait + p.warmup + p.active + 1)
+    # a few steps, not the recipe's run: the profiler's schedule and one more (train.steps=N on the command line wins)
+    steps = p.wait + p.warmup + p.active + 1
     extra = ["profile.enabled=true", f"train.steps={steps}", "checkpoint.enabled=false"]
+    extra.append(f"train.schedule.warmup_steps={min(res.config.train.schedule.warmup_steps, steps)}")
+    extra = [e for e in extra if e.split("=")[0] not in {o.split("=")[0] for o in overrides or []}]
     res = _resolve(config, [*(overrides or []), *extra], nproc_per_node)
     out_dir = output_dir(res.config)
     from primus.core.cli.train import train

@@ -56,6 +56,14 @@ def _train(
     from primus.core.contracts.errors import UserError
     from primus.core.run.rundir import LOCK_HELD_ENV, check_free, output_dir
 
+    if not inside:  # the first line, before the engine's imports and build (seconds to a minute)
+        c = res.config
+        err.print(
+            f"train {config}: {c.model.name} on {c.backend.name}, {world} process{'es' if world > 1 else ''}, "
+            f"{c.train.steps} steps -> {output_dir(c)}",
+            highlight=False,
+            markup=False,
+        )
     try:
         with _one_line_if_full(res.config):
             if not inside:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from primus.core.config.schema import ModelConfig
-    from primus.core.protocols import ConfigIssue
+    from primus.core.contracts.protocols import ConfigIssue
 
 ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
 
@@ -84,7 +84,7 @@ def kv_cache_per_token(m: ModelConfig) -> int:
 
 def issues(m: ModelConfig) -> list[ConfigIssue]:
     """The config rules of MLA and DeepSeek's group-limited router, each at the key a user would change."""
-    from primus.core.protocols import ConfigIssue
+    from primus.core.contracts.protocols import ConfigIssue
 
     out: list[ConfigIssue] = []
     if (m.family == "deepseek") != (m.mla is not None):

@@ -419,6 +419,16 @@ class ProfileConfig(Section):
     ranks: list[int] = Field(default_factory=lambda: [0], description="ranks that write a trace")
 
 
+class ClusterConfig(Section):
+    device: str | None = Field(None, description="the GPU a recipe was written for (H100, H200, MI300X, ...)")
+    nodes: int = Field(1, gt=0, description="nodes the recipe was written for")
+    gpus_per_node: int = Field(8, gt=0, description="GPUs per node the recipe was written for")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
 class BackendConfig(Section):
     name: str = Field("torchtitan", description="training engine (a registered backend)")
     extra: dict[str, Any] = Field(default_factory=dict, description="passed to the engine unchanged")
@@ -436,6 +446,9 @@ class PrimusConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
+    cluster: ClusterConfig | None = Field(
+        None, description="where a recipe is meant to run; primus plan and config validate read it when not told"
+    )
 
 
 # What makes two models' checkpoints interchangeable (every layout of the same shape can load it).

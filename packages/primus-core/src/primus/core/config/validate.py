@@ -373,15 +373,22 @@ def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> l
             )
         )
     for name in cfg.logging.loggers:  # a logger plugin is registered under its logger's name
-        if registry.pm.records.get(name) is None:
-            dist = KNOWN_LOGGER_DISTS.get(name)
-            out.append(
-                ConfigIssue(
-                    f"logging.loggers.{name}",
-                    f"no installed plugin provides the {name!r} logger" + (f": pip install '{dist}'" if dist else ""),
-                    allowed=", ".join(sorted(KNOWN_LOGGER_DISTS)) + " (primus-loggers), or a third-party logger plugin",
-                )
+        if name in registry.loggers:
+            continue
+        dist = KNOWN_LOGGER_DISTS.get(name)
+        if name in registry.pm.records:
+            why = f"plugin {name!r} ({registry.pm.dist_of(name)}) is not a logger (it implements no primus_on_log)"
+        else:
+            why = f"no installed plugin provides the {name!r} logger" + (f": pip install '{dist}'" if dist else "")
+        hint = suggest(name, registry.loggers)
+        out.append(
+            ConfigIssue(
+                f"logging.loggers.{name}",
+                why + (f"; did you mean {hint!r}?" if hint else ""),
+                allowed=", ".join(registry.loggers)
+                or "none installed (pip install 'primus-loggers[wandb]' or [mlflow])",
             )
+        )
     strategy = cfg.parallel.strategy
     if strategy not in ("manual", "auto") and strategy not in registry.strategies:
         hint = suggest(strategy, list(registry.strategies))

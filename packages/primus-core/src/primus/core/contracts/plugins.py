@@ -228,6 +228,16 @@ class Registry:
                 log.error("%s: primus_commands must return (name, typer.Typer) pairs, got %r", dist, item)
         return out
 
+    @cached_property
+    def loggers(self) -> list[str]:
+        """Installed loggers: the plugins that implement ``primus_on_log``, by plugin (entry-point) name, the key a
+        run names them by under ``logging.loggers``; core's own console logger is always on and is none of them."""
+        names = sorted({impl.plugin_name for impl in self.pm.hook.primus_on_log.get_hookimpls()} - {"core"})
+        for name in names:
+            if (rec := self.pm.records.get(name)) is not None:
+                rec.provides["loggers"] = [name]
+        return names
+
     def kernel_names(self, op: str) -> set[str]:
         return {name for (o, name) in self.kernels if o == op}
 

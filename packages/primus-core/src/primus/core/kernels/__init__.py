@@ -137,7 +137,7 @@ def select_kernels(
             ok = _check(prov, device, documents, constraints)
             if ok:
                 chosen[op] = prov
-                log.info("%s: %s (auto)", op, prov.name)
+                log.debug("%s: %s (auto)", op, prov.name)  # the run logs its choices in one line
                 break
             reasons.append(f"{prov.name}: {ok.reason}")
         else:

@@ -364,6 +364,8 @@ def launch_torchrun(argv: list[str], output: Path | None = None, keep_fd: int | 
     cmd = torchrun_command(argv, **kw)
     log.info("launching: %s", shlex.join(cmd))
     env = {**TORCHRUN_ENV, **os.environ, LAUNCHED_ENV: "1"}
+    if kw.get("nproc_per_node", 1) > 1:  # torchrun's own default for several workers, without its 5-line banner
+        env.setdefault("OMP_NUM_THREADS", "1")
     if sys.stderr.isatty():  # the workers write through a pipe: keep rich's terminal output (progress bar)
         env.update({"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"})
     started = time.time()

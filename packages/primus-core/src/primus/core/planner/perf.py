@@ -40,9 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from primus.core.config.schema import ModelConfig
 from primus.core.config.deepseek import head_width
-from primus.core.planner.modelmath import count_params
+from primus.core.config.schema import ModelConfig
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import (

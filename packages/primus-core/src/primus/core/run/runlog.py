@@ -173,6 +173,12 @@ def step(step_: int, metrics: dict[str, float], info: Any) -> None:
         _current.step(step_, metrics)
 
 
+def advance(step_: int) -> None:
+    """After every optimizer step: the progress bar (on a terminal) moves, whatever the logging interval."""
+    if _current is not None and _current.progress is not None:
+        _current.progress.update(_current.task, completed=step_)
+
+
 def end(summary: dict[str, Any], info: Any) -> None:
     global _current
     if _current is not None:
