@@ -10,7 +10,7 @@ run() {  # name preset overrides...
     train.precision=bf16 train.compile=true "$@" "logging.output_dir=$out/$name" > "$out/$name.log" 2>&1
   echo "$name rc=$? $(python3 -c "import json,statistics,sys; r=[json.loads(l) for l in open('$out/$name/metrics.jsonl')]; s=[x for x in r if x['step']>4]; print(round(statistics.median(x['tokens_per_s_per_device'] for x in s)), 'tok/s', [round(x['loss'],4) for x in r][-3:], 'peak', max(x['memory_gib'] for x in r))" 2>&1 | tail -1)"
 }
-for engine in torchtitan megatron; do
+for engine in ${ENGINES:-torchtitan megatron}; do
   for m in "1b llama3.2-1b" "8b4l llama3.1-8b model.num_layers=4"; do
     set -- $m; tag=$1; shift
     run "$engine-$tag-bf16" "$@" backend.name=$engine
