@@ -142,9 +142,15 @@ class Suite:
                 row["memory_error"] = pred / row["peak_gib"] - 1
         return row
 
-    def add(self, part: str, rows: list[dict]) -> None:
+    def add(self, part: str, rows: list[dict], seconds: float | None = None) -> None:
         with self.lock:  # parts that run side by side add their rows from threads
+            if seconds is not None:
+                self.result["parts"][part] = round(seconds, 1)
             self.rows.extend({"part": part, **r} for r in rows)
+            # in the parts' order, whichever side-by-side part ended first (rows and part times alike)
+            self.rows.sort(key=lambda r: list(PARTS).index(r["part"]))
+            times = self.result["parts"]
+            self.result["parts"] = {p: times[p] for p in PARTS if p in times}
             self.save()
 
     def save(self) -> None:
@@ -204,18 +210,27 @@ def part_dense(s: Suite) -> list[dict]:
     return rows
 
 
+# Two runs of one program measured 0.998x and 1.003x (dense/tt_core, gemm_tuning/offline): a speed feature that
+# changes nothing on a run (FP8 whose rule keeps every linear bf16) must not fail on that noise.
+NOISE = 0.01
+
+
 def part_fp8_dense(s: Suite) -> list[dict]:
-    preset = "tiny-llama" if s.smoke else "llama3.2-1b"
+    # Llama 8B's shapes (4 of its blocks, to fit one GPU with room) as a user leaves core's rule (fp8_recipe.linears:
+    # auto): compiled (torchtitan) every linear in FP8, eager (megatron) its fused gate/up fc1 (4096 x 28672) alone;
+    # on the smoke's tiny model every linear (linears: all), so that FP8 really runs
+    preset = "tiny-llama" if s.smoke else "llama3.1-8b"
     seq, micro, steps = (64, 2, 3) if s.smoke else (4096, 2, s.args.steps)
     rows = []
     for engine in ("torchtitan", "megatron"):
         common = [*run_overrides("", seq, micro, steps)[:-1], f"backend.name={engine}", "train.precision=bf16"]
+        common += ["kernels.fp8_recipe.linears=all"] if s.smoke else ["model.num_layers=4"]
         if engine == "torchtitan" and not s.smoke:  # FP8 linears are run compiled (inductor fuses the casts)
             common.append("train.compile=true")
         bf16 = s.train(f"fp8_dense/{engine}/bf16", preset, common, warmup=4)
         fp8 = s.train(f"fp8_dense/{engine}/fp8_rowwise", preset, [*common, "kernels.fp8=rowwise"], warmup=4)
         fp8["smoke"] = s.smoke
-        speed_pair(fp8, bf16, 1.0, "FP8 slower than bf16")
+        speed_pair(fp8, bf16, 1.0 - NOISE, "FP8 slower than bf16")
         fp8["loss_agreement"] = agree = loss_agreement(fp8.get("losses", []), bf16.get("losses", []))
         if fp8["status"] == "passed" and (agree is None or agree > TOLERANCE):
             fp8["status"], fp8["reason"] = "failed", f"losses {agree} from bf16's (needs <= {TOLERANCE})"
@@ -288,7 +303,7 @@ def part_moe(s: Suite) -> list[dict]:
             if r["status"] == "passed" and (agree is None or agree > TOLERANCE):
                 r["status"], r["reason"] = "failed", f"losses {agree} from bf16's (needs <= {TOLERANCE})"
             # `auto` must never be slower; forcing FP8 experts is measured, and may be
-            speed_pair(r, base, 1.0 if not case.endswith("experts") else 0.0, "FP8 (auto) slower than bf16")
+            speed_pair(r, base, 1.0 - NOISE if not case.endswith("experts") else 0.0, "FP8 (auto) slower than bf16")
     return rows
 
 
@@ -524,8 +539,7 @@ def run_part(suite: Suite, part: str) -> None:
         rows = PARTS[part](suite)
     except Exception as exc:  # noqa: BLE001 - a broken part is a failed row, the others still run
         rows = [{"row": part, "status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[-1500:]}"}]
-    suite.result["parts"][part] = round(time.monotonic() - t0, 1)
-    suite.add(part, rows)
+    suite.add(part, rows, time.monotonic() - t0)
     for r in rows:
         print(f"{r['row']}: {r['status']} {(r.get('reason') or '')[:300]}", flush=True)
 

@@ -254,4 +254,6 @@ def test_plan_refuses_an_engine_no_backend_has(cli_registry, monkeypatch):
     assert "did you mean 'fake'?" in text and "fake" in text.split("allowed:")[1] and "'generic'" in text
     res = _invoke(*args, "generic")
     assert res.exit_code == 0, res.output
-    assert "recommended:" in res.output and "note:" not in res.output
+    # accepted: no layout refused (the one note says the preset is planned at a training length)
+    notes = [line for line in res.output.splitlines() if line.startswith("note:")]
+    assert "recommended:" in res.output and notes == [notes[0]] and "no train.seq_len" in notes[0], res.output

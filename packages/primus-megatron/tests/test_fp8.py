@@ -37,7 +37,7 @@ def test_refusals_name_the_reason():
     assert any("hidden_size" in i.message and "136" in i.message for i in issues(odd))
 
 
-BF16 = ("train.precision=bf16", "kernels.fp8_recipe.bf16_last_layers=1")
+BF16 = ("train.precision=bf16", "kernels.fp8_recipe.bf16_last_layers=1", "kernels.fp8_recipe.linears=all")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,8 @@ def test_tp2_sequence_parallel_fp8_matches_tp2(reference, tmp_path):
     once reduction order flips one e4m3 rounding the runs part as trajectories, by how much depends on the CPU's
     kernels (grad norms at steps 5-6 measured 0.4%, 4.9% and 19.5% apart on three 2-core EPYC machines, losses within
     1e-3 on each; the first three steps' norms within the 2% asserted here on each)."""
-    common = ("train.precision=bf16", "kernels.fp8=tensorwise", f"backend.extra.seed_checkpoint={reference['seed']}")
+    common = ("train.precision=bf16", "kernels.fp8=tensorwise", "kernels.fp8_recipe.linears=all")
+    common += (f"backend.extra.seed_checkpoint={reference['seed']}",)
     common += ("train.steps=3",)
     tp = train(TINY, tmp_path / "tp2", 2, *common, "parallel.tp=2")
     sp = train(TINY, tmp_path / "tp2sp", 2, *common, "parallel.tp=2", "parallel.sequence_parallel=true")
@@ -84,7 +85,7 @@ def test_moe_block_spec_in_fp8():
     experts' linears FP8 ones; outside the FP8 blocks the bf16 grouped_gemm provider and megatron's linears."""
     from types import SimpleNamespace
 
-    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from primus.core.contracts.plugins import get_registry
     from primus.core.kernels import select_fp8
@@ -93,21 +94,35 @@ def test_moe_block_spec_in_fp8():
     from primus.megatron.layer_spec import moe_spec
     from primus.turbo.fp8.grouped import fp8_grouped_gemm
 
-    k = KernelsConfig(fp8="rowwise", fp8_recipe={"experts": "fp8"})  # forced: not measured faster on a CPU
+    # forced: not measured faster on a CPU; every linear, whatever its size
+    k = KernelsConfig(fp8="rowwise", fp8_recipe={"experts": "fp8", "linears": "all"})
     fp8 = select_fp8(k, get_registry(), "cpu")
     kernels = {"swiglu": SimpleNamespace(impl="primus.core.kernels.reference:swiglu"), "fp8": fp8,
                "grouped_gemm": SimpleNamespace(name="grouped_mm", impl="primus.turbo.grouped_gemm:grouped_gemm",
                                                load=lambda: None)}  # fmt: skip
-    spec = moe_spec(kernels, shared=True, fp8=k).submodules
+    small = SimpleNamespace(tensor_model_parallel_size=1, hidden_size=64, moe_shared_expert_intermediate_size=128,
+                            gated_linear_unit=True)  # fmt: skip
+    spec = moe_spec(kernels, shared=True, fp8=k, config=small).submodules
     assert spec.experts.module is StackedExperts
     gemm = spec.experts.params["gemm"]
     assert gemm.func is fp8_grouped_gemm and gemm.keywords["recipe"].mode == "rowwise"
     assert spec.shared_experts.submodules.linear_fc1.module is linear_classes(fp8)[0]
     plain = moe_spec(kernels, shared=True).submodules
     assert plain.experts.params["gemm"] == kernels["grouped_gemm"].impl
-    auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise")).submodules  # core's rule: bf16 experts
+    # core's rules: bf16 experts (not measured faster), and shared linears in FP8 only where FP8 was measured faster
+    auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise"), config=small).submodules
     assert auto.experts.params["gemm"] == kernels["grouped_gemm"].impl
-    assert auto.shared_experts.submodules.linear_fc1.module is linear_classes(fp8)[0]
+    assert auto.shared_experts.submodules.linear_fc1 is ColumnParallelLinear  # 64 x 256: bf16
+    # 8192 x 2·8192 fc1 in FP8 (megatron runs eager: from 8192²), 8192 x 8192 fc2 too; under TP 2 a rank's fc2 is
+    # 4096 x 8192
+    big = SimpleNamespace(**{**vars(small), "hidden_size": 8192, "moe_shared_expert_intermediate_size": 8192})
+    auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise"), config=big).submodules.shared_experts
+    assert auto.submodules.linear_fc1.module is linear_classes(fp8)[0]
+    assert auto.submodules.linear_fc2.module is linear_classes(fp8)[1]
+    tp2 = SimpleNamespace(**{**vars(big), "tensor_model_parallel_size": 2})
+    auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise"), config=tp2).submodules.shared_experts
+    assert auto.submodules.linear_fc1.module is linear_classes(fp8)[0]  # 8192 x 8192 a rank
+    assert auto.submodules.linear_fc2 is RowParallelLinear
     assert plain.shared_experts.submodules.linear_fc1 is ColumnParallelLinear
 
 

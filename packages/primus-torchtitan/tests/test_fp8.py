@@ -24,6 +24,35 @@ def test_skip_rules_pick_the_right_linears():
     assert keeps_bf16("output", num_layers=6, recipe=Fp8Recipe())  # the head stays bf16 by default
 
 
+def test_auto_keeps_the_linears_fp8_is_measured_slower_on_in_bf16():
+    """``fp8_recipe.linears: auto``: eager, a block linear in FP8 only where its per-rank weight reaches core's
+    measured bound (8192²: Llama 70B's MLP here, not 8B's attention); compiled, every one; the routed experts are
+    core's other rule."""
+    from types import SimpleNamespace
+
+    from primus.torchtitan.fp8 import skip_rule
+
+    shapes = {"attention.wq": (4096, 4096), "attention.wk": (4096, 1024), "attention.wo": (4096, 4096)}
+    shapes |= {"feed_forward.w1": (8192, 28672), "feed_forward.w2": (28672, 8192), "feed_forward.w3": (8192, 28672)}
+    modules = {f"layers.0.{k}": SimpleNamespace(in_features=i, out_features=o) for k, (i, o) in shapes.items()}
+
+    def in_fp8(compile: bool, tp: int = 1, linears: str = "auto") -> list[str]:
+        c = PrimusConfig.model_validate(
+            {"train": {"precision": "bf16", "compile": compile}, "parallel": {"tp": tp},
+             "kernels": {"fp8": "rowwise", "fp8_recipe": {"linears": linears}}}
+        )  # fmt: skip
+        kept: list[str] = []
+        skip = skip_rule(c, kept)
+        fp8 = [n.split(".", 2)[2] for n, m in modules.items() if not skip(n, m)]
+        assert sorted(fp8 + [n.split(".", 2)[2] for n in kept]) == sorted(shapes)  # each linear either way
+        return fp8
+
+    assert in_fp8(compile=False) == ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    assert in_fp8(compile=False, tp=4) == []  # each rank's share, 8192 x 7168, is under the bound
+    assert in_fp8(compile=True) == in_fp8(compile=True, tp=4) == in_fp8(compile=False, linears="all") == list(shapes)
+    assert not skip_rule(cfg(), [])("layers.0.moe.experts", None)  # experts: fp8_experts decides, not the shape
+
+
 def cfg(**recipe) -> PrimusConfig:
     return PrimusConfig.model_validate(
         {"train": {"precision": "bf16", "seq_len": 64}, "kernels": {"fp8": "tensorwise", "fp8_recipe": recipe}}
@@ -53,7 +82,7 @@ def test_refusals_name_the_reason():
     assert any("leaves none" in i.message for i in issues(none_left))
 
 
-BF16 = ("train.precision=bf16", "checkpoint.enabled=false")
+BF16 = ("train.precision=bf16", "checkpoint.enabled=false", "kernels.fp8_recipe.linears=all")  # tiny linears too
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +114,7 @@ def test_fsdp_tp_fp8_matches_fsdp(tmp_path, seed_checkpoint):
     grad norms by up to 12% in 8 steps, and this check would lose its edge. How far the loss falls in 8 steps from
     that init depends on the machine's environment (0.03 to > 0.15), so training progress is test_train's to show."""
     common = ("train.precision=bf16", "checkpoint.enabled=false", "kernels.fp8=tensorwise", "parallel.dp_shard=2")
+    common += ("kernels.fp8_recipe.linears=all",)
     seed = f"backend.extra.checkpoint.initial_load_path={seed_checkpoint('train.init=engine')}"
     primus_train(TINY, tmp_path / "fsdp", *common, seed, nproc=2)
     tp = primus_train(TINY, tmp_path / "tp", *common, seed, "parallel.tp=2", nproc=4)
@@ -114,7 +144,8 @@ def test_moe_experts_in_fp8_track_bf16(tmp_path):
     losses (measured 3e-4 and 5e-4), and not equal to them (FP8 really ran)."""
     moe, bf16 = str(CONFIGS / "tiny_moe.yaml"), ("train.precision=bf16",)
     primus_train(moe, tmp_path / "bf16", *bf16)
-    forced = ("kernels.fp8=rowwise", "kernels.fp8_recipe.experts=fp8")  # auto keeps them bf16 where not measured
+    # auto keeps the experts bf16 where not measured faster, and these tiny linears bf16 (measured slower)
+    forced = ("kernels.fp8=rowwise", "kernels.fp8_recipe.experts=fp8", "kernels.fp8_recipe.linears=all")
     fp8 = primus_train(moe, tmp_path / "fp8", *bf16, *forced)
     log = " ".join(fp8.stderr.split())
     assert "fp8 (fp8, rowwise): 8 linears swapped, 2 layers' routed experts on FP8 grouped GEMMs" in log

@@ -21,7 +21,9 @@ Refused (:func:`issues`): ``fp8_recipe.implementation: torchao`` (torchao swaps
 ``nn.Linear``; these are megatron modules). Delayed-scaling histories are plain tensors on the module,
 never in its state dict. The recipe's first/last bf16 blocks are counted in global layer numbers
 (pipeline stages and virtual stages included); the output head is megatron's vocab-parallel linear and
-stays bf16 (``bf16_output_head: false`` is refused).
+stays bf16 (``bf16_output_head: false`` is refused). Within an FP8 block, ``fp8_recipe.linears: auto`` (core's
+:func:`~primus.core.kernels.fp8_recipe.fp8_linear_rule`, eager: megatron-core's model is not compiled here) keeps in
+bf16 each linear whose per-rank weight is too small for FP8 to be faster (:func:`linear_shapes`).
 
 Mixture-of-experts blocks in FP8 (:func:`primus.megatron.layer_spec.moe_spec`): the routed experts
 (:class:`~primus.megatron.experts.StackedExperts`) run on the provider's FP8 grouped GEMM (``grouped_gemm_for``), the
@@ -35,7 +37,7 @@ import logging
 from typing import Any
 
 from primus.core.contracts.protocols import ConfigIssue
-from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks
+from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear_rule, fp8_linears_note
 
 log = logging.getLogger("primus.megatron")
 
@@ -58,8 +60,32 @@ def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int) 
     in_fp8 = fp8_layer_numbers(kernels, config.num_layers)
     flags = [offset + i in in_fp8 for i in range(n)]
     blocks = [offset + i for i, on in enumerate(flags) if on]
-    log.info("fp8 (%s): FP8 linears in blocks %s of %d-%d", kernels.fp8, blocks, offset, offset + n - 1)
+    shapes = linear_shapes(config)
+    if config.moe_shared_expert_intermediate_size:
+        shapes |= {f"shared {k}": v for k, v in linear_shapes(config, shared=True).items()}
+    pays = fp8_linear_rule(kernels, compiled=False)
+    kept = [name for name, shape in shapes.items() if not pays(*shape)]
+    note = f"; {', '.join(kept)}: {fp8_linears_note(len(kept), len(shapes))}" if kept else ""
+    if blocks and len(kept) == len(shapes) and not (config.num_moe_experts and kernels.fp8_recipe.experts == "fp8"):
+        log.warning("kernels.fp8=%s: no linear of this model's blocks is in FP8 (%s)", kernels.fp8, note[2:])
+    else:
+        log.info("fp8 (%s): FP8 linears in blocks %s of %d-%d%s", kernels.fp8, blocks, offset, offset + n - 1, note)
     return flags
+
+
+def linear_shapes(config: Any, *, shared: bool = False) -> dict[str, tuple[int, int]]:
+    """One rank's (in_features, out_features) of a block's linears, from megatron's TransformerConfig: qkv and fc1
+    column-parallel (a slice of the outputs), proj and fc2 row-parallel (a slice of the inputs); ``shared``: the
+    shared experts' fc1 / fc2."""
+    tp = config.tensor_model_parallel_size
+    h = config.hidden_size
+    ffn = config.moe_shared_expert_intermediate_size if shared else config.ffn_hidden_size
+    shapes = {"linear_fc1": (h, ffn * (2 if config.gated_linear_unit else 1) // tp), "linear_fc2": (ffn // tp, h)}
+    if not shared:
+        q = config.num_attention_heads * config.kv_channels
+        kv = 2 * (config.num_query_groups or config.num_attention_heads) * config.kv_channels
+        shapes |= {"linear_qkv": (h, (q + kv) // tp), "linear_proj": (q // tp, h)}
+    return shapes
 
 
 def linear_classes(provider: Any) -> tuple[type, type]:
@@ -134,9 +160,10 @@ def _build_classes(provider: Any) -> tuple[type, type]:
     return Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
 
-def linear_specs(kernels: Any, provider: Any) -> dict[str, Any]:
-    """The spec entries for one FP8 block: linear_qkv / linear_fc1 (column), linear_proj / linear_fc2 (row);
-    ``kernels`` the config's section, ``provider`` the run's ``fp8`` kernel choice."""
+def linear_specs(kernels: Any, provider: Any, config: Any, *, shared: bool = False) -> dict[str, Any]:
+    """The spec entries for one FP8 block: linear_qkv / linear_fc1 (column), linear_proj / linear_fc2 (row), those
+    of them ``fp8_recipe.linears`` puts in FP8 at this model's shapes (:func:`linear_shapes`; ``shared``: the shared
+    experts' fc1 / fc2); ``kernels`` the config's section, ``provider`` the run's ``fp8`` kernel choice."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from primus.core.kernels.fp8_recipe import Fp8Recipe
@@ -145,7 +172,9 @@ def linear_specs(kernels: Any, provider: Any) -> dict[str, Any]:
     column, row = linear_classes(provider)
     col_spec = ModuleSpec(module=column, params={"fp8_recipe": recipe})
     row_spec = ModuleSpec(module=row, params={"fp8_recipe": recipe})
-    return {"linear_qkv": col_spec, "linear_fc1": col_spec, "linear_proj": row_spec, "linear_fc2": row_spec}
+    specs = {"linear_qkv": col_spec, "linear_fc1": col_spec, "linear_proj": row_spec, "linear_fc2": row_spec}
+    pays = fp8_linear_rule(kernels, compiled=False)  # megatron-core's model runs eager here
+    return {name: specs[name] for name, shape in linear_shapes(config, shared=shared).items() if pays(*shape)}
 
 
 def issues(cfg: Any) -> list[ConfigIssue]:

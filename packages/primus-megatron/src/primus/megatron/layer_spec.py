@@ -198,14 +198,15 @@ def fp8_grouped_gemm(fp8: Any, provider: KernelProvider) -> Any:
     return provider.load().grouped_gemm_for(Fp8Recipe.from_config(fp8))
 
 
-def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None) -> ModuleSpec:
+def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None, config: Any = None) -> ModuleSpec:
     """megatron-core's MoE layer (router, token dispatcher) with its routed experts as grouped GEMMs
     (:class:`~primus.megatron.experts.StackedExperts`: the ``grouped_gemm`` and ``swiglu`` providers over all local
     experts' stacked weights at once) or, with core's reference loop as the ``grouped_gemm`` provider, as megatron's
     own loop of local MLPs (SequentialMLP, which computes the same) with core's SwiGLU (:data:`EXPERT_SWIGLU`).
     Shared experts (one MLP of their summed width, when the model has them) take the ``swiglu`` provider, as a
     dense MLP. ``fp8`` (the KernelsConfig, in an FP8 block): the stacked experts on the FP8 provider's grouped GEMM,
-    the shared experts' linears FP8 ones; the router stays bf16."""
+    the shared experts' linears FP8 ones where ``fp8_recipe.linears`` puts them in FP8 at ``config``'s (megatron's
+    TransformerConfig) shapes; the router stays bf16."""
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
@@ -214,7 +215,7 @@ def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None) 
     if fp8 is not None:
         from primus.megatron.fp8 import linear_specs
 
-        shared_linears.update((k, v) for k, v in linear_specs(fp8, kernels["fp8"]).items() if k in plain)
+        shared_linears.update(linear_specs(fp8, kernels["fp8"], config, shared=True) if shared else {})
 
     def mlp(swiglu: Any, linears: dict[str, Any]) -> MLPSubmodules:
         return MLPSubmodules(
@@ -241,8 +242,10 @@ def layer_spec(
     fp8: Any = None,
     moe: ModuleSpec | None = None,
     mla: bool = False,
+    config: Any = None,
 ) -> ModuleSpec:
-    """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its four linears FP8 ones; ``moe`` (a
+    """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its linears FP8 ones (those that
+    ``fp8_recipe.linears`` puts in FP8 at ``config``'s shapes, megatron's TransformerConfig); ``moe`` (a
     :func:`moe_spec`) replaces its dense MLP."""
     lin = {
         "linear_qkv": ColumnParallelLinear,
@@ -253,7 +256,7 @@ def layer_spec(
     if fp8 is not None:
         from primus.megatron.fp8 import linear_specs
 
-        lin.update(linear_specs(fp8, kernels["fp8"]))
+        lin.update(linear_specs(fp8, kernels["fp8"], config))
     norm = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
     qk = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
     rope, _ = rope_impl(kernels)
@@ -344,7 +347,12 @@ def _layer_specs(
     def spec(moe: bool, in_fp8: bool) -> ModuleSpec:
         block_fp8 = fp8 if in_fp8 else None
         return layer_spec(
-            kernels, qk_norm=qk_norm, fp8=block_fp8, moe=moe_spec(kernels, shared, block_fp8) if moe else None, mla=mla
+            kernels,
+            qk_norm=qk_norm,
+            fp8=block_fp8,
+            moe=moe_spec(kernels, shared, block_fp8, config) if moe else None,
+            mla=mla,
+            config=config,
         )
 
     return [spec(bool(moe), in_fp8) for moe, in_fp8 in zip(moe_flags, fp8_flags, strict=True)]

@@ -23,7 +23,7 @@ from typing import Any
 
 from primus.core.contracts.protocols import ConfigIssue
 from primus.core.kernels import fp8_experts as fp8_experts_rule
-from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks
+from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear_rule, fp8_linears_note
 
 log = logging.getLogger("primus.torchtitan")
 
@@ -46,8 +46,36 @@ def keeps_bf16(name: str, *, num_layers: int, recipe: Any) -> bool:
     return block not in fp8_blocks(num_layers, recipe.bf16_first_layers, recipe.bf16_last_layers)
 
 
-def skip_rule(kernels: Any, num_layers: int) -> Callable[[str, Any], bool]:
-    return lambda name, module: keeps_bf16(name, num_layers=num_layers, recipe=kernels.fp8_recipe)
+# torchtitan's row-wise parallel linears under TP (each rank holds a slice of the input features); the others of
+# BLOCK_LINEAR are column-wise (a slice of the output features)
+ROW_WISE = ("wo", "w2")
+
+
+def skip_rule(cfg: Any, too_small: list[str] | None = None) -> Callable[[str, Any], bool]:
+    """``(name, module) -> bool``: the linear stays bf16, by the recipe's blocks and output head
+    (:func:`keeps_bf16`), or, a linear outside the routed experts, by core's measured shape rule
+    (``fp8_recipe.linears``, on one rank's share under TP); the names the shape rule keeps go to ``too_small``."""
+    kernels, num_layers = cfg.kernels, cfg.model.num_layers
+    pays = fp8_linear_rule(kernels, compiled=cfg.train.compile)
+    tp = cfg.parallel.tp
+
+    def skip(name: str, module: Any) -> bool:
+        if keeps_bf16(name, num_layers=num_layers, recipe=kernels.fp8_recipe):
+            return True
+        if EXPERTS.match(name):  # core's fp8_experts rule decides them
+            return False
+        rows, cols = module.in_features, module.out_features
+        if name.endswith(ROW_WISE):
+            rows //= tp
+        else:  # (the output head too: column-wise, a slice of the vocabulary)
+            cols //= tp
+        if pays(rows, cols):
+            return False
+        if too_small is not None:
+            too_small.append(name)
+        return True
+
+    return skip
 
 
 def fsdp_fp8_all_gather(cfg: Any, provider: Any, world_size: int) -> bool:
@@ -69,20 +97,27 @@ def fp8_swap(cfg: Any, provider: Any, experts: bool) -> Callable[[Any], list[str
 
     config_recipe = Fp8Recipe.from_config(cfg.kernels)
     convert = provider.load()
-    skip = skip_rule(cfg.kernels, cfg.model.num_layers)
 
     def swap(model: Any) -> list[str]:
         # at model build, where the process group (and so the FSDP degree) is known
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         recipe = replace(config_recipe, fp8_all_gather=fsdp_fp8_all_gather(cfg, provider, world))
+        too_small: list[str] = []
+        skip = skip_rule(cfg, too_small)
         names = convert(model, recipe, skip)
         on = experts and cfg.model.moe is not None
         experts_swapped = fp8_experts(model, convert.grouped_gemm_for(recipe), skip) if on else []
         gather = "fp8" if recipe.fp8_all_gather else "bf16"
-        log.info(
-            "fp8 (%s, %s): %d linears swapped, %d layers' routed experts on FP8 grouped GEMMs; FSDP all-gather %s",
-            provider.name, recipe.mode, len(names), len(experts_swapped), gather,
-        )  # fmt: skip
+        kept = f"; {fp8_linears_note(len(too_small), len(too_small) + len(names))}"
+        if too_small and not names and not experts_swapped:
+            log.warning(
+                "kernels.fp8=%s: no linear of this run is in FP8, it trains in bf16 (%s)", recipe.mode, kept[2:]
+            )
+        else:
+            log.info(
+                "fp8 (%s, %s): %d linears swapped, %d layers' routed experts on FP8 grouped GEMMs; FSDP all-gather %s%s",
+                provider.name, recipe.mode, len(names), len(experts_swapped), gather, kept if too_small else "",
+            )  # fmt: skip
         return names + experts_swapped
 
     return swap

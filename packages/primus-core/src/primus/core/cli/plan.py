@@ -208,14 +208,22 @@ def plan(
 
 
 def recipe_cluster(ref: str, overrides: list[str]):
-    """The ``cluster`` section of the config's layers (:class:`primus.core.config.schema.ClusterConfig`), or None."""
+    """The ``cluster`` section of the config's layers (:class:`primus.core.config.schema.ClusterConfig`), or None.
+    None too when the config does not load or its section is invalid: the full resolve that follows refuses it with
+    every error named (and exit 2), where a raise here would escape as a traceback."""
+    from pydantic import ValidationError
+
+    from primus.core.config.errors import ConfigError
     from primus.core.config.loader import load_layers
     from primus.core.config.presets import resolver
     from primus.core.config.schema import ClusterConfig
     from primus.core.contracts.plugins import get_registry
 
-    data = load_layers(ref, overrides, resolver(get_registry())).data.get("cluster")
-    return ClusterConfig.model_validate(data) if isinstance(data, dict) else None
+    try:
+        data = load_layers(ref, overrides, resolver(get_registry())).data.get("cluster")
+        return ClusterConfig.model_validate(data) if isinstance(data, dict) else None
+    except (ConfigError, ValidationError):
+        return None
 
 
 def own_layout(cfg, cands):

@@ -24,11 +24,20 @@ def profile(
 
     res = _resolve(config, overrides, nproc_per_node, check_plugins=False)
     p = res.config.profile
-    # a few steps, not the recipe's run: the profiler's schedule and one more (train.steps=N on the command line wins)
-    steps = p.wait + p.warmup + p.active + 1
-    extra = ["profile.enabled=true", f"train.steps={steps}", "checkpoint.enabled=false"]
+    # a few steps, not the recipe's run: the profiler's schedule and one more. train.steps=N on the command line
+    # gives more; fewer would end before the traced steps (an empty trace), so the schedule's count is taken then.
+    needed = p.wait + p.warmup + p.active + 1
+    given = {o.split("=")[0] for o in overrides or []}
+    steps = max(res.config.train.steps, needed) if "train.steps" in given else needed
+    if "train.steps" in given and res.config.train.steps < needed:
+        err.print(
+            f"note: train.steps={res.config.train.steps} ends before the traced steps "
+            f"(profile.wait + warmup + active + 1 = {needed}): running {needed}",
+            markup=False,
+        )
+    extra = ["profile.enabled=true", "checkpoint.enabled=false"]
     extra.append(f"train.schedule.warmup_steps={min(res.config.train.schedule.warmup_steps, steps)}")
-    extra = [e for e in extra if e.split("=")[0] not in {o.split("=")[0] for o in overrides or []}]
+    extra = [e for e in extra if e.split("=")[0] not in given] + [f"train.steps={steps}"]
     res = _resolve(config, [*(overrides or []), *extra], nproc_per_node)
     out_dir = output_dir(res.config)
     from primus.core.cli.train import train

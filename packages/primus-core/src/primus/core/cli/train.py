@@ -56,14 +56,6 @@ def _train(
     from primus.core.contracts.errors import UserError
     from primus.core.run.rundir import LOCK_HELD_ENV, check_free, output_dir
 
-    if not inside:  # the first line, before the engine's imports and build (seconds to a minute)
-        c = res.config
-        err.print(
-            f"train {config}: {c.model.name} on {c.backend.name}, {world} process{'es' if world > 1 else ''}, "
-            f"{c.train.steps} steps -> {output_dir(c)}",
-            highlight=False,
-            markup=False,
-        )
     try:
         with _one_line_if_full(res.config):
             if not inside:
@@ -74,6 +66,15 @@ def _train(
                 check_folders(res.config)  # a file, or no write permission, where the run folder goes
                 check_free(output_dir(res.config))  # another run writes there: name it (creates nothing)
                 check_output_dir(res.config, resume)
+                # the first line of an accepted run (a refused one prints only its error), before the engine's
+                # imports and build (seconds to a minute)
+                c = res.config
+                err.print(
+                    f"train {config}: {c.model.name} on {c.backend.name}, {world} process{'es' if world > 1 else ''}, "
+                    f"{c.train.steps} steps -> {output_dir(c)}",
+                    highlight=False,
+                    markup=False,
+                )
                 if world > 1:
                     check_data(res.config)  # once, before the ranks start (each rank's run_rank checks it too)
                 if (resume or res.config.checkpoint.resume is True) and (warning := resume_warning(res.config)):

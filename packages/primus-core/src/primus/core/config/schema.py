@@ -284,6 +284,12 @@ class Fp8Recipe(Section):
         "where the provider measured them faster than bf16 on this device, else bf16 (said in the kernel log); "
         "fp8 forces them (a warning gives the measured ratio); bf16 keeps them",
     )
+    linears: Literal["auto", "all"] = Field(
+        "auto",
+        description="the block linears (and an FP8 output head) in FP8: auto = every one under train.compile, in "
+        "eager mode only those whose weight (per rank) reaches 8192 x 8192, where FP8 was measured faster on an H200 "
+        "(the others bf16, said in the kernel log); all = every one (FP8 numerics checks on small models)",
+    )
     rocm_gemm: Literal["hipblaslt", "aiter"] = Field(
         "hipblaslt",
         description="ROCm, primus-turbo's linear: FP8 GEMMs on hipBLASLt (torch._scaled_mm) or AITER's gemm_a8w8 "

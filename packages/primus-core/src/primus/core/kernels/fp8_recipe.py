@@ -22,6 +22,38 @@ def fp8_blocks(num_layers: int, bf16_first: int, bf16_last: int) -> range:
     return range(bf16_first, num_layers - bf16_last)
 
 
+# The smallest weight (in_features x out_features, one rank's share) whose linear runs faster in FP8 than in bf16 in
+# eager mode, measured fwd + bwd at 8192 tokens on an H200 (benchmarks/fp8_linear_shapes.py,
+# results/fp8_linear_shapes_h200.json, rowwise and tensorwise alike): the casts and scales are kernels of their own,
+# and FP8 is slower below Llama 70B's 8192 x 8192 q/o (1.01-1.13x there; 8B's MLP 0.80-0.96x, 1B's 0.38-0.52x).
+# Compiled, inductor fuses the casts into the neighbouring kernels, which a linear measured alone cannot show: there
+# the whole runs decide, and they pay with every linear in FP8 (H200: Llama 3B 1.22-1.32x, 8B's shapes 1.04-1.17x,
+# 1B 1.04-1.14x; H100 1B 0.99x), so compiled runs keep every linear in FP8.
+FP8_MIN_WEIGHT_EAGER = 8192 * 8192
+
+
+def fp8_linear_pays(in_features: int, out_features: int, *, compiled: bool) -> bool:
+    """Whether a linear of this (per-rank) shape is measured faster in FP8 than in bf16 (see
+    :data:`FP8_MIN_WEIGHT_EAGER`)."""
+    return compiled or in_features * out_features >= FP8_MIN_WEIGHT_EAGER
+
+
+def fp8_linear_rule(kernels: Any, *, compiled: bool) -> Any:
+    """``(in_features, out_features) -> bool``: whether a linear of an FP8 block runs in FP8 under
+    ``kernels.fp8_recipe.linears`` (``auto``: :func:`fp8_linear_pays`; ``all``: every one)."""
+    if kernels.fp8_recipe.linears == "all":
+        return lambda in_features, out_features: True
+    return lambda in_features, out_features: fp8_linear_pays(in_features, out_features, compiled=compiled)
+
+
+def fp8_linears_note(kept: int, total: int) -> str:
+    """The kernel log's words for ``kept`` of ``total`` block linears left in bf16 by ``linears: auto``."""
+    return (
+        f"{kept} of {total} linears stay bf16: eager, FP8 is measured slower below in x out = "
+        f"{FP8_MIN_WEIGHT_EAGER:,} (train.compile: true fuses its casts; kernels.fp8_recipe.linears: all forces them)"
+    )
+
+
 def fp8_output_head(kernels: Any) -> bool:
     """Whether the output projection runs in FP8 too (``kernels.fp8`` on and ``bf16_output_head: false``)."""
     return kernels.fp8 != "off" and not kernels.fp8_recipe.bf16_output_head
