@@ -88,3 +88,18 @@ def test_the_linears_rule_follows_the_measured_bound():
     assert eager(8192, 8192) and eager(8192, 28672) and not eager(4096, 14336) and not eager(8192, 1024)
     assert fp8_linear_rule(auto, compiled=True)(64, 64) and fp8_linear_rule(every, compiled=False)(64, 64)
     assert "3 of 7 linears stay bf16" in fp8_linears_note(3, 7) and "67,108,864" in fp8_linears_note(3, 7)
+
+
+def test_the_planner_counts_only_the_linears_the_rule_puts_in_fp8():
+    """Eager with ``linears: auto``: no FP8 work in Llama 1B's blocks (none of its linears reaches 8192²), Llama 70B's
+    q/o and MLP in FP8 (its k/v not), and under TP 8 none again (each rank's share is small); compiled, every one."""
+    from primus.core.launch.train import resolve
+    from primus.core.planner.memory import KernelTerms
+
+    def share(preset: str, tp: int = 1, **terms) -> float:
+        model = resolve(preset, [], world_size=1).config.model
+        return KernelTerms(fp8="rowwise", fp8_linears="auto", **terms).fp8_share(model, tp)
+
+    assert share("llama3.2-1b") == 0.0 and share("llama3.2-1b", compiled=True) == 1.0
+    assert 0.9 < share("llama3.1-70b") < 1.0 and share("llama3.1-70b", tp=8) == 0.0
+    assert KernelTerms(fp8="rowwise").fp8_share(resolve("llama3.2-1b", [], world_size=1).config.model) == 1.0

@@ -215,7 +215,7 @@ def fp8_bytes(model: ModelConfig, layout: Layout, seq_len: int, kernels: KernelT
     """What FP8 GEMMs change in the peak, per device (negative: they save): per FP8 layer parameter, the
     recipe's weight copy less autocast's bf16 one where the engine makes it (``autocast``); per element of the
     FP8 linears' inputs kept for the backward (the layers not recomputed), the bytes FP8 saves on them."""
-    share = kernels.fp8_share(model)
+    share = kernels.fp8_share(model, layout.tp)
     nl = layers_per_stage(model, layout)
     _, layer = stage_params(model, layout)
     copy = cal.FP8_WEIGHT_COPY_BYTES[kernels.fp8] - (cal.AUTOCAST_WEIGHT_COPY_BYTES if autocast else 0)
@@ -243,13 +243,29 @@ class KernelTerms:
     # torch.compile (train.compile): it fuses the memory-bound work between the GEMMs (perf.layer_seconds_per_token),
     # and its partitioner, not the FP8 linear, picks what FP8 layers save
     compiled: bool = False
+    # kernels.fp8_recipe.linears: "auto" leaves in bf16 the linears core's measured rule says FP8 would slow
+    # (kernels.fp8_recipe.fp8_linear_pays); "all" (what the calibration runs had) every one
+    fp8_linears: str = "all"
 
-    def fp8_share(self, model: ModelConfig) -> float:
-        """The fraction of the model's layers whose GEMMs run in FP8."""
+    def fp8_share(self, model: ModelConfig, tp: int = 1) -> float:
+        """The fraction of the model's layer GEMM work that runs in FP8: the recipe's FP8 layers, and in them, with
+        ``fp8_linears: auto``, the parameters of the dense linears whose per-rank (``tp``) weight FP8 pays at."""
         if self.fp8 == "off":
             return 0.0
         n = model.num_layers if self.fp8_layers is None else self.fp8_layers
-        return min(n / model.num_layers, 1.0)
+        return min(n / model.num_layers, 1.0) * self.linear_share(model, tp)
+
+    def linear_share(self, model: ModelConfig, tp: int) -> float:
+        if self.fp8_linears == "all" or self.compiled or model.moe is not None or model.mla is not None:
+            return 1.0  # (compiled: every linear; MoE and MLA blocks: their experts and attention are other rules)
+        from primus.core.kernels.fp8_recipe import fp8_linear_pays
+
+        d, f, q = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads * model.kv_channels
+        kv = 2 * model.num_kv_heads * model.kv_channels
+        # one rank's (in, out) of each linear: column-wise split the output, row-wise the input
+        shapes = [(d, q // tp), (d, kv // tp), (q // tp, d), (d, f // tp), (d, f // tp), (f // tp, d)]
+        total = sum(i * o for i, o in shapes)
+        return sum(i * o for i, o in shapes if fp8_linear_pays(i, o, compiled=False)) / total
 
 
 PLAIN_KERNELS = KernelTerms()  # bf16 GEMMs, the logits materialised
