@@ -93,13 +93,18 @@ def test_the_linears_rule_follows_the_measured_bound():
 def test_the_planner_counts_only_the_linears_the_rule_puts_in_fp8():
     """Eager with ``linears: auto``: no FP8 work in Llama 1B's blocks (none of its linears reaches 8192²), Llama 70B's
     q/o and MLP in FP8 (its k/v not), and under TP 8 none again (each rank's share is small); compiled, every one."""
-    from primus.core.launch.train import resolve
+    from primus.core.config.loader import load_layers
+    from primus.core.config.presets import resolver
+    from primus.core.config.schema import ModelConfig
+    from primus.core.contracts.plugins import get_registry
     from primus.core.planner.memory import KernelTerms
 
+    def model_of(preset: str) -> ModelConfig:  # the preset's model section alone (core's tests run with no engine)
+        return ModelConfig.model_validate(load_layers(preset, [], resolver(get_registry())).data["model"])
+
     def share(preset: str, tp: int = 1, **terms) -> float:
-        model = resolve(preset, [], world_size=1).config.model
-        return KernelTerms(fp8="rowwise", fp8_linears="auto", **terms).fp8_share(model, tp)
+        return KernelTerms(fp8="rowwise", fp8_linears="auto", **terms).fp8_share(model_of(preset), tp)
 
     assert share("llama3.2-1b") == 0.0 and share("llama3.2-1b", compiled=True) == 1.0
     assert 0.9 < share("llama3.1-70b") < 1.0 and share("llama3.1-70b", tp=8) == 0.0
-    assert KernelTerms(fp8="rowwise").fp8_share(resolve("llama3.2-1b", [], world_size=1).config.model) == 1.0
+    assert KernelTerms(fp8="rowwise").fp8_share(model_of("llama3.2-1b")) == 1.0
