@@ -65,11 +65,12 @@ def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int) 
         shapes |= {f"shared {k}": v for k, v in linear_shapes(config, shared=True).items()}
     pays = fp8_linear_rule(kernels, compiled=False)
     kept = [name for name, shape in shapes.items() if not pays(*shape)]
-    note = f"; {', '.join(kept)}: {fp8_linears_note(len(kept), len(shapes))}" if kept else ""
+    note = f"{', '.join(kept)}: {fp8_linears_note(len(kept), len(shapes))}" if kept else ""
     if blocks and len(kept) == len(shapes) and not (config.num_moe_experts and kernels.fp8_recipe.experts == "fp8"):
-        log.warning("kernels.fp8=%s: no linear of this model's blocks is in FP8 (%s)", kernels.fp8, note[2:])
+        log.warning("kernels.fp8=%s: no linear of this model's blocks is in FP8 (%s)", kernels.fp8, note)
     else:
-        log.info("fp8 (%s): FP8 linears in blocks %s of %d-%d%s", kernels.fp8, blocks, offset, offset + n - 1, note)
+        blocks_note = f"FP8 linears in blocks {blocks} of {offset}-{offset + n - 1}" + (f"; {note}" if note else "")
+        log.info("fp8 (%s): %s", kernels.fp8, blocks_note)
     return flags
 
 

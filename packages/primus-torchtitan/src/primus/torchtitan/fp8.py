@@ -108,15 +108,13 @@ def fp8_swap(cfg: Any, provider: Any, experts: bool) -> Callable[[Any], list[str
         on = experts and cfg.model.moe is not None
         experts_swapped = fp8_experts(model, convert.grouped_gemm_for(recipe), skip) if on else []
         gather = "fp8" if recipe.fp8_all_gather else "bf16"
-        kept = f"; {fp8_linears_note(len(too_small), len(too_small) + len(names))}"
-        if too_small and not names and not experts_swapped:
-            log.warning(
-                "kernels.fp8=%s: no linear of this run is in FP8, it trains in bf16 (%s)", recipe.mode, kept[2:]
-            )
+        note = fp8_linears_note(len(too_small), len(too_small) + len(names)) if too_small else ""
+        if note and not names and not experts_swapped:
+            log.warning("kernels.fp8=%s: no linear of this run is in FP8, it trains in bf16 (%s)", recipe.mode, note)
         else:
             log.info(
                 "fp8 (%s, %s): %d linears swapped, %d layers' routed experts on FP8 grouped GEMMs; FSDP all-gather %s%s",
-                provider.name, recipe.mode, len(names), len(experts_swapped), gather, kept if too_small else "",
+                provider.name, recipe.mode, len(names), len(experts_swapped), gather, f"; {note}" if note else "",
             )  # fmt: skip
         return names + experts_swapped
 

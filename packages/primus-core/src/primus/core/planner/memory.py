@@ -257,7 +257,9 @@ class KernelTerms:
 
     def linear_share(self, model: ModelConfig, tp: int) -> float:
         if self.fp8_linears == "all" or self.compiled or model.moe is not None or model.mla is not None:
-            return 1.0  # (compiled: every linear; MoE and MLA blocks: their experts and attention are other rules)
+            # compiled: every linear. MoE and MLA models are not modelled here yet: counted as every linear, though
+            # the engines apply the rule to their attention / shared-expert linears too
+            return 1.0
         from primus.core.kernels.fp8_recipe import fp8_linear_pays
 
         d, f, q = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads * model.kv_channels

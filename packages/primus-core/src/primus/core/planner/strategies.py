@@ -69,15 +69,14 @@ def estimate_memory(cfg: PrimusConfig, world_size: int, registry: Registry | Non
 def kernel_terms(cfg: PrimusConfig, registry: Registry | None = None) -> KernelTerms:
     """What ``cfg``'s kernels change in the planner: FP8 in the recipe's layers (and head), and the fused loss
     (``registry``'s cross_entropy providers; None: the process's)."""
-    from dataclasses import replace
-
     from primus.core.kernels.fp8_recipe import fp8_output_head
     from primus.core.planner.memory import KernelTerms, fp8_layers
 
     k = cfg.kernels
     n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
-    terms = KernelTerms(k.fp8, n_fp8, fused_loss(cfg, registry), fp8_output_head(k), cfg.train.compile)
-    return replace(terms, fp8_linears=k.fp8_recipe.linears)
+    return KernelTerms(
+        k.fp8, n_fp8, fused_loss(cfg, registry), fp8_output_head(k), cfg.train.compile, k.fp8_recipe.linears
+    )
 
 
 def fused_loss(cfg: PrimusConfig, registry: Registry | None = None) -> bool:
