@@ -3,6 +3,7 @@ fails when the engine changes under it (then the patch must be revisited)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import subprocess
@@ -54,6 +55,22 @@ def test_cpu_device_reaches_every_module_that_copies_it():
         "mon = m.DeviceMemoryMonitor('cpu:0'); assert mon.get_peak_stats().max_reserved_gib > 0\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_every_module_selects_the_device_before_importing_torchtitan():
+    # whichever of our modules a process imports first must not let torchtitan pick "cuda" on a CPU build
+    # (primus.torchtitan.deepseek imported torchtitan directly: every later import in that process refused)
+    late = []
+    for path in sorted(Path(compat.__file__).parent.glob("*.py")):
+        selected = path.stem == "compat"
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Expr) and "compat.import_torchtitan" in ast.unparse(node):
+                selected = True
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if not selected and any(n.split(".")[0] == "torchtitan" for n in names):
+                late.append(f"{path.name}:{node.lineno}")
+    assert late == []
 
 
 def test_moe_kernels_still_import_triton():

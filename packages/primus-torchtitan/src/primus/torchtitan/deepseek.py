@@ -15,10 +15,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs
-from torchtitan.models.moe import MoEArgs
-
 from primus.core.config.schema import ModelConfig
+from primus.torchtitan import compat
+
+compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3ModelArgs  # noqa: E402
+from torchtitan.models.moe import MoEArgs  # noqa: E402
 
 NO_YARN = 2**62  # an original context no run exceeds: torchtitan leaves the RoPE frequencies and scale alone
 

@@ -11,14 +11,14 @@ says which NCCL settings it overrides (gloo reads none).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 import warnings
 from pathlib import Path
 
-import torchtitan
-
-TORCHTITAN_DIR = str(Path(torchtitan.__file__).parent)
+# found, not imported: torchtitan picks its device at import (primus.torchtitan.compat does that import)
+TORCHTITAN_DIR = str(Path(importlib.util.find_spec("torchtitan").origin).parent)
 # from torchtitan's peak-FLOPs lookup (torchtitan.tools.utils.get_peak_flops) and its caller
 NEVER = ("Error running lspci", "Peak flops undefined", "Peak FLOPS used for computing MFU")
 # on a CPU (gloo): NCCL settings it overrides, which no CPU run reads
