@@ -55,7 +55,6 @@ def test_preflight_on_cpu_is_quick_and_says_what_it_does():
 
 
 def test_profile_runs_a_few_steps(tmp_path):
-    pytest.importorskip("torchtitan")
     primus("profile", "tiny-demo", f"logging.output_dir={tmp_path}", "logging.interval=1")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]  # wait 1 + warmup 1 + active 2 + 1, not 60
