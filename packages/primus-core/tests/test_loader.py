@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from primus.core import hookimpl
-from primus.core.config.loader import load_layers
+from primus.core.config.loader import RECIPE_NAME, load_layers
 from primus.core.config.presets import resolver
 from primus.core.config.validate import validate_config
 from primus.core.contracts.plugins import Registry, build_plugin_manager
@@ -23,6 +23,21 @@ def test_extends_order_and_relative_paths(tmp_path, registry):
     src = layers.sources
     assert src["model.hidden_size"] == "preset models/tiny-llama"
     assert src["train.steps"].endswith("lr.yaml") and src["train.seq_len"].endswith("exp.yaml")
+
+
+def test_the_run_folder_is_named_for_the_recipe_or_file_run(tmp_path, registry):
+    def folder(config, *overrides):
+        layers = load_layers(config, overrides, resolve_preset=resolver(registry))
+        return layers.data["logging"]["output_dir"], layers.sources["logging.output_dir"]
+
+    # one model, two recipes: two folders (they collided in outputs/tiny-llama)
+    assert folder("tiny-demo") == ("outputs/tiny-demo", RECIPE_NAME)
+    assert folder("tiny-demo-megatron")[0] == "outputs/tiny-demo-megatron"
+    (tmp_path / "mine.yaml").write_text("extends: [tiny-demo]\n")  # the file run, not the recipe it extends
+    assert folder(str(tmp_path / "mine.yaml"))[0] == "outputs/mine"
+    assert folder("tiny-demo", "logging.output_dir=/tmp/r") == ("/tmp/r", "command line")
+    (tmp_path / "set.yaml").write_text("extends: [tiny-demo]\nlogging: {output_dir: runs/a}\n")
+    assert folder(str(tmp_path / "set.yaml")) == ("runs/a", str(tmp_path / "set.yaml"))
 
 
 def test_env_substitution_keeps_types(tmp_path, registry):

@@ -9,7 +9,8 @@ resumes under EP 2 as its straight run, and a resume at EP 1 is refused
 before anything is read (megatron-core 0.16 keeps the experts' optimizer state apart only when ep > 1). A tiny
 Mixtral trains too, with an expert capacity that drops tokens. Core's expert-load metrics (primus.core.run.expert_load)
 come from megatron's routers, the aux loss (moe_aux_loss) from megatron's own record of it; both are equal across the
-layouts.
+layouts, as is DeepSeek-V3's sequence-wise auxiliary loss (moe_seq_aux_loss, beside the batch's) at EP 4
+(megatron-core 0.16's on a sequence split over ranks, TP + SP or CP, trains another curve: refused).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from megatron_helpers import LOSS_TOL, losses, primus, train
 
 CONFIGS = Path(__file__).parent / "configs"
 MOE, MIXTRAL = str(CONFIGS / "tiny_moe.yaml"), str(CONFIGS / "tiny_mixtral.yaml")
+# DeepSeek-V3's sequence-wise auxiliary loss beside the batch's (megatron's two losses at once): one rank and EP 4
+# (on a sequence split over ranks, TP + SP or CP, megatron-core 0.16's trains another curve: refused,
+# primus.megatron.validate)
+SEQ = "model.moe.seq_aux_loss_coeff=1e-2"
+REFERENCE = {"ep2": "ref", "ep4": "ref_seq", "tp2_ep2": "ref", "cp2_ep2": "ref"}
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +36,12 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_moe")
     seed = f"backend.extra.seed_checkpoint={root / 'seed'}"
     out = {"root": root, "ref": train(MOE, root / "ref", 1, seed, "checkpoint.enabled=true", "checkpoint.interval=3")}
+    out["ref_seq"] = train(MOE, root / "ref_seq", 1, seed, SEQ)
     # its stacked experts' checkpoint, resumed with megatron's per-expert SequentialMLP: refused
     per_expert = [f"checkpoint.dir={root / 'ref' / 'checkpoints'}", "kernels.grouped_gemm=torch"]
     out["per_expert_resume"] = primus("train", MOE, root / "per_expert_resume", 1, *per_expert, resume=True)
     out["ep2"] = train(MOE, root / "ep2", 2, seed, "parallel.ep=2", "checkpoint.enabled=true", "checkpoint.interval=3")
-    out["ep4"] = train(MOE, root / "ep4", 4, seed, "parallel.ep=4")  # 2 of the 8 experts a rank
+    out["ep4"] = train(MOE, root / "ep4", 4, seed, SEQ, "parallel.ep=4")  # 2 of the 8 experts a rank
     # megatron's own loop of experts (SequentialMLP: core's reference grouped_gemm) here, grouped GEMMs elsewhere
     out["tp2_ep2"] = train(MOE, root / "tp2_ep2", 4, seed, "parallel.tp=2", "parallel.sequence_parallel=true",
                            "parallel.ep=2", "kernels.grouped_gemm=torch")  # fmt: skip
@@ -57,19 +64,25 @@ def test_moe_models_train(runs):
         # the load-balancing loss before its coefficient: about 1 when even, at most the number of experts
         aux = [r["moe_aux_loss"] for r in runs[name]]
         assert all(0.5 < a < experts for a in aux), (name, aux)
+    # the sequence-wise loss: the same formula over each sequence's tokens, another number than the batch's
+    seq, batch = [r["moe_seq_aux_loss"] for r in runs["ref_seq"]], [r["moe_aux_loss"] for r in runs["ref_seq"]]
+    assert all(0.5 < a < 8 and a != b for a, b in zip(seq, batch, strict=True)), (seq, batch)
+    assert "moe_seq_aux_loss" not in runs["mixtral"][0]
 
 
 @pytest.mark.parametrize("layout", ["ep2", "ep4", "tp2_ep2", "cp2_ep2"])
 def test_expert_parallel_layouts_match_world_size_1(runs, layout):
-    assert losses(runs[layout]) == pytest.approx(losses(runs["ref"]), abs=LOSS_TOL)
+    ref = runs[REFERENCE[layout]]
+    assert losses(runs[layout]) == pytest.approx(losses(ref), abs=LOSS_TOL)
     norms = [r["grad_norm"] for r in runs[layout]]
-    assert norms == pytest.approx([r["grad_norm"] for r in runs["ref"]], rel=1e-4)
+    assert norms == pytest.approx([r["grad_norm"] for r in ref], rel=1e-4)
     # the routers' expert load, summed over ranks (EP: each rank routes its own tokens; TP + SP, CP: its sequence shard)
     for key in ("moe_load_max", "moe_load_min"):
-        assert [r[key] for r in runs[layout]] == pytest.approx([r[key] for r in runs["ref"]], rel=1e-6), key
-    # megatron's aux loss per routed batch: TP + SP and CP ranks each hold part of a batch's, EP ranks their own batches'
-    aux = [r["moe_aux_loss"] for r in runs[layout]]
-    assert aux == pytest.approx([r["moe_aux_loss"] for r in runs["ref"]], rel=1e-5)
+        assert [r[key] for r in runs[layout]] == pytest.approx([r[key] for r in ref], rel=1e-6), key
+    # megatron's aux losses per routed batch: TP + SP and CP ranks each hold part of a batch's, EP ranks their own
+    for key in ("moe_aux_loss", "moe_seq_aux_loss")[: 2 if REFERENCE[layout] == "ref_seq" else 1]:
+        aux = [r[key] for r in runs[layout]]
+        assert aux == pytest.approx([r[key] for r in ref], rel=1e-5), key
 
 
 def test_experts_run_as_grouped_gemms_or_megatrons_loop(runs):

@@ -35,8 +35,9 @@ def runs(tmp_path_factory):
     # handed over by the all-to-all), loss-free balancing's expert bias choosing
     triton = {"PRIMUS_TEST_TRITON_ON_CPU": "1", "TRITON_INTERPRET": "1"}
     torch_ops = [f"kernels.{op}=torch" for op in ("rms_norm", "swiglu", "cross_entropy")]
-    moe_ops = ("kernels.moe_permute=triton", "kernels.moe_router=triton", "train.steps=3")  # the interpreter is slow
-    moe_ops += ("train.schedule.decay_steps=6",)  # world size 1's schedule: its first 3 steps
+    # 2 steps (the interpreter takes 12 s a step): the second routed by the expert bias the first updated
+    moe_ops = ("kernels.moe_permute=triton", "kernels.moe_router=triton", "train.steps=2")
+    moe_ops += ("train.schedule.decay_steps=6",)  # world size 1's schedule: its first 2 steps
     proc = drive(
         MOE, root / "turbo_moe_ep2", *moe_ops, "parallel.dp_shard=2", "parallel.ep=2", *torch_ops, env=triton, nproc=2
     )
@@ -93,8 +94,8 @@ def test_triton_router_and_permute_train_the_same_curve(runs):
     primus-turbo's Triton kernels, under EP 2: world size 1's curve, gradient norms and expert load."""
     kernels = runs["turbo_moe_kernels"]
     assert (kernels["moe_router"], kernels["moe_permute"]) == ("triton", "triton")
-    ref, got = runs["ws1"][:3], runs["turbo_moe_ep2"]
-    assert len(got) == 3
+    ref, got = runs["ws1"][:2], runs["turbo_moe_ep2"]
+    assert len(got) == 2
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=LOSS_RTOL)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)
     assert [r["moe_load_max"] for r in got] == pytest.approx([r["moe_load_max"] for r in ref], rel=1e-6)

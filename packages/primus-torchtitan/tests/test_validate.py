@@ -36,6 +36,12 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
         (MOE + ["model.moe.first_dense_layers=1"], 1, "model.moe.first_dense_layers", "every layer"),
         (MOE + ["model.moe.capacity_factor=1.5"], 1, "model.moe.capacity_factor", "drops no tokens"),
         (
+            MOE + ["model.moe.seq_aux_loss_coeff=1e-4"],
+            1,
+            "model.moe.seq_aux_loss_coeff",
+            "no sequence-wise auxiliary loss",
+        ),
+        (
             MOE
             + ["parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"]
             + ["backend.extra.parallelism.expert_tensor_parallel_degree=1"],

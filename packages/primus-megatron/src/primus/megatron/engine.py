@@ -35,6 +35,12 @@ from primus.megatron.dist import init_distributed, teardown  # noqa: E402
 
 log = logging.getLogger("primus.megatron")
 
+# core's metric, the key megatron's tracker logs it under, the loss type (primus.megatron.model.balancing_losses)
+AUX_LOSSES = (
+    ("moe_aux_loss", "load_balancing_loss", "aux_loss"),
+    ("moe_seq_aux_loss", "seq_load_balancing_loss", "seq_aux_loss"),
+)
+
 
 def fully_sharded(cfg: PrimusConfig) -> bool:
     """``parallel.fsdp: true`` with dp_shard > 1: PyTorch FSDP2 under megatron (TorchFullyShardedDataParallel)
@@ -301,7 +307,7 @@ class MegatronEngine:
         ]
 
     def interval_metrics(self) -> dict[str, float]:
-        """``moe_aux_loss`` (core's definition, primus.core.run.expert_load.METRICS) from megatron's own record of it (its
+        """``moe_aux_loss`` and ``moe_seq_aux_loss`` (core's definitions, primus.core.run.expert_load.METRICS) from megatron's own record of them (its
         routers add each micro-batch's load-balancing loss per layer to a tracker), per routed batch: the routers'
         training forwards are counted here (a recomputed forward logs, and is counted, again), tensor- and
         context-parallel ranks hold parts of one batch's loss (megatron's Switch formula sums them), data-parallel
@@ -314,25 +320,33 @@ class MegatronEngine:
         )
 
         n = len(self._router_calls)
-        sums = torch.zeros(2, n, dtype=torch.float64, device=self.device)
-        entry = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-        if entry is not None:  # a stage of dense layers only has none, and still takes part in the sum
-            sums[0] = entry["values"][:n].to(sums)
-        sums[1] = torch.tensor(self._router_calls, dtype=sums.dtype)
+        tracked = [(metric, key) for metric, key, kind in AUX_LOSSES if self._aux_losses.get(kind)]
+        sums = torch.zeros(len(tracked) + 1, n, dtype=torch.float64, device=self.device)
+        for i, (_, key) in enumerate(tracked):
+            entry = get_moe_layer_wise_logging_tracker().get(key)
+            if entry is not None:  # a stage of dense layers only has none, and still takes part in the sum
+                sums[i] = entry["values"][:n].to(sums)
+        sums[-1] = torch.tensor(self._router_calls, dtype=sums.dtype)
         if dist.is_initialized():
             dist.all_reduce(sums)
         clear_aux_losses_tracker()
         self._router_calls[:] = [0] * n  # in place: the routers' hooks hold this list
         p = self.cfg.parallel
-        batches = sums[1] / (p.tp * p.cp)  # routed batches: tp × cp ranks route the parts of one
+        batches = sums[-1] / (p.tp * p.cp)  # routed batches: tp × cp ranks route the parts of one
         moe = batches > 0
-        return {"moe_aux_loss": float((sums[0][moe] / batches[moe]).mean())} if bool(moe.any()) else {}
+        if not bool(moe.any()):
+            return {}
+        return {metric: float((sums[i][moe] / batches[moe]).mean()) for i, (metric, _) in enumerate(tracked)}
 
     def _count_router_calls(self) -> None:
-        """With aux-loss balancing: count each router's training forwards (what megatron's tracker sums over)."""
+        """With an auxiliary balancing loss: count each router's training forwards (what megatron's tracker sums
+        over)."""
         self._router_calls = None
         e = self.cfg.model.moe
-        if e is None or e.balancing != "aux_loss" or e.aux_loss_coeff == 0:
+        from primus.megatron.model import balancing_losses
+
+        self._aux_losses = dict(balancing_losses(e)) if e is not None else {}
+        if not any(self._aux_losses.values()):
             return
         self._router_calls = calls = [0] * self.cfg.model.num_layers
 

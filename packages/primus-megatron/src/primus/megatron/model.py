@@ -100,6 +100,14 @@ def transformer_config(cfg: PrimusConfig) -> TransformerConfig:
     )
 
 
+def balancing_losses(e: Any) -> list[tuple[str, float]]:
+    """megatron's load-balancing losses and their weights (its TopKRouter takes a list): Switch's over the routed
+    batch (``balancing: aux_loss``) and DeepSeek-V3's over each sequence (``seq_aux_loss_coeff``), either, both or
+    none."""
+    out = [("aux_loss", e.aux_loss_coeff)] if e.balancing == "aux_loss" else []
+    return out + ([("seq_aux_loss", e.seq_aux_loss_coeff)] if e.seq_aux_loss_coeff > 0 else [])
+
+
 def moe_fields(cfg: PrimusConfig) -> dict[str, Any]:
     """model.moe as megatron-core's MoE settings: a router over ``num_experts`` local SwiGLU experts (the layer spec
     runs them as grouped GEMMs over stacked weights, primus.megatron.experts, not megatron's ``moe_grouped_gemm``,
@@ -112,6 +120,7 @@ def moe_fields(cfg: PrimusConfig) -> dict[str, Any]:
     from primus.megatron.deepseek import router_fields
 
     e = m.moe
+    losses = balancing_losses(e) or [("none", 0.0)]
     return dict(
         num_moe_experts=e.num_experts,
         moe_router_topk=e.experts_per_token,
@@ -121,9 +130,9 @@ def moe_fields(cfg: PrimusConfig) -> dict[str, Any]:
         moe_router_score_function=e.router,
         # softmax: top-k of the logits then a softmax over them is the renormalised top-k of the softmax
         moe_router_pre_softmax=not e.normalize_topk,
-        moe_router_load_balancing_type="aux_loss" if e.balancing == "aux_loss" else "none",
+        moe_router_load_balancing_type=[t for t, _ in losses] if len(losses) > 1 else losses[0][0],
         moe_router_enable_expert_bias=e.balancing == "loss_free",
-        moe_aux_loss_coeff=e.aux_loss_coeff if e.balancing == "aux_loss" else 0.0,
+        moe_aux_loss_coeff=[c for _, c in losses] if len(losses) > 1 else losses[0][1],
         moe_expert_capacity_factor=e.capacity_factor,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,

@@ -252,4 +252,19 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if e is not None and e.balancing == "loss_free" and e.router != "sigmoid":
         why = "megatron-core 0.16's loss-free balancing (router expert bias) takes a sigmoid router only"
         out.append(ConfigIssue("model.moe.balancing", why, "loss_free", "aux_loss, none, or model.moe.router: sigmoid"))
+    tp = cfg.parallel.tp
+    if e is not None and tp > 1 and not cfg.parallel.sequence_parallel:  # else a ValueError inside megatron
+        why = (
+            "megatron-core 0.16 runs mixture-of-experts layers under tensor parallelism only with sequence parallelism"
+        )
+        out.append(ConfigIssue("parallel.sequence_parallel", why, False, "true, or parallel.tp: 1"))
+    if e is not None and e.seq_aux_loss_coeff > 0 and (tp > 1 or cfg.parallel.cp > 1):
+        why = (
+            "megatron-core 0.16's sequence-wise auxiliary loss on a sequence split over ranks (TP + SP, CP) trains "
+            "another curve than one rank (measured on tiny-qwen3-moe, coefficient 1e-2: TP 2 + SP x EP 2 and CP 2 x EP 2 "
+            "5e-5 relative apart at step 4); EP 2 and EP 4 equal one rank"
+        )
+        out.append(
+            ConfigIssue("model.moe.seq_aux_loss_coeff", why, e.seq_aux_loss_coeff, "0, or parallel.tp and cp: 1")
+        )
     return out

@@ -187,6 +187,9 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if e.balancing == "aux_loss":
         why = "torchtitan 0.2.2's MoE has no auxiliary loss; it balances by an expert-bias update (loss_free)"
         out.append(ConfigIssue("model.moe.balancing", why, value="aux_loss", allowed="loss_free, none"))
+    if e.seq_aux_loss_coeff > 0:
+        why = "torchtitan 0.2.2's MoE has no sequence-wise auxiliary loss (DeepSeek-V3's balancing is its expert bias)"
+        out.append(ConfigIssue("model.moe.seq_aux_loss_coeff", why, value=e.seq_aux_loss_coeff, allowed="0"))
     if e.capacity_factor is not None:
         why = "torchtitan 0.2.2's MoE drops no tokens (no expert capacity)"
         out.append(ConfigIssue("model.moe.capacity_factor", why, value=e.capacity_factor, allowed="null"))

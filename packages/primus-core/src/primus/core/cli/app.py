@@ -313,5 +313,17 @@ def main() -> None:
         sys.exit(2)
 
 
+def entry() -> None:
+    """The ``primus`` command: :func:`main`, then out without the interpreter's teardown (a second of CPU a process
+    once torch is imported: :mod:`primus.core.launch.quick_exit`). :func:`main` itself raises ``SystemExit``."""
+    from primus.core.launch.quick_exit import exit_code, quick_exit
+
+    try:
+        main()
+    except SystemExit as exc:
+        quick_exit(exit_code(exc.code))
+    quick_exit(0)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

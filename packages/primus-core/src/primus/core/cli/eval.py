@@ -1,5 +1,6 @@
-"""``primus eval CONFIG --checkpoint CKPT``: the evaluation loss of a checkpoint alone (under torchrun when more
-than one process). The evaluation data is the config's (``eval.holdout`` as in training, or ``eval.source``).
+"""``primus eval RUN_FOLDER`` or ``primus eval CONFIG --checkpoint CKPT``: the evaluation loss of a checkpoint alone
+(under torchrun when more than one process). The evaluation data is the config's (``eval.holdout`` as in training, or
+``eval.source``); a run folder gives its own ``config.yaml`` and ``checkpoints/`` (the newest).
 
 Importing this module imports neither torch nor an engine: the work is imported when the command runs."""
 
@@ -16,11 +17,17 @@ from primus.core.cli.helpers import Overrides, _fail, _resolve, _setup_logging, 
 
 
 def evaluate(
-    config: Annotated[str, typer.Argument(help="the run's YAML file or preset name")],
+    config: Annotated[
+        str, typer.Argument(help="a run folder (its config.yaml and checkpoints), or a YAML file or preset name")
+    ],
     overrides: Overrides = None,
     checkpoint: Annotated[
-        Path, typer.Option(help="a checkpoint folder (step_NNNNNNNN), or a checkpoint root: its newest")
-    ] = ...,
+        Path | None,
+        typer.Option(
+            help="a checkpoint folder (step_NNNNNNNN), or a checkpoint root: its newest [default: the run folder's "
+            "checkpoints; required with a YAML file or preset]"
+        ),
+    ] = None,
     nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, help="processes (devices)")] = 1,
     output: Annotated[Path | None, typer.Option(help="also write the result to this JSON file")] = None,
 ) -> None:
@@ -29,6 +36,7 @@ def evaluate(
     from primus.core.launch.train import LAUNCHED_ENV, eval_rank, launch_torchrun
 
     _setup_logging("warning")
+    config, checkpoint = run_folder(config, checkpoint)
     inside = os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ
     res = _resolve(config, overrides, None if inside else nproc_per_node)
     if not checkpoint.exists():
@@ -48,3 +56,18 @@ def evaluate(
         out.print(line, highlight=False, markup=False, soft_wrap=True)
         if output:
             output.write_text(line + "\n")
+
+
+def run_folder(config: str, checkpoint: Path | None) -> tuple[str, Path]:
+    """A run folder stands for its ``config.yaml`` (what it trained) and, unless ``--checkpoint`` is given, its
+    ``checkpoints/``; a YAML file or preset needs ``--checkpoint``."""
+    from primus.core.contracts.errors import UserError
+
+    folder = Path(config)
+    if folder.is_dir():
+        if not (folder / "config.yaml").is_file():
+            raise _fail(UserError(f"{config}: a folder without config.yaml, so not a run folder"))
+        return str(folder / "config.yaml"), checkpoint or folder / "checkpoints"
+    if checkpoint is None:
+        raise _fail(UserError(f"--checkpoint is needed with {config!r} (a run folder names its own checkpoints)"))
+    return config, checkpoint

@@ -75,6 +75,8 @@ def _train(
                     highlight=False,
                     markup=False,
                 )
+                for note in res.layers.notes:  # a value the loader changed (a warmup longer than train.steps)
+                    err.print(f"note: {note}", highlight=False, markup=False)
                 if world > 1:
                     check_data(res.config)  # once, before the ranks start (each rank's run_rank checks it too)
                 if (resume or res.config.checkpoint.resume is True) and (warning := resume_warning(res.config)):

@@ -21,11 +21,14 @@ from pydantic import BaseModel
 
 from primus.core.config.errors import ConfigError
 from primus.core.config.fields import coerce
-from primus.core.config.schema import PrimusConfig
+from primus.core.config.schema import PrimusConfig, ScheduleConfig
 from primus.core.config.yaml_reader import Loader, YAMLRefused
 from primus.core.contracts.protocols import ConfigIssue
 
 _Loader = Loader  # SafeLoader with a config's limits (yaml_reader)
+# the source of logging.output_dir's default, outputs/<the recipe's or config file's name>, under every layer
+RECIPE_NAME = "default: the recipe's name"
+WARMUP = "train.schedule.warmup_steps"
 
 
 def parse_scalar(text: str) -> Any:
@@ -123,6 +126,7 @@ class Layered:
     data: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # values the loader changed, for the CLI to say
 
     def merge(self, layer: Mapping[str, Any], source: str) -> None:
         _deep_merge(self.data, layer, "", source, self.sources)
@@ -164,6 +168,8 @@ def load_layers(
     out = Layered()
     if config is not None:
         path = _locate(str(config), None, resolve_preset)
+        # the run folder is named for what was run: tiny-demo and tiny-demo-megatron (one model) get two folders
+        out.merge({"logging": {"output_dir": str(Path("outputs") / path.stem)}}, RECIPE_NAME)
         _load_file(path, out, env, resolve_preset, stack=[])
     parsed = [parse_override(item) for item in overrides]
     if configure is not None:
@@ -179,7 +185,23 @@ def load_layers(
         out.merge(nest(key, coerce(key, value)), "command line")
     if issues := section_issues(out.data, out.sources):
         raise ConfigError(issues)
+    _cap_warmup(out)
     return out
+
+
+def _cap_warmup(out: Layered) -> None:
+    """``train.steps=N`` on the command line under a recipe's warmup (a 2-step smoke run of a recipe that warms up
+    for 5) takes the warmup down to N, with a note; both given on the command line stay as given (the validator
+    refuses the contradiction)."""
+    steps = out.data.get("train", {}).get("steps")
+    schedule = out.data.get("train", {}).get("schedule") or {}
+    warmup = schedule.get("warmup_steps", ScheduleConfig.model_fields["warmup_steps"].default)
+    capped = out.sources.get("train.steps") == "command line" and out.sources.get(WARMUP) != "command line"
+    if not (capped and type(steps) is int and type(warmup) is int and 0 <= steps < warmup):
+        return
+    was = out.sources.get(WARMUP, "default")
+    out.merge(nest(WARMUP, steps), f"command line (train.steps={steps})")
+    out.notes.append(f"{WARMUP}: {warmup} from {was} is more than train.steps={steps}; warming up for {steps}")
 
 
 def _section_model(annotation: Any) -> tuple[type[BaseModel] | None, bool]:

@@ -65,6 +65,12 @@ class MoEConfig(Section):
         "or none",
     )
     aux_loss_coeff: float = Field(1e-3, ge=0, description="aux_loss: its weight in the loss (Qwen3 1e-3, Mixtral 2e-2)")
+    seq_aux_loss_coeff: float = Field(
+        0.0,
+        ge=0,
+        description="DeepSeek-V3's sequence-wise auxiliary loss, beside any balancing above: its weight (the paper's "
+        "alpha: 1e-4; 0: off). An engine without one refuses it",
+    )
     expert_groups: int = Field(
         1, gt=0, description="group-limited routing: the experts form this many groups (DeepSeek-V3: 8, n_group)"
     )
@@ -404,7 +410,10 @@ class EvalConfig(Section):
 
 
 class LoggingConfig(Section):
-    output_dir: str | None = Field(None, description="run folder (default outputs/<model.name>)")
+    output_dir: str | None = Field(
+        None,
+        description="run folder (default outputs/<recipe>: the recipe's or config file's name; else outputs/<model.name>)",
+    )
     interval: int = Field(1, gt=0, description="steps per metrics line")
     tensorboard: bool = Field(True, description="write TensorBoard events")
     jsonl: bool = Field(True, description="write metrics.jsonl")

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 def check_folders(cfg: PrimusConfig) -> None:
     """Refuse (:class:`ConfigError`, exit 2) a run folder the run could not create or write: ``logging.output_dir``
-    (default ``outputs/<model.name>``) and, where checkpoints are saved, ``checkpoint.dir``."""
+    (default ``outputs/<recipe>``) and, where checkpoints are saved, ``checkpoint.dir``."""
     from primus.core.launch.train import output_dir
     from primus.core.run.loop import checkpoint_root
 

@@ -62,4 +62,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from primus.core.launch.quick_exit import quick_exit
+
+    quick_exit(main(sys.argv[1:]))

@@ -32,6 +32,9 @@ METRICS = {
     # measured by the engine (Engine.interval_metrics): its router computes the loss
     "moe_aux_loss": "MoE with aux-loss balancing: the load-balancing loss before its coefficient (Switch "
     "Transformer's E * sum_i f_i * P_i, 1 = even), mean over MoE layers and the interval's routed batches",
+    "moe_seq_aux_loss": "MoE with model.moe.seq_aux_loss_coeff: DeepSeek-V3's sequence-wise balancing loss before its "
+    "coefficient (the same formula over each sequence's tokens, averaged over sequences), mean over MoE layers and the "
+    "interval's routed batches",
 }
 
 Router = tuple[int, torch.nn.Module, Callable[[Any], torch.Tensor]]

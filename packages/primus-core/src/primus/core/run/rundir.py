@@ -30,8 +30,9 @@ LOCK_HELD_ENV = "PRIMUS_RUN_LOCK_HELD"
 
 
 def output_dir(cfg: PrimusConfig) -> Path:
-    """``logging.output_dir``, by default ``outputs/<model.name>``: then ``model.name`` must be one plain folder
-    name (``../../x`` or ``a/b`` would put the run elsewhere), else :class:`ConfigError` (exit 2)."""
+    """``logging.output_dir`` (a recipe or config file sets its default, ``outputs/<its name>``, on load); for a
+    config built from overrides alone ``outputs/<model.name>``: then ``model.name`` must be one plain folder name
+    (``../../x`` or ``a/b`` would put the run elsewhere), else :class:`ConfigError` (exit 2)."""
     if cfg.logging.output_dir:
         return Path(cfg.logging.output_dir)
     name = cfg.model.name
