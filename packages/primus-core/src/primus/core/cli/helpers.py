@@ -16,7 +16,8 @@ from primus.core.config.errors import ConfigError
 
 # Wide enough for the preset tables when output is piped (rich assumes 80 columns then).
 out = Console(width=None if sys.stdout.isatty() else 320)  # piped: wide, so a row is never cut
-err = Console(stderr=True, soft_wrap=True)
+# piped (a log file, a test, Slurm): wide as well, so one event stays one line (rich wraps at 80 columns otherwise)
+err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 320)
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides, applied last")]
 WorldSize = Annotated[
@@ -28,12 +29,14 @@ def _setup_logging(level: str = "info") -> None:
     from rich.logging import RichHandler
 
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"[rank{rank}] %(message)s" if os.environ.get("WORLD_SIZE") else "%(message)s",
-        handlers=[RichHandler(console=err, show_path=False, show_time=False)],
-        force=True,
-    )
+    prefix = f"[rank{rank}] " if os.environ.get("WORLD_SIZE") else ""
+    if err.is_terminal:
+        handler: logging.Handler = RichHandler(console=err, show_path=False, show_time=False)
+        handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    else:  # piped: one plain line a record (RichHandler pads and wraps every line to the console's width)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)-8s " + prefix + "%(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 def _fail(exc: Exception, code: int = 2) -> typer.Exit:

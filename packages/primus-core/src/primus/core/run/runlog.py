@@ -32,7 +32,8 @@ class _RunLog:
                 self.tb = SummaryWriter(str(self.out / "tensorboard"))
             except Exception as exc:  # noqa: BLE001 - tensorboard is optional
                 log.warning("tensorboard disabled: %s", exc)
-        self.console = Console(stderr=True)
+        # one line a step, piped too (rich wraps a piped console at 80 columns)
+        self.console = Console(stderr=True, soft_wrap=True)
         self.progress = None
         if config.logging.progress and self.console.is_terminal:
             self.progress = Progress(
