@@ -24,6 +24,24 @@ def overhead_args(doc: str, out: str, models: list[str]) -> Any:
     return ap
 
 
+def kernel_args(doc: str, smoke: str, **counts: int) -> Any:
+    """The parsed command line of a kernel benchmark: ``--out``, ``--smoke`` and an int option per ``counts`` entry
+    (its default); without a GPU, Triton's interpreter is selected first (before primus-turbo defines its kernels)."""
+    import argparse
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    for name, default in counts.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--smoke", action="store_true", help=smoke)
+    return ap.parse_args()
+
+
 def run_shape_args(ap: Any, *, steps: int, warmup: int) -> None:
     """``--seq``, ``--micro-batch``, ``--steps`` and ``--warmup``: the shape of every benchmark's training run."""
     ap.add_argument("--seq", type=int, default=4096)

@@ -1,6 +1,6 @@
 """The GPU acceptance suite: every GPU path of both engines in one call, one JSON and one markdown table.
 
-    python3 benchmarks/gpu_suite.py --out DIR                 # on one H100 / H200, at most ~9 minutes
+    python3 benchmarks/gpu_suite.py --out DIR                 # on one H100 / H200, ~10 minutes (596 s on an H100)
     python3 benchmarks/gpu_suite.py --out DIR --only moe,fp8_dense
     python3 benchmarks/gpu_suite.py --out DIR --smoke         # the same code on CPU with the tiny presets (nox)
 
@@ -16,6 +16,8 @@ Parts (``--only`` / ``--skip``), each run as ``primus`` processes or the benchma
   TorchTitan's indexing, the FP8 grouped GEMM vs bf16's at the Qwen3-30B-A3B and Mixtral expert shapes;
 - ``moe``: a Qwen3-30B-A3B-shaped model (``--moe-layers`` of its layers) on both engines: turbo's MoE kernels vs
   TorchTitan's, FP8 as ``auto`` decides it and with the experts forced onto FP8, losses against bf16's;
+- ``deepseek``: a DeepSeek-V3-architecture model (4 blocks of Moonlight-16B-A3B: latent attention, sigmoid router)
+  on both engines;
 - ``document_mask``: ``data.document_mask`` (FlexAttention) vs causal attention on the bundled documents;
 - ``gemm_tuning``: ``kernels.gemm_tuning`` off vs offline (the committed H200 tuning file);
 - ``eval_resume``: evaluation on, SIGTERM mid-run -> exit 75 with a checkpoint -> the same command resumes;
@@ -53,7 +55,7 @@ sys.path.insert(0, str(HERE))
 from _common import run_overrides, versions  # noqa: E402
 
 GIB = 2**30
-TOLERANCE = 0.01  # FP8 losses within 1% of bf16's, as the engines' CPU FP8 tests
+TOLERANCE = 0.01  # FP8 losses within 1% of bf16's (mean over the run: fp8_loss_check), as the CPU FP8 tests
 OFFLINE_GEMM_FILE = HERE / "results" / "llama3.2-1b-gemm-h200.json"
 
 
@@ -75,12 +77,17 @@ def tail(proc: subprocess.CompletedProcess, n: int = 1500) -> str:
 
 
 def predicted_gib(preset: str, overrides: list[str]) -> float | None:
-    """The planner's per-GPU memory for this exact one-GPU config (None where it cannot say)."""
+    """The planner's per-GPU memory for this exact one-GPU config, the share the measured peak holds (the runs'
+    ``memory_gib`` is ``torch.cuda.max_memory_allocated``: without the CUDA context and the allocator's
+    fragmentation, which the planner's total adds); None where it cannot say."""
     try:
         from primus.core.launch.train import resolve
+        from primus.core.planner.memory import MemoryBreakdown
         from primus.core.planner.strategies import estimate_memory
 
-        return estimate_memory(resolve(preset, overrides, world_size=1).config, 1).total / GIB
+        return (
+            MemoryBreakdown(estimate_memory(resolve(preset, overrides, world_size=1).config, 1).parts).allocated / GIB
+        )
     except Exception:  # noqa: BLE001 - a prediction is a column, never the row's failure
         return None
 
@@ -99,11 +106,26 @@ def measured(rows: list[dict], warmup: int) -> dict:
     return out
 
 
-def loss_agreement(a: list[float], b: list[float]) -> float | None:
-    """Largest relative difference between two loss curves (None when they do not line up)."""
+def loss_agreement(a: list[float], b: list[float], *, mean: bool = False) -> float | None:
+    """Largest (``mean``: mean) relative difference between two loss curves (None when they do not line up)."""
     if not a or len(a) != len(b):
         return None
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+    gaps = [abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)]
+    return sum(gaps) / len(gaps) if mean else max(gaps)
+
+
+def fp8_loss_check(row: dict, base: dict | None) -> None:
+    """An FP8 row's losses against bf16's: the mean relative gap over the run within :data:`TOLERANCE` (the largest
+    is recorded too). Not the largest: megatron-core's MoE forward is not deterministic (two bf16 runs from one seed
+    differ by 2e-4 at step 1, results/fp8_auto_vs_bf16_losses_h100.json), and without load balancing the routing
+    amplifies it; 20 steps of Qwen3-30B-A3B's layers, with nothing in FP8, reached a 1.03% largest gap (0.37% mean)
+    in two calls. FP8 numerics that are wrong are off by far more; fp8_training.py's 300-step loss section is the
+    convergence check."""
+    losses, ref = row.get("losses") or [], (base or {}).get("losses") or []
+    row["loss_agreement"] = agree = loss_agreement(losses, ref, mean=True)
+    row["loss_gap_max"] = loss_agreement(losses, ref)
+    if row["status"] == "passed" and (agree is None or agree > TOLERANCE):
+        row["status"], row["reason"] = "failed", f"losses {agree} from bf16's, mean over the run (needs <= {TOLERANCE})"
 
 
 class Suite:
@@ -210,9 +232,10 @@ def part_dense(s: Suite) -> list[dict]:
     return rows
 
 
-# Two runs of one program measured 0.998x and 1.003x (dense/tt_core, gemm_tuning/offline): a speed feature that
+# The same bf16 run in two calls on one H100 measured 51,642 and 52,437 tokens/s (fp8_dense/torchtitan/bf16,
+# 1.5% apart); pairs within one call 0.998x and 1.003x (dense/tt_core, gemm_tuning/offline). A speed feature that
 # changes nothing on a run (FP8 whose rule keeps every linear bf16) must not fail on that noise.
-NOISE = 0.01
+NOISE = 0.02
 
 
 def part_fp8_dense(s: Suite) -> list[dict]:
@@ -231,9 +254,7 @@ def part_fp8_dense(s: Suite) -> list[dict]:
         fp8 = s.train(f"fp8_dense/{engine}/fp8_rowwise", preset, [*common, "kernels.fp8=rowwise"], warmup=4)
         fp8["smoke"] = s.smoke
         speed_pair(fp8, bf16, 1.0 - NOISE, "FP8 slower than bf16")
-        fp8["loss_agreement"] = agree = loss_agreement(fp8.get("losses", []), bf16.get("losses", []))
-        if fp8["status"] == "passed" and (agree is None or agree > TOLERANCE):
-            fp8["status"], fp8["reason"] = "failed", f"losses {agree} from bf16's (needs <= {TOLERANCE})"
+        fp8_loss_check(fp8, bf16)
         rows += [bf16, fp8]
     return rows
 
@@ -299,12 +320,24 @@ def part_moe(s: Suite) -> list[dict]:
             speed_pair(r, by.get("tt_turbo_ref_moe"), 1.0, "turbo's MoE kernels slower than TorchTitan's")
         if "fp8" in case:
             base = by.get(f"{engine}_turbo")
-            r["loss_agreement"] = agree = loss_agreement(r.get("losses") or [], (base or {}).get("losses") or [])
-            if r["status"] == "passed" and (agree is None or agree > TOLERANCE):
-                r["status"], r["reason"] = "failed", f"losses {agree} from bf16's (needs <= {TOLERANCE})"
+            fp8_loss_check(r, base)
             # `auto` must never be slower; forcing FP8 experts is measured, and may be
             speed_pair(r, base, 1.0 - NOISE if not case.endswith("experts") else 0.0, "FP8 (auto) slower than bf16")
     return rows
+
+
+def part_deepseek(s: Suite) -> list[dict]:
+    """A DeepSeek-V3-architecture model (Moonlight-16B-A3B's shapes: multi-head latent attention, sigmoid router with
+    the loss-free bias, 64 routed + 2 shared experts, the first block dense; 4 of its 27 blocks) on each engine with
+    primus-turbo: tokens/s, MFU and peak memory against the planner's."""
+    preset = "tiny-deepseek" if s.smoke else "moonlight-16b-a3b"
+    seq, micro, steps = (64, 2, 2) if s.smoke else (4096, 1, 12)
+    common = [*run_overrides("", seq, micro, steps)[:-1], "train.precision=bf16"]
+    common += [] if s.smoke else ["model.num_layers=4"]
+    return [s.train(f"deepseek/{engine}", preset, [*common, f"backend.name={engine}"], warmup=4) for engine in ENGINES]
+
+
+ENGINES = ("torchtitan", "megatron")
 
 
 def train_argv(command: str) -> tuple[str, list[str]]:
@@ -320,6 +353,8 @@ def experts_note(case: dict) -> str | None:
 
 
 def part_document_mask(s: Suite) -> list[dict]:
+    # the whole model: the block mask is built once a step (the documents change with the batch), a cost that 4 of
+    # the 16 blocks do not amortise (4 blocks measured 0.92x, 16 blocks 1.04x on an H100)
     preset = "tiny-llama" if s.smoke else "llama3.2-1b"
     seq, micro, steps = (64, 2, 3) if s.smoke else (4096, 2, 10)
     data = ["data.source=bundled", "data.tokenizer=bundled", "model.vocab_size=2048", "backend.name=torchtitan"]
@@ -335,9 +370,9 @@ def part_document_mask(s: Suite) -> list[dict]:
 
 def part_gemm_tuning(s: Suite) -> list[dict]:
     preset = "tiny-llama" if s.smoke else "llama3.2-1b"
-    seq, micro, steps = (64, 2, 3) if s.smoke else (4096, 2, 12)
+    seq, micro, steps = (64, 2, 3) if s.smoke else (4096, 2, 10)
     common = [*run_overrides("", seq, micro, steps)[:-1], "backend.name=torchtitan", "train.compile=false"]
-    common += ["train.precision=bf16"]
+    common += ["train.precision=bf16", *([] if s.smoke else ["model.num_layers=4"])]  # the same GEMM shapes
     off = s.train("gemm_tuning/off", preset, [*common, "kernels.gemm_tuning=off"], warmup=4)
     offline = [*common, "kernels.gemm_tuning=offline", f"kernels.gemm_tuning_file={OFFLINE_GEMM_FILE}"]
     tuned = s.train("gemm_tuning/offline", preset, offline, warmup=4)
@@ -358,10 +393,24 @@ def _small_model(s: Suite) -> tuple[str, list[str]]:
     return "llama3.2-1b", ["model.num_layers=2", "train.seq_len=2048", "train.micro_batch_size=4", *data]
 
 
+RESUME_END = 12  # steps of the resumed run and of the straight one; the kill comes after step 3
+
+
+def _sigterm_after(cmd: list[str], out: Path, step: int) -> tuple[subprocess.Popen, str]:
+    """Start ``cmd`` and SIGTERM it once its metrics reach ``step``: the process and its output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and not any(r["step"] >= step for r in metrics(out)):
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc, proc.communicate(timeout=240)[0]
+
+
 def part_eval_resume(s: Suite) -> list[dict]:
     """What a preempted job does: a long run with evaluation and checkpoints gets SIGTERM after a few steps (exit
-    75, one checkpoint), the requeued command resumes to ``stopped + 3`` steps; a straight run of that length
-    (constant learning rate, so the runs' schedules agree) gives the reference losses."""
+    75, one checkpoint), the requeued command resumes to :data:`RESUME_END` steps; a straight run of that length
+    (constant learning rate, so the runs' schedules agree), run beside the killed one, gives the reference losses."""
     preset, model = _small_model(s)
     common = [*model, "train.schedule.warmup_steps=0", "train.schedule.decay=constant", "logging.interval=1"]
     common += ["eval.holdout=0.05", "eval.interval=2", "eval.batches=2", "checkpoint.interval=50"]
@@ -371,18 +420,15 @@ def part_eval_resume(s: Suite) -> list[dict]:
     cmd = [sys.executable, "-m", "primus.core.cli.app", "train", preset, *common, "train.steps=400"]
     cmd += [f"logging.output_dir={out}"]
     row["command"] = shlex.join(["primus", *cmd[3:]])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline and not any(r["step"] >= 3 for r in metrics(out)):
-        time.sleep(0.05)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    log = proc.communicate(timeout=240)[0]
+    end = RESUME_END
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        straight_run = pool.submit(s.train, "eval_resume/straight", preset, [*common, f"train.steps={end}"], warmup=2)
+        proc, log = _sigterm_after(cmd, out, step=3)
+        straight = straight_run.result()
     stopped = max((r["step"] for r in metrics(out)), default=0)
-    if proc.returncode != 75 or not 3 <= stopped < 400:
-        return [{**row, "status": "failed", "reason": f"exit {proc.returncode} at step {stopped}: {log[-1200:]}"}]
-    end = stopped + 3
-    straight = s.train("eval_resume/straight", preset, [*common, f"train.steps={end}"], warmup=2)
+    if proc.returncode != 75 or not 3 <= stopped < end - 1:
+        reason = f"exit {proc.returncode} at step {stopped} (75 before step {end - 1} expected): {log[-1200:]}"
+        return [straight, {**row, "status": "failed", "reason": reason}]
     resumed = primus("train", preset, *common, f"train.steps={end}", f"logging.output_dir={out}", timeout=240)
     if resumed.returncode != 0:
         return [straight, {**row, "status": "failed", "reason": f"resume exit {resumed.returncode}: {tail(resumed)}"}]
@@ -435,8 +481,8 @@ def part_sft_hf(s: Suite) -> list[dict]:
     common = [f"train.init_from={hf}", f"data.source={data}", "train.steps=4", "train.seq_len=48"]
     common += ["train.micro_batch_size=2", "train.global_batch_size=4", "train.schedule.warmup_steps=0"]
     common += ["logging.interval=1", "logging.tensorboard=false", "logging.progress=false"]
-    rows = []
-    for engine in ("torchtitan", "megatron"):
+
+    def one(engine: str) -> dict:
         row = s.train(f"sft_hf/{engine}", "sft", [*common, f"backend.name={engine}"], warmup=1)
         if row["status"] == "passed":
             exported = root / f"export_{engine}"
@@ -458,8 +504,10 @@ def part_sft_hf(s: Suite) -> list[dict]:
                 row["generated"] = generated.tolist()
                 if generated.shape != (1, 12):
                     row |= {"status": "failed", "reason": f"transformers generated {tuple(generated.shape)}"}
-        rows.append(row)
-    return rows
+        return row
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the engines side by side (small runs: seconds of GPU each)
+        return list(pool.map(one, ("torchtitan", "megatron")))
 
 
 def part_profile(s: Suite) -> list[dict]:
@@ -488,6 +536,7 @@ PARTS: dict[str, Callable[[Suite], list[dict]]] = {
     "fp8_dense": part_fp8_dense,
     "moe_kernels": part_moe_kernels,
     "moe": part_moe,
+    "deepseek": part_deepseek,
     "document_mask": part_document_mask,
     "gemm_tuning": part_gemm_tuning,
     "eval_resume": part_eval_resume,

@@ -32,6 +32,29 @@ def test_corpus_is_deterministic_and_sizeable():
         assert unsafe not in corpus.MODULES
 
 
+def test_corpus_does_not_depend_on_what_the_process_imported_before(monkeypatch):
+    """A library that patches a stdlib function (typing_extensions, torch.package's ``inspect.getfile``) made the walk
+    leave its docstring out: a run that had imported torch first built another corpus under the same cache key."""
+    import inspect
+
+    before = corpus.documents()
+    original = inspect.getfile
+
+    def getfile(obj):  # as torch.package patches it: a function of another module in inspect's dict
+        return original(obj)
+
+    monkeypatch.setattr(inspect, "getfile", getfile)
+    corpus.documents.cache_clear()
+    try:
+        after = corpus.documents()
+    finally:
+        corpus.documents.cache_clear()
+    assert after == before
+    assert "Work out which source or compiled file an object was defined in." in after
+    # what the walk gives in this process, patched
+    assert "Work out which source or compiled file an object was defined in." not in corpus._walk()
+
+
 def test_import_and_corpus_walk_pull_in_no_torch_and_no_side_effect_modules():
     code = (
         "import sys; import primus.core.data as d; from primus.core.data import corpus; corpus.documents();"

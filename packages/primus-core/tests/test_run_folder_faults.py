@@ -199,6 +199,8 @@ def test_the_torchrun_wrapper_names_the_root_cause():
     assert root_cause(failures)[0] == 1
     assert root_cause({0: F(exitcode=1, timestamp=100), 1: F(exitcode=-9, timestamp=700)})[0] == 0  # much later
     assert root_cause({0: F(exitcode=1, timestamp=5), 1: F(exitcode=2, timestamp=5)})[0] == 1  # a refusal
+    # a rank that failed on a full disk (exit 1) while torchrun stopped rank 0: the job's code is 1, not 143
+    assert root_cause({0: F(exitcode=-15, timestamp=5), 1: F(exitcode=1, timestamp=5)})[0] == 1
 
 
 def test_a_stop_signal_before_the_loop_stops_after_the_first_step(tmp_path):

@@ -113,15 +113,15 @@ def test_moe_block_spec_in_fp8():
     auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise"), config=small).submodules
     assert auto.experts.params["gemm"] == kernels["grouped_gemm"].impl
     assert auto.shared_experts.submodules.linear_fc1 is ColumnParallelLinear  # 64 x 256: bf16
-    # 8192 x 2·8192 fc1 in FP8 (megatron runs eager: from 8192²), 8192 x 8192 fc2 too; under TP 2 a rank's fc2 is
-    # 4096 x 8192
-    big = SimpleNamespace(**{**vars(small), "hidden_size": 8192, "moe_shared_expert_intermediate_size": 8192})
+    # 4096 x 2·4096 fc1 in FP8 (megatron runs eager: from 4096²), 4096 x 4096 fc2 too; under TP 2 a rank's fc2 is
+    # 2048 x 4096
+    big = SimpleNamespace(**{**vars(small), "hidden_size": 4096, "moe_shared_expert_intermediate_size": 4096})
     auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise"), config=big).submodules.shared_experts
     assert auto.submodules.linear_fc1.module is linear_classes(fp8)[0]
     assert auto.submodules.linear_fc2.module is linear_classes(fp8)[1]
     tp2 = SimpleNamespace(**{**vars(big), "tensor_model_parallel_size": 2})
     auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise"), config=tp2).submodules.shared_experts
-    assert auto.submodules.linear_fc1.module is linear_classes(fp8)[0]  # 8192 x 8192 a rank
+    assert auto.submodules.linear_fc1.module is linear_classes(fp8)[0]  # 4096 x 4096 a rank
     assert auto.submodules.linear_fc2 is RowParallelLinear
     assert plain.shared_experts.submodules.linear_fc1 is ColumnParallelLinear
 

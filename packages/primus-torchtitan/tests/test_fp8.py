@@ -26,8 +26,8 @@ def test_skip_rules_pick_the_right_linears():
 
 def test_auto_keeps_the_linears_fp8_is_measured_slower_on_in_bf16():
     """``fp8_recipe.linears: auto``: eager, a block linear in FP8 only where its per-rank weight reaches core's
-    measured bound (8192²: Llama 70B's MLP here, not 8B's attention); compiled, every one; the routed experts are
-    core's other rule."""
+    measured bound (4096²: 8B's q/o and MLP here, not its k/v; under TP 4 a rank's MLP share alone); compiled,
+    every one; the routed experts are core's other rule."""
     from types import SimpleNamespace
 
     from primus.torchtitan.fp8 import skip_rule
@@ -47,8 +47,9 @@ def test_auto_keeps_the_linears_fp8_is_measured_slower_on_in_bf16():
         assert sorted(fp8 + [n.split(".", 2)[2] for n in kept]) == sorted(shapes)  # each linear either way
         return fp8
 
-    assert in_fp8(compile=False) == ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
-    assert in_fp8(compile=False, tp=4) == []  # each rank's share, 8192 x 7168, is under the bound
+    mlp = ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    assert in_fp8(compile=False) == ["attention.wq", "attention.wo", *mlp]
+    assert in_fp8(compile=False, tp=4) == mlp  # a rank's q/o share, 4096 x 1024, is under the bound; 8192 x 7168 not
     assert in_fp8(compile=True) == in_fp8(compile=True, tp=4) == in_fp8(compile=False, linears="all") == list(shapes)
     assert not skip_rule(cfg(), [])("layers.0.moe.experts", None)  # experts: fp8_experts decides, not the shape
 

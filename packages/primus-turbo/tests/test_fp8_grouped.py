@@ -222,8 +222,8 @@ def _compile_grouped_kernels() -> None:
     w_tile = {"ROWS": tg.W_ROWS, "COLS": tg.W_COLS}
     jag = {"ALIGN_ROWS": ALIGN, "BLOCK_G": 128, "ROWS": tg.JAG_ROWS, "COLS": tg.JAG_COLS, **common}
     kernels = [
-        (tg._weight_amax_kernel, [bf16, f32, f32, i32, i32], {"COLS_TOO": True, **w_tile}, 4),
-        (tg._weight_cast_kernel, [bf16, f8, f8] + [f32] * 4 + [i32] * 2, {"PER_MATRIX": False, **common, **w_tile}, 8),
+        (tg._weight_amax_kernel, [bf16, f32, f32, i32, i32], {"K_PER": 512, "COLS_TOO": True, "SPLIT": True, **w_tile}, 4),
+        (tg._weight_cast_kernel, [bf16, f8, f8] + [f32] * 4 + [i32] * 2, {"PER_MATRIX": False, "WRITE_Q": True, **common, **w_tile}, 8),
         (tg._jagged_kernel, [bf16, f8, f32, "*i32", "*i32", f32] + [i32] * 3, {"GIVEN_AMAX": False, "WRITE_ENDS": True, **jag}, 4),
     ]  # fmt: skip
     for fn, types, constexprs, warps in kernels:

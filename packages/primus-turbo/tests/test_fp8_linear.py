@@ -54,6 +54,27 @@ def test_forward_and_both_grads_within_bounds(recipe, dtype):
     assert rel(y, xr @ wr.t()) > 1e-3
 
 
+@pytest.mark.parametrize("mode", ["rowwise", "tensorwise"])
+def test_triton_path_equals_the_torch_path(mode):
+    """On a GPU the linear quantizes each operand once into both layouts its GEMMs take (Triton, here the
+    interpreter) and keeps xᵀ in fp8; the PyTorch path transposes copies and quantizes each. The bytes are equal but
+    where a value lands within an ulp of a rounding tie (torch's ``fp8_max / amax`` against the kernel's), so they
+    agree to FP8's rounding (a wrong layout or scale is off by order 1). Shapes span several tiles and split the
+    amax pass's columns."""
+    recipe = Fp8Recipe(mode=mode)
+    for dtype, tol in ((torch.float32, 0.01), (torch.bfloat16, 0.02)):
+        x0, w0, dy = inputs(m=160, k=272, n=144, dtype=dtype, seed=3)
+        out = {}
+        for impl in ("torch", "triton"):
+            x, w = x0.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
+            y = fp8_linear(x, w, recipe=recipe, impl=impl)
+            y.backward(dy)
+            out[impl] = (y, x.grad, w.grad)
+        for got, ref in zip(out["triton"], out["torch"], strict=True):
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            assert rel(got, ref) <= tol, (dtype, rel(got, ref))
+
+
 @pytest.mark.parametrize("rowwise", [False, True])
 def test_scaled_mm_equals_dequantized_fp32_matmul(rowwise):
     """The emulation identity: the FP8 GEMM is the fp32 product of the dequantized operands."""
@@ -156,13 +177,14 @@ def test_trains_a_small_mlp_like_fp32():
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
 def test_compiled_linear_equals_eager_with_auto_as_on_cuda(monkeypatch, mode):
     """With ``auto`` made to behave as on CUDA (Triton in eager mode, PyTorch ops while compiling), a compiled
-    forward + backward equals the eager one bit for bit and the "Triton" quantizer (a stand-in that refuses
-    fake tensors) only ever sees real ones. (On the GPU, ``benchmarks/fp8_compile_check.py`` checks the same
-    against fp32 for a compiled torchtitan model.)"""
+    forward + backward equals the eager PyTorch path bit for bit, and the eager Triton path to FP8's rounding (see
+    test_triton_path_equals_the_torch_path); the Triton quantizers (wrapped to refuse fake tensors) only ever see
+    real ones. (On the GPU, ``benchmarks/fp8_compile_check.py`` checks the same against fp32 for a compiled
+    torchtitan model.)"""
     from torch._subclasses.fake_tensor import is_fake
 
     from primus.turbo.fp8 import quantize as qmod
-    from primus.turbo.fp8 import triton_quantize
+    from primus.turbo.fp8 import triton_grouped, triton_quantize
 
     real = qmod.resolve_impl
     monkeypatch.setattr(
@@ -175,26 +197,34 @@ def test_compiled_linear_equals_eager_with_auto_as_on_cuda(monkeypatch, mode):
     monkeypatch.setattr(lin, "resolve_impl", qmod.resolve_impl)
     traced = []
 
-    def fake_triton(x, fmt, *, rowwise, amax=None):
-        traced.append(is_fake(x))
-        if is_fake(x):
-            raise AssertionError("Triton quantizer called on a traced tensor")
-        return quantize_torch(x, fmt, rowwise=rowwise, amax=amax)
+    def refuse_fake(fn):
+        def wrapped(t, *args, **kwargs):
+            traced.append(is_fake(t))
+            if is_fake(t):
+                raise AssertionError("Triton quantizer called on a traced tensor")
+            return fn(t, *args, **kwargs)
 
-    monkeypatch.setattr(triton_quantize, "quantize", fake_triton)
+        return wrapped
+
+    monkeypatch.setattr(triton_quantize, "quantize", refuse_fake(triton_quantize.quantize))
+    monkeypatch.setattr(triton_grouped, "quantize_experts", refuse_fake(triton_grouped.quantize_experts))
     torch._dynamo.reset()
     recipe = Fp8Recipe(mode=mode)
-    x, w, dy = inputs()
-    eager = fp8_linear(x, w, recipe=recipe)
-    eager.backward(dy)
-    assert traced and not any(traced)  # eager went through the (stand-in) Triton path
-    gx, gw = x.grad.clone(), w.grad.clone()
-    x.grad = w.grad = None
-    y = torch.compile(lambda a, b: fp8_linear(a, b, recipe=recipe), fullgraph=True)(x, w)
-    y.backward(dy)
-    torch.testing.assert_close(y, eager, rtol=0, atol=0)
-    torch.testing.assert_close(x.grad, gx, rtol=0, atol=0)
-    torch.testing.assert_close(w.grad, gw, rtol=0, atol=0)
+    grads = {}
+    for run in ("eager", "torch", "compiled"):
+        x, w, dy = inputs()
+        if run == "compiled":
+            y = torch.compile(lambda a, b: fp8_linear(a, b, recipe=recipe), fullgraph=True)(x, w)
+        else:
+            y = fp8_linear(x, w, recipe=recipe, impl="auto" if run == "eager" else "torch")
+        y.backward(dy)
+        grads[run] = (y.detach(), x.grad, w.grad)
+        if run == "eager":
+            assert traced and not any(traced)  # eager went through the Triton path
+    for got, ref in zip(grads["compiled"], grads["torch"], strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    for got, ref in zip(grads["compiled"], grads["eager"], strict=True):
+        assert rel(got, ref) < 0.01
 
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])

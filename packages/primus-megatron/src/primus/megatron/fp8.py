@@ -61,6 +61,9 @@ def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int) 
     flags = [offset + i in in_fp8 for i in range(n)]
     blocks = [offset + i for i, on in enumerate(flags) if on]
     shapes = linear_shapes(config)
+    freq = config.moe_layer_freq  # megatron's: 1 (every block), or a list of 0 / 1 per block
+    if config.num_moe_experts and (all(freq) if isinstance(freq, list) else freq == 1):  # no dense fc1 / fc2
+        shapes = {k: v for k, v in shapes.items() if k not in ("linear_fc1", "linear_fc2")}
     if config.moe_shared_expert_intermediate_size:
         shapes |= {f"shared {k}": v for k, v in linear_shapes(config, shared=True).items()}
     pays = fp8_linear_rule(kernels, compiled=False)

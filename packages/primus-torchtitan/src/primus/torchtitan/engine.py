@@ -12,12 +12,10 @@ checkpoint policy and resume are core's.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,30 +38,6 @@ def _single_process_env() -> None:
 
 def checkpoint_dir(cfg: PrimusConfig) -> Path:
     return checkpoint_root(cfg).absolute()
-
-
-def _exit_quietly_after_success() -> None:
-    """gloo runs with a DeviceMesh abort at interpreter teardown about one time in ten, after the work
-    is done and the process group destroyed ("terminate called without an active exception"). Once the
-    run has succeeded, flush and leave without that teardown."""
-
-    def leave() -> None:
-        from primus.core.run.stop import exit_code
-
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code())  # 0, or the documented code of a run stopped early with its checkpoint
-
-    failed = []
-    prev_hook = sys.excepthook
-
-    def hook(*args: Any) -> None:
-        failed.append(True)
-        prev_hook(*args)
-
-    sys.excepthook = hook
-    atexit.register(lambda: None if failed else leave())
 
 
 def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
@@ -240,8 +214,6 @@ class TorchTitanEngine:
         self.trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-            if self.world_size > 1:
-                _exit_quietly_after_success()
 
 
 def build(cfg: PrimusConfig, ctx: RunContext) -> TorchTitanEngine:

@@ -15,13 +15,15 @@ import importlib
 import importlib.util
 import inspect
 import itertools
+import json
+import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
 from functools import lru_cache
 
 #: Bump when the walk below changes: the bundled tokenizer and token caches are keyed on it.
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2  # 2: walked in a clean interpreter (documents)
 
 MODULES: tuple[str, ...] = (
     "abc",
@@ -263,7 +265,21 @@ def _help_topics() -> Iterator[str]:
 
 @lru_cache(maxsize=1)
 def documents() -> tuple[str, ...]:
-    """All docstrings of :data:`MODULES`, then the help topics, in a fixed order, each once (about 1.6 MB on 3.11)."""
+    """All docstrings of :data:`MODULES`, then the help topics, in a fixed order, each once (about 1.6 MB on 3.11).
+
+    Walked in a fresh interpreter with nothing but the standard library (``-I -S``: no site, no .pth files): a
+    library imported before can patch stdlib functions (typing_extensions replaces ``typing._collect_parameters``,
+    torch.package ``inspect.getfile``), which the walk then takes for re-exports and leaves out. In-process, a run
+    that imported torch first built 5,360 documents and one that had not 5,363, under the same cache key."""
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", __file__], capture_output=True, text=True, encoding="ascii", check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"walking the bundled corpus in {sys.executable} failed: {proc.stderr[-2000:]}")
+    return tuple(json.loads(proc.stdout))
+
+
+def _walk() -> tuple[str, ...]:
     seen: set[str] = set()
     out: list[str] = []
     with warnings.catch_warnings():  # importing and touching deprecated names (typing.io, ...) warns
@@ -280,3 +296,7 @@ def corpus_id() -> str:
     topics = importlib.util.find_spec("pydoc_data") is not None
     key = f"v{CORPUS_VERSION}|{sys.implementation.name}|{sys.version_info[:3]}|{topics}|{','.join(MODULES)}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+if __name__ == "__main__":  # documents(): the walk, in a clean interpreter, as JSON (ASCII) on stdout
+    json.dump(list(_walk()), sys.stdout)

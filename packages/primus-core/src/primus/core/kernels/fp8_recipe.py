@@ -23,13 +23,15 @@ def fp8_blocks(num_layers: int, bf16_first: int, bf16_last: int) -> range:
 
 
 # The smallest weight (in_features x out_features, one rank's share) whose linear runs faster in FP8 than in bf16 in
-# eager mode, measured fwd + bwd at 8192 tokens on an H200 (benchmarks/fp8_linear_shapes.py,
-# results/fp8_linear_shapes_h200.json, rowwise and tensorwise alike): the casts and scales are kernels of their own,
-# and FP8 is slower below Llama 70B's 8192 x 8192 q/o (1.01-1.13x there; 8B's MLP 0.80-0.96x, 1B's 0.38-0.52x).
+# eager mode: the GPU time of one forward + backward at 8192 tokens on an H100 (benchmarks/fp8_linear_overhead.py,
+# results/fp8_linear_overhead_h100.json), each operand quantized once into both layouts its GEMMs take. From Llama
+# 8B's q/o (4096 x 4096) up FP8 is faster (rowwise 1.06-1.44x, tensorwise 1.24-1.69x); below it rowwise is not
+# (1B's q/o 0.83x, its fused qkv 0.92x, 3B's q/o 1.03x). Each FP8 linear also costs the host ~1.2 ms more to launch
+# (0.2 ms in bf16), hidden while the GPU's work per linear is longer, so the same bound keeps the small ones bf16.
 # Compiled, inductor fuses the casts into the neighbouring kernels, which a linear measured alone cannot show: there
 # the whole runs decide, and they pay with every linear in FP8 (H200: Llama 3B 1.22-1.32x, 8B's shapes 1.04-1.17x,
-# 1B 1.04-1.14x; H100 1B 0.99x), so compiled runs keep every linear in FP8.
-FP8_MIN_WEIGHT_EAGER = 8192 * 8192
+# 1B 1.04-1.14x; H100 1B and 8B's shapes 0.99-1.00x), so compiled runs keep every linear in FP8.
+FP8_MIN_WEIGHT_EAGER = 4096 * 4096
 
 
 def fp8_linear_pays(in_features: int, out_features: int, *, compiled: bool) -> bool:

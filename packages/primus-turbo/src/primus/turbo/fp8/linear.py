@@ -138,16 +138,45 @@ def _transposed(q: Quantized) -> Quantized:
     return Quantized(q.data.t().contiguous(), q.scale_inv, q.amax)
 
 
+def _both_layouts(
+    t: torch.Tensor, fmt: str, rowwise: bool, *, write_q: bool = True
+) -> tuple[Quantized | None, Quantized]:
+    """``t`` [r, c] in fp8 scaled along c (None unless ``write_q``) and ``tᵀ`` [c, r] scaled along r, from one amax
+    pass and one cast pass that writes both from each tile (Triton, :func:`.triton_grouped.quantize_experts`): what
+    the GEMMs of one operand need, with no transposed copy of the bf16 tensor (a strided copy ran at a tenth of the
+    memory bandwidth on an H100: 1.9 ms of an 8.4 ms fc1 of Llama 8B, benchmarks/fp8_linear_overhead.py). The scales
+    come out of the kernel, so no small PyTorch ops follow it. Tensorwise: one scale, shared by both."""
+    from primus.turbo.fp8 import triton_grouped
+
+    q, qs, qt, qts = triton_grouped.quantize_experts(t[None], fmt, rowwise, write_q=write_q)
+    if rowwise:
+        first = Quantized(q[0], qs.view(-1, 1), qs) if write_q else None
+        return first, Quantized(qt[0], qts.view(-1, 1), qts)
+    scale_inv = qs.view(-1)[0]
+    return (Quantized(q[0], scale_inv, scale_inv) if write_q else None), Quantized(qt[0], scale_inv, scale_inv)
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: Fp8Recipe, state: Fp8State | None, impl: Impl, out_dtype: torch.dtype):
         rowwise, fmt, aiter = recipe.mode == "rowwise", recipe.forward_format, recipe.rocm_gemm == "aiter"
         impl = resolve_impl(x, impl)  # here, not in backward (see resolve_impl)
+        ctx.recipe, ctx.state, ctx.impl = recipe, state, impl
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        # Triton with current scaling: each operand's transposed fp8 copy comes with its first quantization; the
+        # backward keeps xᵀ in fp8 (1 byte an element) and, tensorwise, Wᵀ (rowwise re-reads W: its backward scales
+        # run along the other dim)
+        ctx.fused = impl == "triton" and (recipe.scaling != "delayed" or state is None)
+        if ctx.fused:
+            xq, xtq = _both_layouts(x, fmt, rowwise)
+            wq, wtq = _both_layouts(weight, fmt, rowwise)
+            y = _mm(xq, wq, out_dtype, rowwise=rowwise, fast_accum=True, aiter=aiter)
+            w_saved = (weight, weight) if rowwise else (wtq.data, wtq.scale_inv)
+            ctx.save_for_backward(xtq.data, xtq.scale_inv, *w_saved)
+            return y
         xq = _quantize(x, fmt, "x", recipe, state, impl)
         wq = _quantize(weight, fmt, "w", recipe, state, impl)
         y = _mm(xq, wq, out_dtype, rowwise=rowwise, fast_accum=True, aiter=aiter)
-        ctx.recipe, ctx.state, ctx.impl = recipe, state, impl
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         if rowwise:
             ctx.save_for_backward(x, weight)
         else:
@@ -158,22 +187,30 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         recipe, state, impl = ctx.recipe, ctx.state, ctx.impl
         g, f, fast = recipe.grad_format, recipe.forward_format, recipe.fast_accum_backward
-        mm = partial(_mm, fast_accum=fast, aiter=recipe.rocm_gemm == "aiter")
+        rowwise = recipe.mode == "rowwise"
+        mm = partial(_mm, fast_accum=fast, aiter=recipe.rocm_gemm == "aiter", rowwise=rowwise)
         dy = dy.contiguous()
-        if recipe.mode == "rowwise":
+        if ctx.fused:
+            xtd, xts, wtd, wts = ctx.saved_tensors
+            dyq, dytq = _both_layouts(dy, g, rowwise)
+            wtq = _both_layouts(wtd, f, rowwise, write_q=False)[1] if rowwise else Quantized(wtd, wts, wts)
+            dx = mm(dyq, wtq, ctx.x_dtype)
+            dw = mm(dytq, Quantized(xtd, xts, xts), ctx.w_dtype)
+            return dx, dw, None, None, None, None
+        if rowwise:
             x, weight = ctx.saved_tensors
             dyq = quantize(dy, g, rowwise=True, impl=impl)
             wtq = quantize(weight.t().contiguous(), f, rowwise=True, impl=impl)  # per input column of W
-            dx = mm(dyq, wtq, ctx.x_dtype, rowwise=True)
+            dx = mm(dyq, wtq, ctx.x_dtype)
             dytq = quantize(dy.t().contiguous(), g, rowwise=True, impl=impl)  # per output feature, over tokens
             xtq = quantize(x.t().contiguous(), f, rowwise=True, impl=impl)  # per input feature, over tokens
-            dw = mm(dytq, xtq, ctx.w_dtype, rowwise=True)
+            dw = mm(dytq, xtq, ctx.w_dtype)
             return dx, dw, None, None, None, None
         xd, xs, wd, ws = ctx.saved_tensors
         dyq = _quantize(dy, g, "dy", recipe, state, impl)
         wt = _transposed(Quantized(wd, ws, ws))  # W [n, k] → [k, n]: dx = dy · W
-        dx = mm(dyq, wt, ctx.x_dtype, rowwise=False)
-        dw = mm(_transposed(dyq), _transposed(Quantized(xd, xs, xs)), ctx.w_dtype, rowwise=False)
+        dx = mm(dyq, wt, ctx.x_dtype)
+        dw = mm(_transposed(dyq), _transposed(Quantized(xd, xs, xs)), ctx.w_dtype)
         return dx, dw, None, None, None, None
 
 

@@ -27,6 +27,7 @@ from primus.turbo.fp8.triton_quantize import _abs_nan_as_inf, fp8_grid, to_fp8
 ALIGN = 16  # tokens: the wgrad's group starts (16 bytes of fp8)
 JAG_ROWS, JAG_COLS = 128, 64  # tile of the jagged kernel: 128 B of bf16 per row read, 128 B of fp8 per column written
 W_ROWS, W_COLS = 64, 128  # tile of the weight kernels
+AMAX_PROGRAMS = 1024  # the amax pass splits a matrix's columns until it has about this many programs (~8 per SM)
 
 
 def padded_length(tokens: int, groups: int) -> int:
@@ -46,15 +47,26 @@ def _scale_inv(amax, FMAX: tl.constexpr, EPS: tl.constexpr):
 
 @triton.jit
 def _weight_amax_kernel(
-    w_ptr, row_amax_ptr, col_amax_ptr, N, K, COLS_TOO: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr
+    w_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
+    N,
+    K,
+    K_PER: tl.constexpr,
+    COLS_TOO: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
-    """Program (g, row block): the rows' amax over K (complete), the columns' over these rows (atomic max)."""
-    g, rb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    """Program (g, row block, column split): the rows' amax over the split's K_PER columns, the columns' over these
+    rows (atomic max). One split (SPLIT false): the row amax is complete here and stored; several (a few large
+    matrices, too few row blocks to fill the GPU): each split's row amax is an atomic max too."""
+    g, rb, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     rows = rb * ROWS + tl.arange(0, ROWS)
     rmask = rows < N
     base = w_ptr + g * N * K + rows[:, None].to(tl.int64) * K
     ramax = tl.zeros([ROWS], dtype=tl.float32)
-    for c0 in range(0, K, COLS):
+    for c0 in range(sp * K_PER, tl.minimum(sp * K_PER + K_PER, K), COLS):
         cols = c0 + tl.arange(0, COLS)
         cmask = cols < K
         a = _abs_nan_as_inf(
@@ -63,7 +75,10 @@ def _weight_amax_kernel(
         ramax = tl.maximum(ramax, tl.max(a, axis=1))
         if COLS_TOO:
             tl.atomic_max(col_amax_ptr + g * K + cols, tl.max(a, axis=0), mask=cmask)
-    tl.store(row_amax_ptr + g * N + rows, ramax, mask=rmask)
+    if SPLIT:
+        tl.atomic_max(row_amax_ptr + g * N + rows, ramax, mask=rmask)
+    else:
+        tl.store(row_amax_ptr + g * N + rows, ramax, mask=rmask)
 
 
 @triton.jit
@@ -78,6 +93,7 @@ def _weight_cast_kernel(
     N,
     K,
     PER_MATRIX: tl.constexpr,
+    WRITE_Q: tl.constexpr,
     FMAX: tl.constexpr,
     EPS: tl.constexpr,
     MANT: tl.constexpr,
@@ -87,7 +103,7 @@ def _weight_cast_kernel(
 ):
     """Program (g, row block, column block): the tile row-scaled into q [G, N, K] and column-scaled into the
     transposed qt [G, K, N] (the store is coalesced along N). PER_MATRIX (tensorwise): row_amax_ptr holds one amax
-    per matrix, used for both."""
+    per matrix, used for both. WRITE_Q false: the transposed copy (and both scale vectors) alone."""
     g, rb, cb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     rows = rb * ROWS + tl.arange(0, ROWS)
     cols = cb * COLS + tl.arange(0, COLS)
@@ -101,8 +117,9 @@ def _weight_cast_kernel(
     mask = rmask[:, None] & cmask[None, :]
     off = g * N * K + rows[:, None].to(tl.int64) * K + cols[None, :]
     x = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    q = tl.clamp(x * _scale(ra, FMAX, EPS)[:, None], -FMAX, FMAX)
-    tl.store(q_ptr + off, to_fp8(q, q_ptr.dtype.element_ty, MANT, EMIN), mask=mask)
+    if WRITE_Q:
+        q = tl.clamp(x * _scale(ra, FMAX, EPS)[:, None], -FMAX, FMAX)
+        tl.store(q_ptr + off, to_fp8(q, q_ptr.dtype.element_ty, MANT, EMIN), mask=mask)
     qt = tl.clamp(x * _scale(ca, FMAX, EPS)[None, :], -FMAX, FMAX)
     off_t = g * N * K + cols[None, :].to(tl.int64) * N + rows[:, None]
     tl.store(qt_ptr + off_t, to_fp8(qt, qt_ptr.dtype.element_ty, MANT, EMIN), mask=mask)
@@ -112,13 +129,14 @@ def _weight_cast_kernel(
         tl.store(col_sinv_ptr + g * K + cols, _scale_inv(ca, FMAX, EPS), mask=cmask)
 
 
-def quantize_experts(w: torch.Tensor, fmt: str, rowwise: bool):
+def quantize_experts(w: torch.Tensor, fmt: str, rowwise: bool, *, write_q: bool = True):
     """``w`` [G, N, K] → (q [G, N, K] scaled along K, scale_inv [G, N]; qt [G, K, N] = the transposed matrices scaled
-    along N, scale_inv [G, K]): the forward's and the dgrad's operands. Tensorwise: one scale per matrix, repeated."""
+    along N, scale_inv [G, K]): the forward's and the dgrad's operands. Tensorwise: one scale per matrix, repeated.
+    ``write_q`` false: q is None (the transposed copy alone; its row pass still gives the first scales)."""
     w = w.contiguous()
     g, n, k = w.shape
     dtype, fmax = DTYPES[fmt], FP8_MAX[fmt]
-    q = torch.empty(g, n, k, dtype=dtype, device=w.device)
+    q = torch.empty(g, n, k, dtype=dtype, device=w.device) if write_q else None
     qt = torch.empty(g, k, n, dtype=dtype, device=w.device)
     row_sinv = torch.empty(g, n, dtype=torch.float32, device=w.device)
     col_sinv = torch.empty(g, k, dtype=torch.float32, device=w.device)
@@ -126,16 +144,32 @@ def quantize_experts(w: torch.Tensor, fmt: str, rowwise: bool):
         row_sinv.fill_(AMAX_EPS / fmax)
         col_sinv.fill_(AMAX_EPS / fmax)
         return q, row_sinv, qt, col_sinv
-    row_amax = torch.empty(g, n, dtype=torch.float32, device=w.device)
+    row_blocks, col_blocks = triton.cdiv(n, W_ROWS), triton.cdiv(k, W_COLS)
+    # a stack of experts has thousands of row blocks; one large matrix (a dense linear's weight or activation) may
+    # have ~100, under one program per SM: its columns are split so that the amax pass fills the GPU
+    splits = max(1, min(col_blocks, AMAX_PROGRAMS // (g * row_blocks)))
+    k_per = triton.cdiv(col_blocks, splits) * W_COLS
+    splits = triton.cdiv(k, k_per)
+    row_amax = (torch.zeros if splits > 1 else torch.empty)(g, n, dtype=torch.float32, device=w.device)
     col_amax = torch.zeros(g, k, dtype=torch.float32, device=w.device) if rowwise else row_amax
-    _weight_amax_kernel[(g, triton.cdiv(n, W_ROWS))](
-        w, row_amax, col_amax, n, k, COLS_TOO=rowwise, ROWS=W_ROWS, COLS=W_COLS, num_warps=4
+    _weight_amax_kernel[(g, row_blocks, splits)](
+        w,
+        row_amax,
+        col_amax,
+        n,
+        k,
+        K_PER=k_per,
+        COLS_TOO=rowwise,
+        SPLIT=splits > 1,
+        ROWS=W_ROWS,
+        COLS=W_COLS,
+        num_warps=4,
     )
     if not rowwise:  # one amax per matrix (NaN → inf already)
         row_amax = row_amax.amax(dim=1)
-    _weight_cast_kernel[(g, triton.cdiv(n, W_ROWS), triton.cdiv(k, W_COLS))](
+    _weight_cast_kernel[(g, row_blocks, col_blocks)](
         w,
-        q,
+        q if write_q else qt,
         qt,
         row_amax,
         col_amax,
@@ -144,6 +178,7 @@ def quantize_experts(w: torch.Tensor, fmt: str, rowwise: bool):
         n,
         k,
         PER_MATRIX=not rowwise,
+        WRITE_Q=write_q,
         FMAX=fmax,
         EPS=AMAX_EPS,
         ROWS=W_ROWS,
