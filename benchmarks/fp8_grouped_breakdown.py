@@ -8,7 +8,7 @@ jagged transposed copies) stands beside what the FP8 GEMMs save.
 
 Per shape and variant: ``gpu_ms`` (all kernels of one call), ``gemm_ms`` (the GEMM kernels alone), ``weight_ms`` (the
 kernels that quantise the expert weights: what a weight cache across micro-batches would save), ``host_ms`` and
-``by_kernel`` (ms per kernel name, largest first).
+``by_kernel`` (ms per kernel name, largest first), ``gemms_ms`` (each GEMM kernel of one call, in launch order).
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ from fp8_linear_overhead import profile_calls  # noqa: E402
 from moe_kernels_h200 import SHAPES  # noqa: E402
 
 GEMM_KERNELS = ("gemm", "cutlass", "sm90", "xmma", "nvjet", "grouped_mm")
+
+
+def is_gemm(name: str) -> bool:
+    # (torch's prepare_grouped_gemm_data sets up the groups' pointers: not a GEMM)
+    return any(g in name.lower() for g in GEMM_KERNELS) and "prepare_grouped" not in name
+
+
 WEIGHT_KERNELS = ("_weight_amax_kernel", "_weight_cast_kernel")
 
 
@@ -64,11 +71,13 @@ def main() -> None:
             by = defaultdict(float)
             for kname, us in kernels:
                 by[kname[:120]] += us / 1e3
-            gemm = sum(v for kk, v in by.items() if any(s in kk.lower() for s in GEMM_KERNELS))
+            gemm = sum(v for kk, v in by.items() if is_gemm(kk))
             weight = sum(v for kk, v in by.items() if any(s in kk for s in WEIGHT_KERNELS))
             row = {"shape": name, "rows": tokens * k, "d": d, "experts": experts, "n": 2 * ffn, "variant": label}
             row |= {"gpu_ms": round(gpu_ms, 4), "gemm_ms": round(gemm, 4), "weight_ms": round(weight, 4)}
             row |= {"host_ms": round(host_ms, 4)}
+            # each GEMM kernel of one call in launch order (forward, then the backward's: FP8 dgrad before wgrad)
+            row["gemms_ms"] = [round(us / 1e3, 4) for kname, us in kernels if is_gemm(kname)]
             row["by_kernel"] = {kk: round(v, 4) for kk, v in sorted(by.items(), key=lambda kv: -kv[1])}
             print(json.dumps({kk: v for kk, v in row.items() if kk != "by_kernel"}), flush=True)
             result["rows"].append(row)

@@ -1,6 +1,6 @@
 """The GPU acceptance suite: every GPU path of both engines in one call, one JSON and one markdown table.
 
-    python3 benchmarks/gpu_suite.py --out DIR                 # on one H100 / H200, ~10 minutes (596 s on an H100)
+    python3 benchmarks/gpu_suite.py --out DIR                 # on one H100 / H200, ~11 minutes (683 s on an H100)
     python3 benchmarks/gpu_suite.py --out DIR --only moe,fp8_dense
     python3 benchmarks/gpu_suite.py --out DIR --smoke         # the same code on CPU with the tiny presets (nox)
 

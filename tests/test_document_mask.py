@@ -78,7 +78,9 @@ def test_evaluation_masks_by_document_too(runs):
     assert len(ref) == 1
     for name in ("torchtitan", "megatron-tp2-sp", "torchtitan-pp2"):
         assert _losses(runs[name], "eval_loss") == pytest.approx(ref, rel=LOSS_RTOL), name
-    assert abs(_losses(runs["megatron-unmasked"], "eval_loss")[0] - ref[0]) > 1e-2  # measured: 0.10
+    # the held-out batch's documents: measured 7.2e-3 apart (0.10 on the corpus before it was walked in a clean
+    # interpreter: another held-out batch), where the layouts above agree to LOSS_RTOL
+    assert abs(_losses(runs["megatron-unmasked"], "eval_loss")[0] - ref[0]) > 1e-3
 
 
 @pytest.mark.parametrize(

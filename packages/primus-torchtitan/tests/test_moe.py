@@ -17,7 +17,10 @@ import pytest
 from conftest import CONFIGS, drive, metrics, primus_train, summary
 
 MOE = str(CONFIGS / "tiny_moe.yaml")
-LOSS_RTOL, GNORM_RTOL = 1e-5, 1e-4  # fp32; measured: 1e-7 and 3e-5
+# fp32. Losses agree to 1e-7; a step's gradient norm can move by up to 4.6e-4 (the bundled corpus as a clean interpreter
+# walks it: step 6 of every layout, the other steps within 3e-5): 1e-3, as test_train allows, still tells a gradient
+# summed in another order from a wrong one (a reduction left out is off by a whole rank's share)
+LOSS_RTOL, GNORM_RTOL = 1e-5, 1e-3
 
 
 @pytest.fixture(scope="module")
