@@ -148,3 +148,46 @@ def test_document_mask_selects_only_providers_that_mask_by_document(monkeypatch)
     assert select_kernels(KernelsConfig(), registry, "cpu", documents=True)["attention"].name == "sdpa"
     with pytest.raises(KernelUnavailable, match=r"provider 'fast' .* cannot mask attention by document"):
         select_kernels(KernelsConfig(attention="fast"), registry, "cpu", documents=True)
+
+
+class _RingAttention:
+    """An attention provider with the context_parallel feature."""
+
+    @staticmethod
+    @hookimpl
+    def primus_kernels():
+        from primus.core.contracts.protocols import CONTEXT_PARALLEL, KernelProvider
+
+        ring = KernelProvider(
+            op="attention",
+            name="ring",
+            impl=ref.attention,
+            available=ref.always,
+            features=frozenset({CONTEXT_PARALLEL}),
+        )
+        return [ring]
+
+
+def test_context_parallelism_refuses_a_whole_sequence_attention_once_for_every_backend(monkeypatch):
+    from primus.core.config.schema import PrimusConfig
+    from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
+    from primus.core.kernels import cp_attention_issues
+
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    bare = Registry(build_plugin_manager())
+    ring = Registry(build_plugin_manager(extra_plugins=[("ring", _RingAttention)]))
+
+    def cfg(cp: int, attention: str = "auto") -> PrimusConfig:
+        return PrimusConfig.model_validate({"parallel": {"cp": cp}, "kernels": {"attention": attention}})
+
+    assert cp_attention_issues(cfg(1, "sdpa"), bare) == []
+    # an engine with no context-parallel attention of its own, and no provider that has one
+    (issue,) = cp_attention_issues(cfg(2), bare)
+    assert (issue.path, issue.value, issue.allowed) == ("parallel.cp", 2, "1, or install primus-turbo")
+    assert cp_attention_issues(cfg(2), ring) == cp_attention_issues(cfg(2, "ring"), ring) == []
+    (issue,) = cp_attention_issues(cfg(2, "sdpa"), ring)
+    assert (issue.path, issue.value, issue.allowed) == ("kernels.attention", "sdpa", "auto, ring")
+    assert "attends over the whole sequence on one device" in issue.message
+    # an engine whose own attention runs context-parallel (TorchTitan's under torch's CP SDPA): it is allowed
+    assert cp_attention_issues(cfg(2, "torch"), bare, own="torch") == []
+    assert cp_attention_issues(cfg(2, "sdpa"), bare, own="torch")[0].allowed == "auto, torch"

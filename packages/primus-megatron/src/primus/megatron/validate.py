@@ -21,28 +21,12 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
 
     # Context parallelism: megatron-core 0.16 implements it only inside TEDotProductAttention (Transformer Engine);
     # here the attention provider's context-parallel entry point does (kernel selection refuses a provider without
-    # it), over megatron's 2 × cp chunks of the sequence (core checks that seq_len splits into them).
+    # it), over megatron's 2 × cp chunks of the sequence (core checks that seq_len splits into them)
     if p.cp > 1:
         from primus.core.contracts.plugins import get_registry
-        from primus.core.kernels import context_parallel_attention
+        from primus.core.kernels import cp_attention_issues
 
-        cp_capable = context_parallel_attention(get_registry())
-        if not cp_capable:
-            refuse(
-                "parallel.cp",
-                "needs an attention provider with the context_parallel feature (primus-turbo's ring attention); "
-                "none is installed",
-                p.cp,
-                "1, or install primus-turbo",
-            )
-        elif cfg.kernels.attention not in ("auto", *cp_capable):
-            refuse(
-                "kernels.attention",
-                f"parallel.cp = {p.cp} splits the sequence; this provider attends over the whole sequence on one "
-                "device (it has no context_parallel feature)",
-                cfg.kernels.attention,
-                ", ".join(["auto", *cp_capable]),
-            )
+        out.extend(cp_attention_issues(cfg, get_registry()))
     if p.cp > 1 and p.fsdp is True:
         refuse(
             "parallel.cp",

@@ -263,29 +263,16 @@ def _dtensor_reason(cfg: PrimusConfig, op: str) -> str:
     return ""
 
 
-def _cp_attention_issue(cfg: PrimusConfig, choice: str, ref: str) -> ConfigIssue | None:
-    """Under ``parallel.cp > 1`` the attention is a provider's context-parallel entry point (primus-turbo's ring
-    attention) or torchtitan's own module under torch's context-parallel SDPA (``ref``; GPU only): a provider
-    that attends over the whole sequence on one device is refused."""
-    from primus.core.contracts.plugins import get_registry
-    from primus.core.kernels import context_parallel_attention
-
-    allowed = ["auto", ref, *context_parallel_attention(get_registry())]
-    if choice in allowed:
-        return None
-    why = (
-        f"parallel.cp = {cfg.parallel.cp} splits the sequence (context parallelism); provider {choice!r} attends "
-        "over the whole sequence on one device (it has no context_parallel feature)"
-    )
-    return ConfigIssue("kernels.attention", why, value=choice, allowed=", ".join(allowed))
-
-
 def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    from primus.core.contracts.plugins import get_registry
+    from primus.core.kernels import cp_attention_issues
+
     out = []
     for op, ref in REFERENCE_KERNELS.items():
         choice = getattr(cfg.kernels, op)
-        if op == "attention" and cfg.parallel.cp > 1 and (issue := _cp_attention_issue(cfg, choice, ref)):
-            out.append(issue)
+        # under context parallelism torchtitan's own module runs under torch's context-parallel SDPA (GPU only)
+        if op == "attention" and cfg.parallel.cp > 1 and (issues := cp_attention_issues(cfg, get_registry(), ref)):
+            out.extend(issues)
             continue
         if choice in ("auto", ref):
             continue  # auto: a provider the layout cannot take is left out at run time, with the reason logged

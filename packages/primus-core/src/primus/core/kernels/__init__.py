@@ -54,11 +54,12 @@ from primus.core.contracts.protocols import (
     FP8_GROUPED_GEMM,
     KERNEL_OPS,
     Availability,
+    ConfigIssue,
     KernelProvider,
 )
 
 if TYPE_CHECKING:
-    from primus.core.config.schema import KernelsConfig
+    from primus.core.config.schema import KernelsConfig, PrimusConfig
     from primus.core.contracts.plugins import Registry
 
 log = logging.getLogger("primus.kernels")
@@ -74,6 +75,32 @@ def context_parallel_attention(registry: Registry) -> list[str]:
     """The installed attention providers that attend over a sequence split by ``parallel.cp`` (their
     :data:`~primus.core.contracts.protocols.CONTEXT_PARALLEL` feature), by name."""
     return [p.name for p in registry.providers("attention") if CONTEXT_PARALLEL in p.features]
+
+
+def cp_attention_issues(cfg: PrimusConfig, registry: Registry, own: str | None = None) -> list[ConfigIssue]:
+    """The context-parallel refusal every backend makes: under ``parallel.cp > 1`` the attention must attend over a
+    sequence split across ranks, through a provider with the ``context_parallel`` feature (primus-turbo's ring
+    attention) or the engine's own context-parallel attention (``own``: its reference provider's name, None where
+    the engine has none). A provider that attends over the whole sequence on one device is refused by name."""
+    cp = cfg.parallel.cp
+    if cp <= 1:
+        return []
+    capable = context_parallel_attention(registry)
+    if own is None and not capable:
+        why = (
+            "needs an attention provider with the context_parallel feature (primus-turbo's ring attention); "
+            "none is installed"
+        )
+        return [ConfigIssue("parallel.cp", why, cp, "1, or install primus-turbo")]
+    allowed = ["auto", *([own] if own else []), *capable]
+    choice = cfg.kernels.attention
+    if choice in allowed:
+        return []
+    why = (
+        f"parallel.cp = {cp} splits the sequence (context parallelism); provider {choice!r} attends over the whole "
+        "sequence on one device (it has no context_parallel feature)"
+    )
+    return [ConfigIssue("kernels.attention", why, choice, ", ".join(allowed))]
 
 
 def detect_device() -> str:
