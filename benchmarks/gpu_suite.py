@@ -57,6 +57,7 @@ from _common import run_overrides, versions  # noqa: E402
 GIB = 2**30
 TOLERANCE = 0.01  # FP8 losses within 1% of bf16's (mean over the run: fp8_loss_check), as the CPU FP8 tests
 OFFLINE_GEMM_FILE = HERE / "results" / "llama3.2-1b-gemm-h200.json"
+ENGINES = ("torchtitan", "megatron")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -245,7 +246,7 @@ def part_fp8_dense(s: Suite) -> list[dict]:
     preset = "tiny-llama" if s.smoke else "llama3.1-8b"
     seq, micro, steps = (64, 2, 3) if s.smoke else (4096, 2, s.args.steps)
     rows = []
-    for engine in ("torchtitan", "megatron"):
+    for engine in ENGINES:
         common = [*run_overrides("", seq, micro, steps)[:-1], f"backend.name={engine}", "train.precision=bf16"]
         common += ["kernels.fp8_recipe.linears=all"] if s.smoke else ["model.num_layers=4"]
         if engine == "torchtitan" and not s.smoke:  # FP8 linears are run compiled (inductor fuses the casts)
@@ -335,9 +336,6 @@ def part_deepseek(s: Suite) -> list[dict]:
     common = [*run_overrides("", seq, micro, steps)[:-1], "train.precision=bf16"]
     common += [] if s.smoke else ["model.num_layers=4"]
     return [s.train(f"deepseek/{engine}", preset, [*common, f"backend.name={engine}"], warmup=4) for engine in ENGINES]
-
-
-ENGINES = ("torchtitan", "megatron")
 
 
 def train_argv(command: str) -> tuple[str, list[str]]:
@@ -507,7 +505,7 @@ def part_sft_hf(s: Suite) -> list[dict]:
         return row
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # the engines side by side (small runs: seconds of GPU each)
-        return list(pool.map(one, ("torchtitan", "megatron")))
+        return list(pool.map(one, ENGINES))
 
 
 def part_profile(s: Suite) -> list[dict]:

@@ -309,9 +309,9 @@ class MegatronEngine:
     def interval_metrics(self) -> dict[str, float]:
         """``moe_aux_loss`` and ``moe_seq_aux_loss`` (core's definitions, primus.core.run.expert_load.METRICS) from
         megatron's own record of them (its routers add each micro-batch's load-balancing loss per layer to a
-        tracker), per routed batch: the routers' training forwards are counted here (a recomputed forward logs, and is counted, again), tensor- and
-        context-parallel ranks hold parts of one batch's loss (megatron's Switch formula sums them), data-parallel
-        ranks their own batches', pipeline stages their own layers'."""
+        tracker), per routed batch: the routers' training forwards are counted here (a recomputed forward logs, and
+        is counted, again), tensor- and context-parallel ranks hold parts of one batch's loss (megatron's Switch
+        formula sums them), data-parallel ranks their own batches', pipeline stages their own layers'."""
         if self._router_calls is None:
             return {}
         from megatron.core.transformer.moe.moe_utils import (
