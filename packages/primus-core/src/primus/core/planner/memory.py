@@ -215,7 +215,7 @@ def fp8_bytes(model: ModelConfig, layout: Layout, seq_len: int, kernels: KernelT
     """What FP8 GEMMs change in the peak, per device (negative: they save): per FP8 layer parameter, the
     recipe's weight copy less autocast's bf16 one where the engine makes it (``autocast``); per element of the
     FP8 linears' inputs kept for the backward (the layers not recomputed), the bytes FP8 saves on them."""
-    share = kernels.fp8_share(model, layout.tp)
+    share = kernels.fp8_share(model, layout.tp, layout.ep)
     nl = layers_per_stage(model, layout)
     _, layer = stage_params(model, layout)
     copy = cal.FP8_WEIGHT_COPY_BYTES[kernels.fp8] - (cal.AUTOCAST_WEIGHT_COPY_BYTES if autocast else 0)
@@ -246,28 +246,44 @@ class KernelTerms:
     # kernels.fp8_recipe.linears: "auto" leaves in bf16 the linears core's measured rule says FP8 would slow
     # (kernels.fp8_recipe.fp8_linear_pays); "all" (what the calibration runs had) every one
     fp8_linears: str = "all"
+    # an MoE model's routed experts on FP8 grouped GEMMs (kernels.fp8_recipe.experts; see strategies.kernel_terms)
+    fp8_experts: bool = False
 
-    def fp8_share(self, model: ModelConfig, tp: int = 1) -> float:
-        """The fraction of the model's layer GEMM work that runs in FP8: the recipe's FP8 layers, and in them, with
-        ``fp8_linears: auto``, the parameters of the dense linears whose per-rank (``tp``) weight FP8 pays at."""
+    def fp8_share(self, model: ModelConfig, tp: int = 1, ep: int = 1) -> float:
+        """The fraction of a layer's parameters on a device (``tp``, experts over ``ep``) whose GEMMs run in FP8: the
+        recipe's FP8 layers, and in them the linears :meth:`linear_share` counts."""
         if self.fp8 == "off":
             return 0.0
         n = model.num_layers if self.fp8_layers is None else self.fp8_layers
-        return min(n / model.num_layers, 1.0) * self.linear_share(model, tp)
+        return min(n / model.num_layers, 1.0) * self.linear_share(model, tp, ep)
 
-    def linear_share(self, model: ModelConfig, tp: int) -> float:
-        if self.fp8_linears == "all" or self.compiled or model.moe is not None or model.mla is not None:
-            # compiled: every linear. MoE and MLA models are not modelled here yet: counted as every linear, though
-            # the engines apply the rule to their attention / shared-expert linears too
+    def linear_share(self, model: ModelConfig, tp: int, ep: int = 1) -> float:
+        """In an FP8 layer, the share of a device's layer parameters in FP8 linears: the dense linears (attention,
+        a dense or shared-expert MLP) whose per-rank weight ``fp8_linears`` puts in FP8 (compiled: every one), and
+        the routed experts where ``fp8_experts`` says so."""
+        if model.mla is not None:  # latent attention's projections are not modelled here: counted as every linear
             return 1.0
         from primus.core.kernels.fp8_recipe import fp8_linear_pays
 
-        d, f, q = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads * model.kv_channels
+        def weights(shapes: list[tuple[int, int]], fp8_only: bool = False) -> float:
+            every = self.fp8_linears == "all" or self.compiled
+            return sum(i * o for i, o in shapes if not fp8_only or every or fp8_linear_pays(i, o, compiled=False))
+
+        d, q = model.hidden_size, model.num_attention_heads * model.kv_channels
         kv = 2 * model.num_kv_heads * model.kv_channels
         # one rank's (in, out) of each linear: column-wise split the output, row-wise the input
-        shapes = [(d, q // tp), (d, kv // tp), (q // tp, d), (d, f // tp), (d, f // tp), (f // tp, d)]
-        total = sum(i * o for i, o in shapes)
-        return sum(i * o for i, o in shapes if fp8_linear_pays(i, o, compiled=False)) / total
+        attention = [(d, q // tp), (d, kv // tp), (q // tp, d)]
+
+        def mlp(f: int) -> list[tuple[int, int]]:
+            return [(d, f // tp), (d, f // tp), (f // tp, d)] if f else []
+
+        dense = attention + mlp(model.ffn_hidden_size)
+        if model.moe is None:
+            return weights(dense, True) / weights(dense)
+        moe_dense = attention + mlp(model.moe.shared_experts * model.moe.expert_ffn_hidden_size)
+        routed = routed_expert_params(model) / ep
+        fp8 = layer_mean(model, weights(dense, True), weights(moe_dense, True) + routed * self.fp8_experts)
+        return fp8 / layer_mean(model, weights(dense), weights(moe_dense) + routed)
 
 
 PLAIN_KERNELS = KernelTerms()  # bf16 GEMMs, the logits materialised
@@ -317,9 +333,10 @@ def estimate(
     if kernels.fused_loss and not fused_loss_refusal(
         engine, tp=layout.tp, pp=layout.pp, cp=layout.cp, fp8_head=kernels.fp8_head
     ):
-        # one chunk of logits, the output weight's gradient and the hidden states' (made in the forward)
+        # one chunk of logits (no more than all of them), the output weight's gradient and the hidden states'
+        # (made in the forward)
         parts["logits"] = (
-            cal.FUSED_LOSS_CHUNK_BYTES
+            min(cal.FUSED_LOSS_CHUNK_BYTES, a * s * layout.micro_batch * model.vocab_size)
             + a * model.vocab_size * model.hidden_size
             + a * s * layout.micro_batch * model.hidden_size
         )

@@ -74,8 +74,11 @@ def kernel_terms(cfg: PrimusConfig, registry: Registry | None = None) -> KernelT
 
     k = cfg.kernels
     n_fp8 = fp8_layers(cfg.model, k.fp8, k.fp8_recipe.bf16_first_layers, k.fp8_recipe.bf16_last_layers)
+    # experts: auto takes FP8 where the provider measured its grouped GEMM faster on the device
+    # (primus.core.kernels.fp8_experts); no device is yet (H100 0.44x), so the planner counts them bf16
+    experts = k.fp8_recipe.experts == "fp8"
     return KernelTerms(
-        k.fp8, n_fp8, fused_loss(cfg, registry), fp8_output_head(k), cfg.train.compile, k.fp8_recipe.linears
+        k.fp8, n_fp8, fused_loss(cfg, registry), fp8_output_head(k), cfg.train.compile, k.fp8_recipe.linears, experts
     )
 
 

@@ -15,8 +15,10 @@ tensor: memory is one block plus the shard.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, layer_names
@@ -89,11 +91,32 @@ def tensor(name: str, m: ModelConfig, seed: int, rows: slice | None = None) -> t
         return torch.ones(part) if kind == "ones" else torch.zeros(part)
     std = m.init_std / math.sqrt(2.0 * m.num_layers) if kind == "scaled" else m.init_std
     out = torch.empty(part)
-    gen = torch.Generator()
-    for block in range(start // ROWS_PER_BLOCK, (stop + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK):
-        b0, b1 = block * ROWS_PER_BLOCK, min((block + 1) * ROWS_PER_BLOCK, shape[0])
-        gen.manual_seed(_seed(seed, name, block))
-        values = torch.randn((b1 - b0, *shape[1:]), generator=gen) * std
-        lo, hi = max(b0, start), min(b1, stop)
-        out[lo - start : hi - start] = values[lo - b0 : hi - b0]
+    blocks = range(start // ROWS_PER_BLOCK, (stop + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK)
+
+    def draw(chunk: range) -> None:
+        gen = torch.Generator()
+        for block in chunk:
+            b0, b1 = block * ROWS_PER_BLOCK, min((block + 1) * ROWS_PER_BLOCK, shape[0])
+            gen.manual_seed(_seed(seed, name, block))
+            values = torch.randn((b1 - b0, *shape[1:]), generator=gen) * std
+            lo, hi = max(b0, start), min(b1, stop)
+            out[lo - start : hi - start] = values[lo - b0 : hi - b0]
+
+    # CPU's randn runs on one thread (~200M values/s): a 1B model's start took 7 s drawing. Each block has its own
+    # generator, so torch's intra-op threads' worth of Python threads (torch frees the GIL; torchrun sets 1 a rank)
+    # draw the same values in any order.
+    threads = min(torch.get_num_threads(), max(1, out.numel() // PARALLEL_MIN), len(blocks))
+    if threads == 1:
+        draw(blocks)
+    else:
+        list(_pool(torch.get_num_threads()).map(draw, (blocks[i::threads] for i in range(threads))))
     return out
+
+
+PARALLEL_MIN = 1 << 17  # values a thread draws at least (~0.6 ms: more than handing it the work costs)
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """One pool for the process (a MoE model draws thousands of expert tensors: threads are not started for each)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="primus-init")
