@@ -93,6 +93,15 @@ def predicted_gib(preset: str, overrides: list[str]) -> float | None:
         return None
 
 
+def planner_columns(preset: str, overrides: list[str], peak_gib: float | None) -> dict:
+    """``predicted_gib`` (:func:`predicted_gib`) and, with a measured peak, ``memory_error`` (predicted / peak - 1)
+    of a run of ``preset`` + ``overrides`` (its output folder left out: the planner does not read it)."""
+    pred = predicted_gib(preset, [o for o in overrides if not o.startswith("logging.output_dir")])
+    if pred is None:
+        return {}
+    return {"predicted_gib": pred, **({"memory_error": pred / peak_gib - 1} if peak_gib else {})}
+
+
 def measured(rows: list[dict], warmup: int) -> dict:
     """tokens/s and MFU (medians after ``warmup`` steps), peak memory and the loss curve of one run's metrics."""
     steady = [r for r in rows if r["step"] > warmup] or rows
@@ -162,10 +171,8 @@ class Suite:
         if rows and "time" in rows[0]:  # where a run's wall time goes: start-up (to the first step's end) and steps
             row["first_step_s"] = round(rows[0]["time"] - started, 1)
         row |= {"status": "passed", **measured(rows, warmup)}
-        if not self.smoke and (pred := predicted_gib(preset, overrides)) is not None:
-            row["predicted_gib"] = pred
-            if "peak_gib" in row:
-                row["memory_error"] = pred / row["peak_gib"] - 1
+        if not self.smoke:
+            row |= planner_columns(preset, overrides, row.get("peak_gib"))
         return row
 
     def add(self, part: str, rows: list[dict], seconds: float | None = None) -> None:
@@ -312,9 +319,7 @@ def part_moe(s: Suite) -> list[dict]:
         row |= {"status": "passed", "tokens_per_s": c["tokens_per_s_per_device"], "mfu": c.get("mfu")}
         row |= {"peak_gib": c["peak_memory_gib"], "losses": c.get("losses"), "experts": experts_note(c)}
         if not s.smoke and c.get("command"):
-            preset, ov = train_argv(c["command"])
-            if (pred := predicted_gib(preset, [o for o in ov if not o.startswith("logging.output_dir")])) is not None:
-                row |= {"predicted_gib": pred, "memory_error": pred / row["peak_gib"] - 1}
+            row |= planner_columns(*train_argv(c["command"]), row["peak_gib"])
         by[c["case"]] = row
         rows.append(row)
     for case, r in by.items():

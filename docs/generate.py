@@ -200,16 +200,16 @@ def hooks() -> list[tuple[str, str, str, str]]:
 
 
 def plugin_api_page() -> str:
+    from primus.core.contracts import engine as engine_contract
     from primus.core.contracts import protocols
     from primus.core.kernels.contracts import CONTRACTS
     from primus.core.planner.profile import EngineProfile
-    from primus.core.run import loop
 
     lines = [
         "# Plugin API reference",
         "",
         "Generated from `primus.core.contracts.hookspecs`, `primus.core.kernels.contracts`, `primus.core.contracts.protocols`, "
-        "`primus.core.run.loop` and `primus.core.planner.profile`. How to write a plugin: [the plugin author's guide]"
+        "`primus.core.contracts.engine` and `primus.core.planner.profile`. How to write a plugin: [the plugin author's guide]"
         "(../plugins.md).",
         "",
         "## Hooks",
@@ -243,15 +243,18 @@ def plugin_api_page() -> str:
     for cls in (protocols.BackendSpec, protocols.KernelProvider, protocols.StrategySpec, protocols.RunInfo,
                 protocols.ConfigIssue):  # fmt: skip
         lines += ["", f"## `{cls.__name__}` (`primus.core.contracts.protocols`)", "", _doc(cls), "", *_fields(cls)]
-    lines += ["", "## The engine an adapter builds (`primus.core.run.loop.Engine`)", "", _doc(loop.Engine), ""]
-    for name, member in vars(loop.Engine).items():
+    lines += ["", "## The engine an adapter builds (`primus.core.contracts.engine`)", "", _doc(engine_contract), ""]
+    lines += [_doc(engine_contract.Engine), "", "Required:", ""]
+    for name, member in vars(engine_contract.Engine).items():
         if name.startswith("_") or not callable(member):
             continue
         sig = str(inspect.signature(member)).replace("'", "")
         lines += [f"- `{name}{sig}`: {_doc(member) or '(see the protocol)'}"]
-    ann = typing.get_type_hints(loop.Engine)
+    ann = typing.get_type_hints(engine_contract.Engine)
     for name in ("model_parts", "layout", "distributions"):
         lines.append(f"- attribute `{name}: {_type(ann[name])}`")
+    lines += ["", "Optional (`CAPABILITIES`; the loop asks `check_engine`'s answer once, at build):", ""]
+    lines += [f"- `{name}`: {_cell(text)}" for name, text in engine_contract.CAPABILITIES.items()]
     lines += [
         "",
         "## The planner's engine profile (`primus.core.planner.profile.EngineProfile`)",

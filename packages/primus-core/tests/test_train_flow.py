@@ -115,3 +115,43 @@ def test_user_errors_from_a_backend_are_one_line_exit_2(tmp_path, monkeypatch):
     )
     assert res.exit_code == 2 and "error: data.tokenizer: /nope/tokenizer.json does not exist" in res.output
     assert "Traceback" not in res.output
+
+
+def test_an_engine_missing_a_member_of_the_contract_is_refused_naming_it(tmp_path):
+    """The engine contract (primus.core.contracts.engine) is checked once, right after the build: an engine without
+    ``load`` and with a ``barrier`` that is not callable is refused before any step, naming the backend and both,
+    and is closed; the stand-in's optional members are what the check reports it offers."""
+    from primus.core.contracts.engine import check_engine
+    from primus.core.contracts.errors import UserError
+    from primus.core.run import testing
+
+    closed = []
+
+    class Partial(testing.StandInEngine):
+        load = None
+        barrier = "not a method"
+
+        def close(self) -> None:
+            closed.append(True)
+
+    class Backends:
+        @staticmethod
+        @hookimpl
+        def primus_backends():
+            return [BackendSpec("partial", "", engine=Partial)]
+
+    registry = Registry(build_plugin_manager(extra_plugins=[("backends", Backends)]))
+    overrides = ["backend.name=partial", "train.steps=2", f"logging.output_dir={tmp_path}"]
+    testing.StandInEngine.calls = []
+    with pytest.raises(UserError, match=r"backend 'partial'.* lacks load, barrier of the engine contract"):
+        run_rank(resolve("tiny-llama", overrides, world_size=1, registry=registry))
+    assert closed == [True] and testing.StandInEngine.calls == []  # no step ran
+    assert not (tmp_path / "metrics.jsonl").exists() or (tmp_path / "metrics.jsonl").read_text() == ""
+
+    class Ctx:
+        pass
+
+    stand_in = testing.StandInEngine(resolve("tiny-llama", [], world_size=1, registry=registry).config, Ctx())
+    assert check_engine(stand_in, "stand-in") == {"evaluate"}
+    stand_in.summary, stand_in.finished = {"backend": "stand-in"}, None  # an attribute set counts, None does not
+    assert check_engine(stand_in, "stand-in") == {"evaluate", "summary"}

@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import grad_accumulation_steps
+from primus.core.contracts.engine import StepResult
 from primus.core.contracts.protocols import RunContext
 from primus.core.kernels import fp8_experts
 from primus.core.kernels.documents import document_eos, document_ids
 from primus.core.run.health import collective_timeout
-from primus.core.run.loop import StepResult
 
 # megatron-core's FSDP modules announce at import "using Megatron-FSDP" (imported whether or not parallel.fsdp is
 # on); set before megatron.core is first imported below, so a run without FSDP does not say it uses it

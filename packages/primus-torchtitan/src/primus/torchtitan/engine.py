@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from primus.core.config.schema import PrimusConfig
+from primus.core.contracts.engine import StepResult
 from primus.core.contracts.protocols import CONTEXT_PARALLEL, RunContext
 from primus.core.kernels.fp8_recipe import fp8_output_head
 from primus.core.launch.env import free_port
-from primus.core.run.loop import StepResult
 from primus.core.run.rundir import checkpoint_root
 
 log = logging.getLogger("primus.torchtitan")

@@ -63,7 +63,7 @@ class BackendSpec:
 
     ``validate(cfg, world_size) -> list[ConfigIssue]`` refuses what the engine cannot do, before any
     device work. ``engine(cfg, ctx) -> Engine`` builds the adapter that core's training loop drives
-    (:class:`primus.core.run.loop.Engine`: steps, learning rate, health, metrics, checkpoints and resume are
+    (:class:`primus.core.contracts.engine.Engine`: steps, learning rate, health, metrics, checkpoints and resume are
     then core's). A backend without ``engine`` gives ``run(cfg, ctx) -> dict`` instead, which trains on its
     own (called once per rank with a :class:`RunContext`) and returns a summary.
     """
@@ -77,7 +77,7 @@ class BackendSpec:
     dist: str = ""  # filled in by the plugin manager
     # Hugging Face import/export: an object with the methods of primus.core.hf.contract.HFInterop (named lazily)
     hf: str | Callable[..., Any] | None = None
-    # ``build(cfg, ctx) -> Engine`` (primus.core.run.loop.Engine): the adapter core's training loop drives
+    # ``build(cfg, ctx) -> Engine`` (primus.core.contracts.engine.Engine): the adapter core's training loop drives
     engine: str | Callable[..., Any] | None = None
     # the engine's facts for the planner (primus.core.planner); None: the planner's defaults
     planner: str | Callable[..., Any] | None = None

@@ -3,7 +3,7 @@
 The samples are ``eval.holdout`` of the training samples (never trained on) or those of ``eval.source``
 (:mod:`primus.core.data.splits`); an evaluation reads the first ``eval.batches`` global batches of them, in order,
 so every evaluation of a run, on any engine and layout, covers the same tokens. The engine runs the forward passes
-(:meth:`primus.core.run.loop.Engine.evaluate`): no gradient, optimizer state or training data position is touched,
+(:meth:`primus.core.contracts.engine.CAPABILITIES`): no gradient, optimizer state or training data position is touched,
 and the model is left as training left it (the parameters the optimizer holds: a checkpoint may follow at once).
 """
 
@@ -25,7 +25,9 @@ EVAL_METRICS = {
 
 
 def evaluates(engine: Any) -> bool:
-    return callable(getattr(engine, "evaluate", None))
+    from primus.core.contracts.engine import capabilities
+
+    return "evaluate" in capabilities(engine)
 
 
 def require_evaluate(engine: Any, backend: str) -> None:

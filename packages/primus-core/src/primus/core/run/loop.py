@@ -47,11 +47,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from primus.core.config.schema import PrimusConfig
+from primus.core.contracts.engine import Engine, check_engine
+from primus.core.contracts.engine import Gate as Gate  # the contract's old home: re-exported
+from primus.core.contracts.engine import StepResult as StepResult
 from primus.core.contracts.errors import UserError
 from primus.core.run import checkpoints as ckpt
 from primus.core.run.faults import FaultInjection
@@ -83,62 +85,6 @@ METRICS = {
     "loss_spikes": "loss spikes the health check has reported so far",
     # and for mixture-of-experts models, primus.core.run.expert_load.METRICS
 }
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step gives the loop."""
-
-    loss: float  # mean token loss over the global batch, the same on every rank; NaN if any rank's is
-    grad_norm: float | None  # before clipping; None where the engine has none (no optimizer step ran)
-    applied: bool = True  # False when the health gate refused the update
-    tokens: int | None = None  # tokens of the global batch (default: global_batch_size × seq_len)
-
-
-Gate = Callable[[float, "float | None"], bool]
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """A backend's adapter: its engine's native objects behind the calls core's loop makes.
-
-    ``evaluate`` is optional (an engine without it cannot run with evaluation); two optional attributes:
-    ``summary`` (a dict the run's summary takes over, e.g. which kernels the engine applied) and ``finished`` (set at build by an engine whose whole job was done then, e.g. a seed checkpoint
-    written: its summary; the loop then runs no step). A mixture-of-experts engine may offer ``expert_routers()``:
-    its routers as ``(global layer index, module, counts)`` (:mod:`primus.core.run.expert_load`: the load metrics), and any
-    engine ``interval_metrics()``: metrics defined in core that only it can measure (e.g. ``moe_aux_loss``), called
-    on every rank at each logging step (it may reduce over ranks), over the steps since the previous call."""
-
-    model_parts: list[Any]  # the model modules on this rank (one per pipeline chunk)
-    layout: dict[str, int]  # the parallel layout, recorded in each checkpoint's manifest
-    distributions: tuple[str, ...]  # whose versions each checkpoint's manifest records
-
-    def train_step(self, step: int, lr: float, gate: Gate) -> StepResult:
-        """Run step ``step`` (1-based) over its global batch at learning rate ``lr``. Once the loss and grad norm
-        are known and before the update, call ``gate(loss, grad_norm)``: False means drop the update
-        (parameters and optimizer state unchanged); it raises when the run must stop."""
-        ...
-
-    def save(self, folder: Path) -> None:
-        """Write this rank's state (model, optimizer, anything else to resume) into ``folder`` (it exists)."""
-        ...
-
-    def load(self, folder: Path) -> None:
-        """Load the state that :meth:`save` wrote (possibly from another layout) on this rank."""
-        ...
-
-    def evaluate(self, samples: Any, batches: int) -> float:
-        """Forward only: the mean token loss over the first ``batches`` global batches of ``samples`` (read in
-        order: batch ``b`` is samples ``[b·G, (b+1)·G)``, each data-parallel rank its contiguous slice, as in
-        training), the same value on every rank. No gradient, optimizer state or training data position is
-        touched. Optional: an engine without it refuses ``eval.interval``."""
-        ...
-
-    def barrier(self) -> None: ...
-
-    def close(self) -> None:
-        """Release the engine (process groups, files); called once, also after an error."""
-        ...
 
 
 def _due(cfg: PrimusConfig, step: int) -> bool:
@@ -277,10 +223,16 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
         checkpoints.refuse_earlier_run()
     eval_data = ctx.eval_samples if cfg.eval.interval else None
     engine: Engine = load_ref(spec.engine)(cfg, ctx)
+    try:
+        offers = check_engine(engine, spec.name)
+    except UserError:
+        if callable(getattr(engine, "close", None)):
+            engine.close()
+        raise
     checkpoints.engine = engine
     try:
         ctx.model_ready(engine.model_parts)
-        if getattr(engine, "finished", None) is not None:
+        if "finished" in offers:
             return dict(engine.finished)
         if cfg.checkpoint.enabled or ctx.resume:
             checkpoints.fingerprint_data()
@@ -291,7 +243,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
             start, applied = checkpoints.resume()
         ctx.hooks.primus_on_train_start(config=cfg, info=ctx.info)
 
-        expert_load = _expert_load(cfg, engine, ctx.info.device)
+        expert_load = _expert_load(cfg, engine, ctx.info.device) if "expert_routers" in offers else None
         health = HealthMonitor(t.health)
         meter = Throughput(ctx.info.flops_per_token, ctx.info.world_size, ctx.info.peak_flops)
         default_tokens = int(t.global_batch_size) * t.seq_len
@@ -325,7 +277,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
                         "memory_gib": memory_gib(ctx.info.device, reset=True),
                         **health.metrics(),
                         **(expert_load.metrics() if expert_load else {}),
-                        **(engine.interval_metrics() if hasattr(engine, "interval_metrics") else {}),
+                        **(engine.interval_metrics() if "interval_metrics" in offers else {}),
                     }
                 if evaluate_now:
                     evaluated = evaluation.evaluate(engine, eval_data, cfg.eval.batches)
@@ -351,23 +303,24 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
             "kernels": dict(ctx.info.kernels),
             "checkpoint": str(checkpoints.saved) if checkpoints.saved else None,
             **health.metrics(),
-            **getattr(engine, "summary", {}),
+            **(engine.summary if "summary" in offers else {}),
         }
     finally:
         engine.close()
 
 
-def _expert_load(cfg: PrimusConfig, engine: Engine, device: str) -> Any:
-    """An :class:`~primus.core.run.expert_load.ExpertLoad` on the routers the engine names (MoE models whose engine
-    offers ``expert_routers()``), else None."""
-    routers = getattr(engine, "expert_routers", None)
-    if cfg.model.moe is None or routers is None:
+def _expert_load(cfg: PrimusConfig, engine: Any, device: str) -> Any:
+    """An :class:`~primus.core.run.expert_load.ExpertLoad` on the routers the engine names (``expert_routers()``)
+    for an MoE model, else None."""
+    if cfg.model.moe is None:
         return None
     from primus.core.run.expert_load import ExpertLoad
 
     e = cfg.model.moe
     top_k = e.experts_per_token if e.capacity_factor is not None else None  # tokens dropped: moe_dropped
-    return ExpertLoad(routers(), cfg.model.num_layers, e.num_experts, "cuda" if device != "cpu" else "cpu", top_k)
+    return ExpertLoad(
+        engine.expert_routers(), cfg.model.num_layers, e.num_experts, "cuda" if device != "cpu" else "cpu", top_k
+    )
 
 
 def _saved(checkpoints: _Checkpoints) -> str:

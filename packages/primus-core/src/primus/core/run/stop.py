@@ -25,14 +25,7 @@ SIGNALS = ("SIGTERM", "SIGUSR1")
 #: What torchrun must handle and forward to its workers (its option ``--signals-to-handle``): its own defaults and
 #: the stop signals.
 TORCHRUN_SIGNALS = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *SIGNALS]))
-_stopped_early = False  # set once this process's run has stopped early (read by exit_code)
 _pending: str | None = None  # a stop signal received before the loop listened (see listen_early)
-
-
-def exit_code() -> int:
-    """What a successful process exits with: :data:`PREEMPTED_EXIT` after an early stop, else 0 (for code that
-    must leave with ``os._exit``, which skips ``sys.exit``'s code)."""
-    return PREEMPTED_EXIT if _stopped_early else 0
 
 
 @contextlib.contextmanager
@@ -97,13 +90,11 @@ class StopRequest:
 
     def agreed(self) -> str | None:
         """The reason to stop now (a signal's name or ``train.max_minutes``) when any rank has one, else None."""
-        global _stopped_early
         if self.reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
             self.reason = "train.max_minutes"
         reason = self.reason
         if self.world_size > 1 and _any_rank(reason is not None):
             reason = reason or "another rank's stop request"
-        _stopped_early = _stopped_early or reason is not None
         return reason
 
 

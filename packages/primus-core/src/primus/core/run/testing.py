@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from primus.core import hookimpl
+from primus.core.contracts.engine import StepResult
 from primus.core.contracts.plugins import Registry, build_plugin_manager
 from primus.core.contracts.protocols import BackendSpec
-from primus.core.run.loop import StepResult
 
 NAME = "stand-in"
 WEIGHT_BYTES = 3 * 2**16
