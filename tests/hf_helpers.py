@@ -145,11 +145,17 @@ def primus(*args: str, nproc: int = 1, timeout: int = 240) -> subprocess.Complet
 
 def train(config: Path, out: Path, *overrides: str, nproc: int = 1) -> list[dict]:
     """``primus train`` (its own launcher for several ranks); the metrics rows it wrote."""
+    return train_logged(config, out, *overrides, nproc=nproc)[0]
+
+
+def train_logged(config: Path, out: Path, *overrides: str, nproc: int = 1) -> tuple[list[dict], str]:
+    """:func:`train`, and what the run printed (stdout and stderr, whitespace folded to single spaces)."""
     args = ["train", str(config), f"logging.output_dir={out}", *overrides]
     if nproc > 1:
         args += ["--nproc-per-node", str(nproc), "--master-port", str(_free_port())]
-    primus(*args, timeout=300)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    proc = primus(*args, timeout=300)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return rows, " ".join((proc.stdout + proc.stderr).split())
 
 
 # Child-process code: the engine's model from one of its checkpoints, and its logits on ids.

@@ -3,11 +3,14 @@ factor, a shared expert, the first layer dense, YaRN) on both engines against tr
 a random tiny HF model of the tiny-deepseek preset's shape (its routing bias random too, so the bias takes part) is
 imported (as ``primus checkpoint import`` does), the engine's forward pass gives HF's logits, the export holds the
 same tensors bit for bit; a run starts from the HF folder (``train.init_from``); both engines train the same curve
-from core's canonical weights, and EP 2 (both) and TP 2 (TorchTitan) the one-rank curve; the planner's layouts for
-DeepSeek-V3 on 32×8 H200 pass TorchTitan's validation.
+from core's canonical weights, and EP 2 and PP 2 (both), TP 2 and FSDP 2 (TorchTitan) the one-rank curve; FP8 on
+MLA's projections tracks the fp32 curve; the planner's layouts for DeepSeek-V3 on 32×8 H200 pass TorchTitan's
+validation.
 
 Measured (fp32, CPU): logits within 4.8e-7 (torchtitan) and 4.2e-7 (megatron) of transformers'; the exports are
-bit-equal; over 6 steps the losses of all five runs within 1.4e-7 relative of megatron's, grad norms within 6e-5.
+bit-equal; over 6 steps (4 layers) TorchTitan's losses within 1.3e-7 relative of megatron's, grad norms 5.1e-6; the
+two-rank layouts' losses within 1.3e-7 of their engine's one rank, grad norms 1.2e-5; FP8 (bf16 weights, every
+linear forced) losses within 2.5e-4 (megatron) and 3.8e-4 (TorchTitan) of fp32's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 
 import pytest
 import torch
-from hf_helpers import hf_logits, max_diff, roundtrip, run_config, token_ids, train
+from hf_helpers import hf_logits, max_diff, roundtrip, run_config, token_ids, train, train_logged
 from safetensors.torch import load_file
 
 ENGINE_TOL = 1e-5
@@ -117,8 +120,9 @@ LOSS_RTOL, GNORM_RTOL = 2e-5, 5e-4  # tests/test_moe_same_run.py's
 RECIPE = {
     "extends": ["tiny-deepseek"],
     # the routing bias is in both models (zeros from the canonical init, used in the choice of experts) and not
-    # updated: the two engines' bias updates differ (torchtitan centres its update, megatron does not)
-    "model": {"moe": {"balancing": "none"}},
+    # updated: the two engines' bias updates differ (torchtitan centres its update, megatron does not); 4 layers (the
+    # dense one, 3 MoE) so that 2 pipeline stages split them evenly, as megatron requires
+    "model": {"num_layers": 4, "moe": {"balancing": "none"}},
     "train": {
         "seq_len": 64,
         "micro_batch_size": 2,
@@ -134,14 +138,22 @@ RECIPE = {
 }
 
 
-# megatron refuses tp > 1 with MLA here (primus.megatron.deepseek)
+# megatron refuses tp > 1 with MLA here (primus.megatron.deepseek) and FSDP2 of experts
 RUNS = {
     "megatron": ("megatron", 1, []),
     "torchtitan": ("torchtitan", 1, []),
     "megatron-ep2": ("megatron", 2, ["parallel.ep=2"]),
     "torchtitan-ep2": ("torchtitan", 2, ["parallel.ep=2"]),
     "torchtitan-tp2": ("torchtitan", 2, ["parallel.tp=2"]),
+    "megatron-pp2": ("megatron", 2, ["parallel.pp=2"]),
+    "torchtitan-pp2": ("torchtitan", 2, ["parallel.pp=2"]),
+    "torchtitan-fsdp2": ("torchtitan", 2, ["parallel.dp_shard=2"]),
 }
+# FP8 on latent attention's projections (and the dense MLPs, the shared expert; the routed experts stay bf16, core's
+# rule on a CPU): every linear forced, bf16 weights, against the engine's fp32 curve
+FP8 = ["train.precision=bf16", "kernels.fp8=rowwise", "kernels.fp8_recipe.linears=all"]
+RUNS |= {"megatron+fp8": ("megatron", 1, FP8), "torchtitan+fp8": ("torchtitan", 1, FP8)}
+LOGS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +165,7 @@ def curves(tmp_path_factory) -> dict[str, list[dict]]:
     for name, (backend, nproc, overrides) in RUNS.items():
         config = root / f"{name}.yaml"
         config.write_text(yaml.safe_dump(RECIPE | {"backend": {"name": backend}}, sort_keys=False))
-        out[name] = train(config, root / name, *overrides, nproc=nproc)
+        out[name], LOGS[name] = train_logged(config, root / name, *overrides, nproc=nproc)
     return out
 
 
@@ -195,10 +207,27 @@ def test_plan_deepseek_v3_on_32_h200_nodes_is_accepted(engine):
         assert c.layout.ep > 1 and c.memory.total <= cluster.budget
 
 
-@pytest.mark.parametrize("name", ["megatron-ep2", "torchtitan-ep2", "torchtitan-tp2"])
+@pytest.mark.parametrize("engine", ["megatron", "torchtitan"])
+def test_fp8_on_latent_attention_tracks_the_fp32_curve(curves, engine):
+    """``kernels.fp8=rowwise`` with every linear forced: MLA's up projections and its output projection run as FP8
+    linears, its down projections too on TorchTitan (megatron-core takes only its own classes there), as the kernel
+    log says, and the losses stay within 1% of the engine's fp32 curve (measured: see the module docstring), not
+    equal to it."""
+    log, ref, got = LOGS[f"{engine}+fp8"], curves[engine], curves[f"{engine}+fp8"]
+    if engine == "megatron":  # the kernel log's blocks, with no linear left bf16 (linears: all)
+        assert "fp8 (rowwise): FP8 linears in blocks [0, 1, 2, 3]" in log, log[-3000:]
+    else:  # 4 blocks x (q_a, q_b, kv_a, kv_b, o) + the dense MLP (3) + 3 shared experts (3 each)
+        assert "fp8 (fp8, rowwise): 32 linears swapped" in log, log[-3000:]
+    losses, fp32 = [r["loss"] for r in got], [r["loss"] for r in ref]
+    assert losses[-1] < losses[0] - 0.4 and losses != fp32
+    assert losses == pytest.approx(fp32, rel=0.01)
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if "-" in n])
 def test_two_ranks_train_the_one_rank_curve(curves, name):
-    """EP 2 (experts split over 2 gloo ranks, all-to-all dispatch) and TorchTitan's TP 2 (MLA's projections and
-    the experts split): the single-rank curve of the engine."""
+    """EP 2 (experts split over 2 gloo ranks, all-to-all dispatch), TorchTitan's TP 2 (MLA's projections and the
+    experts split), PP 2 (the dense layer and an MoE one a stage) and TorchTitan's FSDP 2 (every weight, the
+    experts' too, sharded over the 2 ranks): the single-rank curve of the engine."""
     ref, rows = curves[name.split("-")[0]], curves[name]
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=LOSS_RTOL)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)

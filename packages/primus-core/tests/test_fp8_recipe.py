@@ -119,3 +119,12 @@ def test_the_planner_counts_only_the_linears_the_rule_puts_in_fp8():
     assert 0.95 < forced < 1.0 and share("qwen3-30b-a3b", fp8_experts=True, compiled=True) == 1.0
     moe = model_of("qwen3-30b-a3b")
     assert KernelTerms(fp8="rowwise", fp8_linears="auto", fp8_experts=True).fp8_share(moe, ep=8) < forced
+    # latent attention by its own linears: DeepSeek-V3's q_b, kv_b (512 x 32768, just 4096²) and o reach the bound,
+    # its down projections q_a / kv_a and its shared expert (7168 x 2048) do not; under TP the down projections
+    # stay whole on every rank, and bf16
+    v3 = model_of("deepseek-v3")
+    dense = share("deepseek-v3")
+    assert 0.0 < dense < 0.05  # the routed experts (bf16) are nearly all of a layer
+    assert share("deepseek-v3", fp8_experts=True, compiled=True) == 1.0
+    assert 0.99 < share("deepseek-v3", fp8_experts=True, compiled=True, tp=2) < 1.0
+    assert KernelTerms(fp8="rowwise", fp8_linears="all").fp8_share(v3) > dense

@@ -440,3 +440,26 @@ def test_moe_utils_misses_te_general_gemm_without_te():
     assert "te_general_gemm is not None" in inspect.getsource(moe_utils.RouterGatingLinearFunction.forward)
     had = hasattr(moe_utils, "te_general_gemm")
     assert mc.moe_without_te() is not had and moe_utils.te_general_gemm is None
+
+
+def test_megatrons_optimizer_takes_cores_weight_decay_rule():
+    """The config_overrides handed to get_megatron_optimizer match exactly the parameters core exempts (1-D: norms,
+    biases), through megatron's own ParamKey.matches, with wd_mult 0."""
+    import torch
+
+    from primus.megatron.engine import _weight_decay_overrides
+
+    ((key, override),) = _weight_decay_overrides().items()
+    params = {
+        "decoder.layers.0.self_attention.linear_qkv.weight": torch.nn.Parameter(torch.zeros(6, 4)),
+        "decoder.layers.0.mlp.experts.weight1": torch.nn.Parameter(torch.zeros(2, 4, 8)),
+        "decoder.layers.0.input_layernorm.weight": torch.nn.Parameter(torch.ones(4)),
+        "decoder.layers.0.self_attention.linear_qkv.bias": torch.nn.Parameter(torch.zeros(6)),
+    }
+    assert {name: key.matches(p, name) for name, p in params.items()} == {
+        "decoder.layers.0.self_attention.linear_qkv.weight": False,
+        "decoder.layers.0.mlp.experts.weight1": False,
+        "decoder.layers.0.input_layernorm.weight": True,
+        "decoder.layers.0.self_attention.linear_qkv.bias": True,
+    }
+    assert override == {"wd_mult": 0.0}

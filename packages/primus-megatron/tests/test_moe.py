@@ -75,9 +75,11 @@ def test_expert_parallel_layouts_match_world_size_1(runs, layout):
     ref = runs[REFERENCE[layout]]
     assert losses(runs[layout]) == pytest.approx(losses(ref), abs=LOSS_TOL)
     norms = [r["grad_norm"] for r in runs[layout]]
-    # 5e-4: on the bundled corpus as a clean interpreter walks it, every layout's step-5 norm is 1.3e-4 to 3.6e-4
-    # from one rank's (steps 1-4 within 2e-6, step 6 within 5e-5, losses and expert loads equal): summation order
-    assert norms == pytest.approx([r["grad_norm"] for r in ref], rel=5e-4)
+    # 1e-3, as TorchTitan's MoE tests: on the bundled corpus as a clean interpreter walks it, every layout's step-5
+    # norm is 1.3e-4 to 3.6e-4 from one rank's with torch's default threads, and tp2_ep2's 6.1e-4 with one thread a
+    # process (noxfile: OMP_NUM_THREADS=1 beside other xdist workers); steps 1-4 within 2e-6, losses and expert
+    # loads equal: summation order
+    assert norms == pytest.approx([r["grad_norm"] for r in ref], rel=1e-3)
     # the routers' expert load, summed over ranks (EP: each rank routes its own tokens; TP + SP, CP: its sequence shard)
     for key in ("moe_load_max", "moe_load_min"):
         assert [r[key] for r in runs[layout]] == pytest.approx([r[key] for r in ref], rel=1e-6), key

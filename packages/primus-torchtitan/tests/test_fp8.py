@@ -54,6 +54,33 @@ def test_auto_keeps_the_linears_fp8_is_measured_slower_on_in_bf16():
     assert not skip_rule(cfg(), [])("layers.0.moe.experts", None)  # experts: fp8_experts decides, not the shape
 
 
+def test_latent_attention_linears_take_the_same_rule():
+    """DeepSeek-V3's MLA linears: q_b (1536 x 24576), kv_b (512 x 32768) and wo reach the eager bound, the down
+    projections wq_a (7168 x 1536) and wkv_a (7168 x 576) do not; under TP torchtitan keeps the down projections whole
+    on every rank, and the FP8 linear's TP path takes sharded weights only: bf16 even with linears: all."""
+    from types import SimpleNamespace
+
+    from primus.torchtitan.fp8 import skip_rule
+
+    shapes = {"wq_a": (7168, 1536), "wq_b": (1536, 24576), "wkv_a": (7168, 576), "wkv_b": (512, 32768)}
+    shapes["wo"] = (16384, 7168)
+    modules = {
+        f"layers.0.attention.{k}": SimpleNamespace(in_features=i, out_features=o) for k, (i, o) in shapes.items()
+    }
+
+    def in_fp8(tp: int = 1, linears: str = "auto") -> list[str]:
+        c = PrimusConfig.model_validate(
+            {"train": {"precision": "bf16"}, "parallel": {"tp": tp},
+             "kernels": {"fp8": "rowwise", "fp8_recipe": {"linears": linears}}}
+        )  # fmt: skip
+        skip = skip_rule(c, [])
+        return [n.rsplit(".", 1)[1] for n, m in modules.items() if not skip(n, m)]
+
+    assert in_fp8() == ["wq_b", "wkv_b", "wo"]
+    assert in_fp8(linears="all") == list(shapes)
+    assert in_fp8(tp=2, linears="all") == ["wq_b", "wkv_b", "wo"]
+
+
 def cfg(**recipe) -> PrimusConfig:
     return PrimusConfig.model_validate(
         {"train": {"precision": "bf16", "seq_len": 64}, "kernels": {"fp8": "tensorwise", "fp8_recipe": recipe}}

@@ -70,9 +70,10 @@ def router_fields(m: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def attention_spec(norm: Any, core_attention: Any) -> Any:
+def attention_spec(norm: Any, core_attention: Any, linears: dict[str, Any] | None = None) -> Any:
     """MLASelfAttention with megatron's local linears, ``norm`` (the spec of both latent RMSNorms) and
-    ``core_attention`` (Primus's provider attention; both from :mod:`primus.megatron.layer_spec`)."""
+    ``core_attention`` (Primus's provider attention; both from :mod:`primus.megatron.layer_spec`); ``linears``
+    replaces some (FP8 ones: :func:`primus.megatron.fp8.mla_linear_specs`)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
@@ -82,13 +83,16 @@ def attention_spec(norm: Any, core_attention: Any) -> Any:
         module=MLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
-            linear_q_proj=ColumnParallelLinear,
-            linear_q_down_proj=ColumnParallelLinear,
-            linear_q_up_proj=ColumnParallelLinear,
-            linear_kv_down_proj=ColumnParallelLinear,
-            linear_kv_up_proj=ColumnParallelLinear,
+            **{
+                "linear_q_proj": ColumnParallelLinear,
+                "linear_q_down_proj": ColumnParallelLinear,
+                "linear_q_up_proj": ColumnParallelLinear,
+                "linear_kv_down_proj": ColumnParallelLinear,
+                "linear_kv_up_proj": ColumnParallelLinear,
+                "linear_proj": RowParallelLinear,
+                **(linears or {}),
+            },
             core_attention=core_attention,
-            linear_proj=RowParallelLinear,
             q_layernorm=norm,
             kv_layernorm=norm,
         ),

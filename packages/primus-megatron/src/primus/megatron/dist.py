@@ -8,6 +8,7 @@ megatron-core is imported inside the functions: on a CPU, :func:`init_distribute
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from datetime import timedelta
 
@@ -21,10 +22,23 @@ from primus.core.launch.env import free_port
 OPTIONAL_KERNEL_WARNINGS = ("Transformer Engine", "TransformerEngine", "Apex", "apex")
 
 
+# Warned by every rank of a run about what megatron-core 0.16 itself calls, nothing a user can change: torch's
+# deprecated collectives in its distributed optimizer, and the .grad of a non-leaf tensor (its gradient buffers'
+# views; on a CPU raised through primus.megatron.cpu's redirect).
+ENGINE_WARNINGS = (
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+    "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+)
+
+
 def quiet_optional_kernel_warnings() -> None:
-    """Ignore megatron's missing-TE / apex warnings (installed before megatron is first imported)."""
+    """Ignore megatron's missing-TE / apex warnings (installed before megatron is first imported) and
+    :data:`ENGINE_WARNINGS`."""
     for pattern in OPTIONAL_KERNEL_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{pattern}.*")
+    for text in ENGINE_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(text))
 
 
 def init_distributed(timeout: timedelta) -> tuple[int, int, str]:

@@ -103,6 +103,17 @@ def _optimizer_config(cfg: PrimusConfig) -> Any:
     )
 
 
+def _weight_decay_overrides() -> dict[Any, Any]:
+    """megatron's ``config_overrides``: core's weight-decay rule (:mod:`primus.core.run.optimizer`), not megatron's
+    default (the same for these models: their biases are 1-D too)."""
+    from megatron.core.optimizer import ParamKey, ParamPredicate
+
+    from primus.core.run.optimizer import takes_weight_decay
+
+    no_decay = ParamPredicate(name="primus_no_weight_decay", fn=lambda param: not takes_weight_decay(param))
+    return {ParamKey(predicate=no_decay): {"wd_mult": 0.0}}
+
+
 def _one_or_list(items: list[Any]) -> Any:
     return items[0] if len(items) == 1 else items
 
@@ -212,7 +223,7 @@ class MegatronEngine:
             ]
         for m in model:  # every DP rank built the same weights (same seed); make sure
             m.broadcast_params()
-        self.optimizer = get_megatron_optimizer(_optimizer_config(cfg), model)
+        self.optimizer = get_megatron_optimizer(_optimizer_config(cfg), model, _weight_decay_overrides())
         if self.device != "cpu" and t.optimizer.name in ("adam", "adamw"):
             mc.fuse_torch_adam(self.optimizer)
         mc.foreach_multi_tensor()

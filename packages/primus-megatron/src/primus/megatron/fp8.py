@@ -52,15 +52,16 @@ def fp8_layer_numbers(kernels: Any, num_layers: int) -> set[int]:
     return set(fp8_blocks(num_layers, r.bf16_first_layers, r.bf16_last_layers))
 
 
-def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int) -> list[bool]:
-    """Per block of this model chunk (n blocks, pipeline offset from megatron): FP8 linears or not."""
+def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int, mla: Any = None) -> list[bool]:
+    """Per block of this model chunk (n blocks, pipeline offset from megatron): FP8 linears or not; ``mla``: core's
+    ModelConfig of a latent-attention model (its attention linears in the kernel log)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     in_fp8 = fp8_layer_numbers(kernels, config.num_layers)
     flags = [offset + i in in_fp8 for i in range(n)]
     blocks = [offset + i for i, on in enumerate(flags) if on]
-    shapes = linear_shapes(config)
+    shapes = linear_shapes(config, mla=mla)
     freq = config.moe_layer_freq  # megatron's: 1 (every block), or a list of 0 / 1 per block
     if config.num_moe_experts and (all(freq) if isinstance(freq, list) else freq == 1):  # no dense fc1 / fc2
         shapes = {k: v for k, v in shapes.items() if k not in ("linear_fc1", "linear_fc2")}
@@ -77,15 +78,18 @@ def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int) 
     return flags
 
 
-def linear_shapes(config: Any, *, shared: bool = False) -> dict[str, tuple[int, int]]:
+def linear_shapes(config: Any, *, shared: bool = False, mla: Any = None) -> dict[str, tuple[int, int]]:
     """One rank's (in_features, out_features) of a block's linears, from megatron's TransformerConfig: qkv and fc1
     column-parallel (a slice of the outputs), proj and fc2 row-parallel (a slice of the inputs); ``shared``: the
-    shared experts' fc1 / fc2."""
+    shared experts' fc1 / fc2; ``mla`` (core's ModelConfig of a latent-attention model): its attention linears
+    (:func:`mla_linear_shapes`) for qkv and proj."""
     tp = config.tensor_model_parallel_size
     h = config.hidden_size
     ffn = config.moe_shared_expert_intermediate_size if shared else config.ffn_hidden_size
     shapes = {"linear_fc1": (h, ffn * (2 if config.gated_linear_unit else 1) // tp), "linear_fc2": (ffn // tp, h)}
-    if not shared:
+    if not shared and mla is not None:
+        shapes |= mla_linear_shapes(mla)
+    elif not shared:
         q = config.num_attention_heads * config.kv_channels
         kv = 2 * (config.num_query_groups or config.num_attention_heads) * config.kv_channels
         shapes |= {"linear_qkv": (h, (q + kv) // tp), "linear_proj": (q // tp, h)}
@@ -179,6 +183,50 @@ def linear_specs(kernels: Any, provider: Any, config: Any, *, shared: bool = Fal
     specs = {"linear_qkv": col_spec, "linear_fc1": col_spec, "linear_proj": row_spec, "linear_fc2": row_spec}
     pays = fp8_linear_rule(kernels, compiled=False)  # megatron-core's model runs eager here
     return {name: specs[name] for name, shape in linear_shapes(config, shared=shared).items() if pays(*shape)}
+
+
+# core's latent-attention roles (primus.core.config.deepseek.attention_linears) -> megatron's MLASelfAttention
+# submodule, and whether it is column- (True) or row-parallel
+MLA_LINEARS = {
+    "q": ("linear_q_proj", True),
+    "q_a": ("linear_q_down_proj", True),
+    "q_b": ("linear_q_up_proj", True),
+    "kv_a": ("linear_kv_down_proj", True),
+    "kv_b": ("linear_kv_up_proj", True),
+    "o": ("linear_proj", False),
+}
+
+
+# megatron-core 0.16's MLASelfAttention accepts only its own classes (by identity) for the down projections: they
+# stay bf16 (at DeepSeek-V3's shapes, 7168 x 1536 and 7168 x 576, core's eager rule keeps them bf16 anyway)
+BF16_ONLY = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
+def mla_linear_shapes(model: Any) -> dict[str, tuple[int, int]]:
+    """megatron's MLA linears of ``model`` (core's ModelConfig) that may run in FP8 (not :data:`BF16_ONLY`) ->
+    (in_features, out_features), whole (megatron refuses TP with MLA here: primus.megatron.deepseek)."""
+    from primus.core.config.deepseek import attention_linears
+
+    linears = {MLA_LINEARS[role][0]: shape for role, shape in attention_linears(model).items()}
+    return {name: shape for name, shape in linears.items() if name not in BF16_ONLY}
+
+
+def mla_linear_specs(kernels: Any, provider: Any, model: Any) -> dict[str, Any]:
+    """The MLASelfAttention submodule specs of one FP8 block: the latent attention's linears that
+    ``fp8_recipe.linears`` puts in FP8 at ``model``'s shapes (:func:`mla_linear_shapes`)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from primus.core.kernels.fp8_recipe import Fp8Recipe
+
+    recipe = Fp8Recipe.from_config(kernels)
+    column, row = linear_classes(provider)
+    pays = fp8_linear_rule(kernels, compiled=False)
+    columns = {sub: col for sub, col in MLA_LINEARS.values()}
+    return {
+        sub: ModuleSpec(module=column if columns[sub] else row, params={"fp8_recipe": recipe})
+        for sub, shape in mla_linear_shapes(model).items()
+        if pays(*shape)
+    }
 
 
 def issues(cfg: Any) -> list[ConfigIssue]:

@@ -241,12 +241,13 @@ def layer_spec(
     qk_norm: bool,
     fp8: Any = None,
     moe: ModuleSpec | None = None,
-    mla: bool = False,
+    mla: Any = None,
     config: Any = None,
 ) -> ModuleSpec:
     """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its linears FP8 ones (those that
     ``fp8_recipe.linears`` puts in FP8 at ``config``'s shapes, megatron's TransformerConfig); ``moe`` (a
-    :func:`moe_spec`) replaces its dense MLP."""
+    :func:`moe_spec`) replaces its dense MLP; ``mla`` (core's ModelConfig of a latent-attention model) makes its
+    attention megatron's MLASelfAttention."""
     lin = {
         "linear_qkv": ColumnParallelLinear,
         "linear_proj": RowParallelLinear,
@@ -261,11 +262,16 @@ def layer_spec(
     qk = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
     rope, _ = rope_impl(kernels)
     attention = None
-    if mla:  # multi-head latent attention (primus.megatron.deepseek)
+    if mla is not None:  # multi-head latent attention (primus.megatron.deepseek)
         from primus.megatron.deepseek import attention_spec
 
         core = ModuleSpec(module=KernelCoreAttention, params={"kernel": _impl(kernels, "attention")})
-        attention = attention_spec(qk, core)
+        fp8_linears = {}
+        if fp8 is not None:
+            from primus.megatron.fp8 import mla_linear_specs
+
+            fp8_linears = mla_linear_specs(fp8, kernels["fp8"], mla)
+        attention = attention_spec(qk, core, fp8_linears)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -305,7 +311,7 @@ def block_spec(
     qk_norm: bool,
     vp_stage: int | None,
     fp8: Any = None,
-    mla: bool = False,
+    mla: Any = None,
 ) -> TransformerBlockSubmodules:
     """The layers of one model chunk plus the final norm (which must also be the kernel norm:
     megatron's default final norm is TE, apex or torch's, the last refusing sequence parallel)."""
@@ -324,7 +330,7 @@ def _layer_specs(
     vp_stage: Any,
     n: int,
     fp8: Any,
-    mla: bool = False,
+    mla: Any = None,
 ):
     """This chunk's n block specs; with ``fp8`` (KernelsConfig, fp8 on) the blocks the recipe keeps in FP8
     (global layer numbers: pipeline offset included) get FP8 linears; with experts (``config.moe_layer_freq``, one
@@ -332,7 +338,7 @@ def _layer_specs(
     if fp8 is not None and fp8.fp8 != "off":
         from primus.megatron.fp8 import chunk_fp8_flags
 
-        fp8_flags = chunk_fp8_flags(config, fp8, vp_stage=vp_stage, n=n)
+        fp8_flags = chunk_fp8_flags(config, fp8, vp_stage=vp_stage, n=n, mla=mla)
     else:
         fp8_flags = [False] * n
     moe_flags = [False] * n

@@ -190,7 +190,9 @@ def build_chunks(
         vp_stage = vp if cfg.parallel.vpp > 1 else None
         model = gpt_model(
             config,
-            block_spec(config, kernels, qk_norm=m.qk_norm, vp_stage=vp_stage, fp8=cfg.kernels, mla=m.mla is not None),
+            block_spec(
+                config, kernels, qk_norm=m.qk_norm, vp_stage=vp_stage, fp8=cfg.kernels, mla=m if m.mla else None
+            ),
             vocab_size=m.vocab_size,
             max_seq=max(cfg.train.seq_len, 1),
             tied=m.tie_word_embeddings,

@@ -119,8 +119,6 @@ class TorchTitanEngine:
         self.world_size = ctx.info.world_size
         if self.world_size == 1:
             _single_process_env()
-        if ctx.info.rank != 0:
-            logging.getLogger().setLevel(logging.WARNING)  # torchtitan logs to the root logger on every rank
         from primus.torchtitan import quiet
 
         quiet.install(cfg.logging.level, ctx.info.device)

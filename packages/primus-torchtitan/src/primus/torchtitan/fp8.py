@@ -1,10 +1,11 @@
 """FP8 linears in torchtitan's model (``kernels.fp8``): the block linears swapped for the selected FP8
 provider's (primus-turbo's ``Float8Linear`` or torchao's), before TP / FSDP / AC / compile are applied.
 
-Swapped: ``layers.<i>.attention.{wq,wk,wv,wo}``, ``layers.<i>.feed_forward.{w1,w2,w3}`` and a mixture-of-experts
-block's shared experts ``layers.<i>.moe.shared_experts.{w1,w2,w3}`` of blocks outside the recipe's first/last
-``bf16_*_layers``; the output head only with ``bf16_output_head: false``. The routed experts of those blocks
-(``layers.<i>.moe.experts``) run on the provider's FP8 grouped GEMM (``grouped_gemm_for``,
+Swapped: ``layers.<i>.attention.{wq,wk,wv,wo}`` (latent attention's ``wq_a``, ``wq_b``, ``wkv_a``, ``wkv_b``,
+``wo``; under TP its down projections ``wq_a`` / ``wkv_a`` stay bf16), ``layers.<i>.feed_forward.{w1,w2,w3}`` and a
+mixture-of-experts block's shared experts ``layers.<i>.moe.shared_experts.{w1,w2,w3}`` of blocks outside the
+recipe's first/last ``bf16_*_layers``; the output head only with ``bf16_output_head: false``. The routed experts of
+those blocks (``layers.<i>.moe.experts``) run on the provider's FP8 grouped GEMM (``grouped_gemm_for``,
 :mod:`primus.turbo.fp8.grouped`); the routers stay in bf16.
 Under FSDP primus-turbo's linear gets its parameters all-gathered in bf16 as usual and casts them to fp8 inside
 each GEMM; torchao's tensorwise linear has FSDP2 all-gather them in e4m3 (:func:`fsdp_fp8_all_gather`).
@@ -28,7 +29,8 @@ from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear
 log = logging.getLogger("primus.torchtitan")
 
 BLOCK_LINEAR = re.compile(
-    r"^layers\.(\d+)\.(attention\.(wq|wk|wv|wo)|feed_forward\.(w1|w2|w3)|moe\.shared_experts\.(w1|w2|w3))$"
+    r"^layers\.(\d+)\.(attention\.(wq|wk|wv|wo|wq_a|wq_b|wkv_a|wkv_b)|feed_forward\.(w1|w2|w3)"
+    r"|moe\.shared_experts\.(w1|w2|w3))$"
 )
 EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts$")
 OUTPUT_HEAD = "output"
@@ -47,8 +49,11 @@ def keeps_bf16(name: str, *, num_layers: int, recipe: Any) -> bool:
 
 
 # torchtitan's row-wise parallel linears under TP (each rank holds a slice of the input features); the others of
-# BLOCK_LINEAR are column-wise (a slice of the output features)
+# BLOCK_LINEAR are column-wise (a slice of the output features) but for latent attention's down projections, which
+# its TP plan leaves whole (NoParallel): the FP8 linear's TP path takes sharded weights only, so under TP they stay
+# bf16
 ROW_WISE = ("wo", "w2")
+WHOLE_UNDER_TP = ("wq_a", "wkv_a")
 
 
 def skip_rule(cfg: Any, too_small: list[str] | None = None) -> Callable[[str, Any], bool]:
@@ -64,6 +69,8 @@ def skip_rule(cfg: Any, too_small: list[str] | None = None) -> Callable[[str, An
             return True
         if EXPERTS.match(name):  # core's fp8_experts rule decides them
             return False
+        if tp > 1 and name.endswith(WHOLE_UNDER_TP):
+            return True
         rows, cols = module.in_features, module.out_features
         if name.endswith(ROW_WISE):
             rows //= tp

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from primus.core.kernels.documents import document_ids
+from primus.core.run.optimizer import split_weight_decay
 from primus.torchtitan import compat
 from primus.torchtitan.loss import head_targets
 
@@ -36,17 +37,10 @@ from torchtitan.train import Trainer  # noqa: E402
 
 
 def exempt_from_weight_decay(optimizers: Any) -> None:
-    """Norm weights and biases (1-D parameters) take no weight decay, as in Megatron-Core (``wd_mult`` 0), so the
-    same recipe is the same run on both engines: each of torchtitan's optimizers gets its one param group split in
-    two, before any state exists."""
+    """Core's weight-decay rule (:func:`primus.core.run.optimizer.takes_weight_decay`: norm weights and biases take
+    none) on each of torchtitan's optimizers: its one param group split in two, before any state exists."""
     for optimizer in optimizers:
-        groups = []
-        for group in optimizer.param_groups:
-            flat = [p for p in group["params"] if p.ndim < 2]
-            rest = [p for p in group["params"] if p.ndim >= 2]
-            groups += [dict(group, params=rest)] if rest else []
-            groups += [dict(group, params=flat, weight_decay=0.0)] if flat else []
-        optimizer.param_groups = groups
+        optimizer.param_groups = split_weight_decay(optimizer.param_groups)
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -57,6 +57,17 @@ def attention_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def attention_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Role -> (in_features, out_features) of one block's MLA linears, whole (what FP8's shape rule weighs)."""
+    shapes = attention_shapes(m)
+    return {role: (shapes[role][1], shapes[role][0]) for role in attention_names(m, "") if not role.endswith("norm")}
+
+
+#: the MLA linears a tensor-parallel run keeps whole on every rank (torchtitan's plan: NoParallel): the down
+#: projections; q (without a query latent), q_b and kv_b are split by output (column-wise), o by input (row-wise)
+WHOLE_UNDER_TP = ("q_a", "kv_a")
+
+
 def attention_params(m: ModelConfig) -> tuple[int, int]:
     """(MLA parameters of one layer, of them the RMSNorm weights)."""
     shapes = attention_shapes(m)

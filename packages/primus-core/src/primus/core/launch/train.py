@@ -149,6 +149,8 @@ def rank_context(
 
     cfg, registry = res.config, res.registry
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if rank != 0 and cfg.logging.level != "debug":  # one voice: the other ranks (and their engines) warn only
+        logging.getLogger().setLevel(logging.WARNING)
     device = detect_device()
     from primus.core.run.lazy_compile import defer_torch_compile
 

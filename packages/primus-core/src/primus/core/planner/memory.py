@@ -261,21 +261,31 @@ class KernelTerms:
         """In an FP8 layer, the share of a device's layer parameters in FP8 linears: the dense linears (attention,
         a dense or shared-expert MLP) whose per-rank weight ``fp8_linears`` puts in FP8 (compiled: every one), and
         the routed experts where ``fp8_experts`` says so."""
-        if model.mla is not None:  # latent attention's projections are not modelled here: counted as every linear
-            return 1.0
         from primus.core.kernels.fp8_recipe import fp8_linear_pays
 
-        def weights(shapes: list[tuple[int, int]], fp8_only: bool = False) -> float:
-            every = self.fp8_linears == "all" or self.compiled
-            return sum(i * o for i, o in shapes if not fp8_only or every or fp8_linear_pays(i, o, compiled=False))
+        d, every = model.hidden_size, self.fp8_linears == "all" or self.compiled
+        # one rank's (in, out) of each linear (column-wise split the output, row-wise the input), and whether FP8
+        # may take it
+        if model.mla is None:
+            q, kv = model.num_attention_heads * model.kv_channels, 2 * model.num_kv_heads * model.kv_channels
+            attention = [(d, q // tp, True), (d, kv // tp, True), (q // tp, d, True)]
+        else:  # latent attention (primus.core.config.deepseek); its down projections stay whole, and bf16, under TP
+            from primus.core.config.deepseek import WHOLE_UNDER_TP, attention_linears
 
-        d, q = model.hidden_size, model.num_attention_heads * model.kv_channels
-        kv = 2 * model.num_kv_heads * model.kv_channels
-        # one rank's (in, out) of each linear: column-wise split the output, row-wise the input
-        attention = [(d, q // tp), (d, kv // tp), (q // tp, d)]
+            attention = [
+                (i, o, tp == 1) if role in WHOLE_UNDER_TP else (i // tp, o, True) if role == "o" else (i, o // tp, True)
+                for role, (i, o) in attention_linears(model).items()
+            ]
 
-        def mlp(f: int) -> list[tuple[int, int]]:
-            return [(d, f // tp), (d, f // tp), (f // tp, d)] if f else []
+        def weights(linears: list[tuple[int, int, bool]], fp8_only: bool = False) -> float:
+            return sum(
+                i * o
+                for i, o, may in linears
+                if not fp8_only or (may and (every or fp8_linear_pays(i, o, compiled=False)))
+            )
+
+        def mlp(f: int) -> list[tuple[int, int, bool]]:
+            return [(d, f // tp, True), (d, f // tp, True), (f // tp, d, True)] if f else []
 
         dense = attention + mlp(model.ffn_hidden_size)
         if model.moe is None:
