@@ -128,3 +128,26 @@ def test_the_planner_counts_only_the_linears_the_rule_puts_in_fp8():
     assert share("deepseek-v3", fp8_experts=True, compiled=True) == 1.0
     assert 0.99 < share("deepseek-v3", fp8_experts=True, compiled=True, tp=2) < 1.0
     assert KernelTerms(fp8="rowwise", fp8_linears="all").fp8_share(v3) > dense
+
+
+def test_the_eager_rule_weighs_a_calls_work_tokens_times_weight():
+    """The 4096² bound was measured at 8192 tokens a call: at 4096 (a micro-batch of 1 at seq 4096) Moonlight's dense
+    MLP (2048 x 11264, over 4096²) stays bf16, as its run measured FP8 slower (0.95-0.99x on an H200); twice the
+    tokens admit a weight half the size (Llama 3B's q/o, 3072²); the planner and a run's config take the same."""
+    from primus.core.config.schema import PrimusConfig
+    from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS, fp8_linear_pays, gemm_tokens
+
+    assert FP8_RULE_TOKENS == 8192 and fp8_linear_pays(4096, 4096, compiled=False)  # the default: the measured case
+    assert fp8_linear_pays(2048, 11264, compiled=False) and not fp8_linear_pays(
+        2048, 11264, compiled=False, tokens=4096
+    )
+    assert not fp8_linear_pays(3072, 3072, compiled=False) and fp8_linear_pays(3072, 3072, compiled=False, tokens=16384)
+    assert fp8_linear_pays(2048, 11264, compiled=True, tokens=1)  # compiled: every linear
+    cfg = PrimusConfig.model_validate({"train": {"seq_len": 4096, "micro_batch_size": 2}, "parallel": {"cp": 2}})
+    assert gemm_tokens(cfg) == 4096  # a micro-batch's sequence split over the context-parallel ranks
+
+    from primus.core.planner.memory import KernelTerms
+
+    terms = KernelTerms(fp8="rowwise", fp8_linears="auto")
+    m = PrimusConfig.model_validate({"model": {"hidden_size": 2048, "ffn_hidden_size": 11264}}).model
+    assert terms.fp8_share(m, tokens=8192) > 0.5 and terms.fp8_share(m, tokens=4096) == 0.0

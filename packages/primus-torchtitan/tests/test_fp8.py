@@ -26,8 +26,9 @@ def test_skip_rules_pick_the_right_linears():
 
 def test_auto_keeps_the_linears_fp8_is_measured_slower_on_in_bf16():
     """``fp8_recipe.linears: auto``: eager, a block linear in FP8 only where its per-rank weight reaches core's
-    measured bound (4096²: 8B's q/o and MLP here, not its k/v; under TP 4 a rank's MLP share alone); compiled,
-    every one; the routed experts are core's other rule."""
+    measured bound (4096² at 8192 tokens a micro-batch, this config's: 8B's q/o and MLP here, not its k/v; under TP 4
+    a rank's MLP share alone; at fewer tokens a larger weight); compiled, every one; the routed experts are core's
+    other rule."""
     from types import SimpleNamespace
 
     from primus.torchtitan.fp8 import skip_rule
@@ -38,7 +39,8 @@ def test_auto_keeps_the_linears_fp8_is_measured_slower_on_in_bf16():
 
     def in_fp8(compile: bool, tp: int = 1, linears: str = "auto") -> list[str]:
         c = PrimusConfig.model_validate(
-            {"train": {"precision": "bf16", "compile": compile}, "parallel": {"tp": tp},
+            {"train": {"precision": "bf16", "compile": compile, "seq_len": 4096, "micro_batch_size": 2},
+             "parallel": {"tp": tp},
              "kernels": {"fp8": "rowwise", "fp8_recipe": {"linears": linears}}}
         )  # fmt: skip
         kept: list[str] = []
@@ -51,6 +53,10 @@ def test_auto_keeps_the_linears_fp8_is_measured_slower_on_in_bf16():
     assert in_fp8(compile=False) == ["attention.wq", "attention.wo", *mlp]
     assert in_fp8(compile=False, tp=4) == mlp  # a rank's q/o share, 4096 x 1024, is under the bound; 8192 x 7168 not
     assert in_fp8(compile=True) == in_fp8(compile=True, tp=4) == in_fp8(compile=False, linears="all") == list(shapes)
+    half = PrimusConfig.model_validate(
+        {"train": {"precision": "bf16", "seq_len": 4096, "micro_batch_size": 1}, "kernels": {"fp8": "rowwise"}}
+    )
+    assert [n for n, m in modules.items() if not skip_rule(half, [])(n, m)] == [f"layers.0.{k}" for k in mlp]
     assert not skip_rule(cfg(), [])("layers.0.moe.experts", None)  # experts: fp8_experts decides, not the shape
 
 
@@ -70,7 +76,7 @@ def test_latent_attention_linears_take_the_same_rule():
 
     def in_fp8(tp: int = 1, linears: str = "auto") -> list[str]:
         c = PrimusConfig.model_validate(
-            {"train": {"precision": "bf16"}, "parallel": {"tp": tp},
+            {"train": {"precision": "bf16", "seq_len": 4096, "micro_batch_size": 2}, "parallel": {"tp": tp},
              "kernels": {"fp8": "rowwise", "fp8_recipe": {"linears": linears}}}
         )  # fmt: skip
         skip = skip_rule(c, [])

@@ -37,7 +37,13 @@ import logging
 from typing import Any
 
 from primus.core.contracts.protocols import ConfigIssue
-from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear_rule, fp8_linears_note
+from primus.core.kernels.fp8_recipe import (
+    FP8_RULE_TOKENS,
+    config_issues,
+    fp8_blocks,
+    fp8_linear_rule,
+    fp8_linears_note,
+)
 
 log = logging.getLogger("primus.megatron")
 
@@ -52,9 +58,12 @@ def fp8_layer_numbers(kernels: Any, num_layers: int) -> set[int]:
     return set(fp8_blocks(num_layers, r.bf16_first_layers, r.bf16_last_layers))
 
 
-def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int, mla: Any = None) -> list[bool]:
+def chunk_fp8_flags(
+    config: Any, kernels: Any, *, vp_stage: int | None, n: int, mla: Any = None, tokens: int = FP8_RULE_TOKENS
+) -> list[bool]:
     """Per block of this model chunk (n blocks, pipeline offset from megatron): FP8 linears or not; ``mla``: core's
-    ModelConfig of a latent-attention model (its attention linears in the kernel log)."""
+    ModelConfig of a latent-attention model (its attention linears in the kernel log); ``tokens``: a micro-batch's
+    on one rank (:func:`primus.core.kernels.fp8_recipe.gemm_tokens`)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
@@ -67,7 +76,7 @@ def chunk_fp8_flags(config: Any, kernels: Any, *, vp_stage: int | None, n: int, 
         shapes = {k: v for k, v in shapes.items() if k not in ("linear_fc1", "linear_fc2")}
     if config.moe_shared_expert_intermediate_size:
         shapes |= {f"shared {k}": v for k, v in linear_shapes(config, shared=True).items()}
-    pays = fp8_linear_rule(kernels, compiled=False)
+    pays = fp8_linear_rule(kernels, compiled=False, tokens=tokens)
     kept = [name for name, shape in shapes.items() if not pays(*shape)]
     note = f"{', '.join(kept)}: {fp8_linears_note(len(kept), len(shapes))}" if kept else ""
     if blocks and len(kept) == len(shapes) and not (config.num_moe_experts and kernels.fp8_recipe.experts == "fp8"):
@@ -168,7 +177,9 @@ def _build_classes(provider: Any) -> tuple[type, type]:
     return Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
 
-def linear_specs(kernels: Any, provider: Any, config: Any, *, shared: bool = False) -> dict[str, Any]:
+def linear_specs(
+    kernels: Any, provider: Any, config: Any, *, shared: bool = False, tokens: int = FP8_RULE_TOKENS
+) -> dict[str, Any]:
     """The spec entries for one FP8 block: linear_qkv / linear_fc1 (column), linear_proj / linear_fc2 (row), those
     of them ``fp8_recipe.linears`` puts in FP8 at this model's shapes (:func:`linear_shapes`; ``shared``: the shared
     experts' fc1 / fc2); ``kernels`` the config's section, ``provider`` the run's ``fp8`` kernel choice."""
@@ -181,7 +192,7 @@ def linear_specs(kernels: Any, provider: Any, config: Any, *, shared: bool = Fal
     col_spec = ModuleSpec(module=column, params={"fp8_recipe": recipe})
     row_spec = ModuleSpec(module=row, params={"fp8_recipe": recipe})
     specs = {"linear_qkv": col_spec, "linear_fc1": col_spec, "linear_proj": row_spec, "linear_fc2": row_spec}
-    pays = fp8_linear_rule(kernels, compiled=False)  # megatron-core's model runs eager here
+    pays = fp8_linear_rule(kernels, compiled=False, tokens=tokens)  # megatron-core's model runs eager here
     return {name: specs[name] for name, shape in linear_shapes(config, shared=shared).items() if pays(*shape)}
 
 
@@ -211,7 +222,7 @@ def mla_linear_shapes(model: Any) -> dict[str, tuple[int, int]]:
     return {name: shape for name, shape in linears.items() if name not in BF16_ONLY}
 
 
-def mla_linear_specs(kernels: Any, provider: Any, model: Any) -> dict[str, Any]:
+def mla_linear_specs(kernels: Any, provider: Any, model: Any, tokens: int = FP8_RULE_TOKENS) -> dict[str, Any]:
     """The MLASelfAttention submodule specs of one FP8 block: the latent attention's linears that
     ``fp8_recipe.linears`` puts in FP8 at ``model``'s shapes (:func:`mla_linear_shapes`)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -220,7 +231,7 @@ def mla_linear_specs(kernels: Any, provider: Any, model: Any) -> dict[str, Any]:
 
     recipe = Fp8Recipe.from_config(kernels)
     column, row = linear_classes(provider)
-    pays = fp8_linear_rule(kernels, compiled=False)
+    pays = fp8_linear_rule(kernels, compiled=False, tokens=tokens)
     columns = {sub: col for sub, col in MLA_LINEARS.values()}
     return {
         sub: ModuleSpec(module=column if columns[sub] else row, params={"fp8_recipe": recipe})

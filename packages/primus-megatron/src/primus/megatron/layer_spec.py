@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from primus.core.contracts.protocols import KernelProvider, load_ref
 from primus.core.kernels import fp8_experts, reference
+from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS
 from primus.megatron.rope import KernelRoPESelfAttention, rope_impl
 
 
@@ -198,7 +199,9 @@ def fp8_grouped_gemm(fp8: Any, provider: KernelProvider) -> Any:
     return provider.load().grouped_gemm_for(Fp8Recipe.from_config(fp8))
 
 
-def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None, config: Any = None) -> ModuleSpec:
+def moe_spec(
+    kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None, config: Any = None, tokens: int = FP8_RULE_TOKENS
+) -> ModuleSpec:
     """megatron-core's MoE layer (router, token dispatcher) with its routed experts as grouped GEMMs
     (:class:`~primus.megatron.experts.StackedExperts`: the ``grouped_gemm`` and ``swiglu`` providers over all local
     experts' stacked weights at once) or, with core's reference loop as the ``grouped_gemm`` provider, as megatron's
@@ -215,7 +218,7 @@ def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None, 
     if fp8 is not None:
         from primus.megatron.fp8 import linear_specs
 
-        shared_linears.update(linear_specs(fp8, kernels["fp8"], config, shared=True) if shared else {})
+        shared_linears.update(linear_specs(fp8, kernels["fp8"], config, shared=True, tokens=tokens) if shared else {})
 
     def mlp(swiglu: Any, linears: dict[str, Any]) -> MLPSubmodules:
         return MLPSubmodules(
@@ -243,6 +246,7 @@ def layer_spec(
     moe: ModuleSpec | None = None,
     mla: Any = None,
     config: Any = None,
+    tokens: int = FP8_RULE_TOKENS,
 ) -> ModuleSpec:
     """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its linears FP8 ones (those that
     ``fp8_recipe.linears`` puts in FP8 at ``config``'s shapes, megatron's TransformerConfig); ``moe`` (a
@@ -257,7 +261,7 @@ def layer_spec(
     if fp8 is not None:
         from primus.megatron.fp8 import linear_specs
 
-        lin.update(linear_specs(fp8, kernels["fp8"], config))
+        lin.update(linear_specs(fp8, kernels["fp8"], config, tokens=tokens))
     norm = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
     qk = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
     rope, _ = rope_impl(kernels)
@@ -270,7 +274,7 @@ def layer_spec(
         if fp8 is not None:
             from primus.megatron.fp8 import mla_linear_specs
 
-            fp8_linears = mla_linear_specs(fp8, kernels["fp8"], mla)
+            fp8_linears = mla_linear_specs(fp8, kernels["fp8"], mla, tokens)
         attention = attention_spec(qk, core, fp8_linears)
     return ModuleSpec(
         module=TransformerLayer,
@@ -312,12 +316,15 @@ def block_spec(
     vp_stage: int | None,
     fp8: Any = None,
     mla: Any = None,
+    tokens: int = FP8_RULE_TOKENS,
 ) -> TransformerBlockSubmodules:
     """The layers of one model chunk plus the final norm (which must also be the kernel norm:
     megatron's default final norm is TE, apex or torch's, the last refusing sequence parallel)."""
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(
-        layer_specs=_layer_specs(config, kernels, qk_norm=qk_norm, vp_stage=vp_stage, n=n, fp8=fp8, mla=mla),
+        layer_specs=_layer_specs(
+            config, kernels, qk_norm=qk_norm, vp_stage=vp_stage, n=n, fp8=fp8, mla=mla, tokens=tokens
+        ),
         layer_norm=ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")}),
     )
 
@@ -331,6 +338,7 @@ def _layer_specs(
     n: int,
     fp8: Any,
     mla: Any = None,
+    tokens: int = FP8_RULE_TOKENS,
 ):
     """This chunk's n block specs; with ``fp8`` (KernelsConfig, fp8 on) the blocks the recipe keeps in FP8
     (global layer numbers: pipeline offset included) get FP8 linears; with experts (``config.moe_layer_freq``, one
@@ -338,7 +346,7 @@ def _layer_specs(
     if fp8 is not None and fp8.fp8 != "off":
         from primus.megatron.fp8 import chunk_fp8_flags
 
-        fp8_flags = chunk_fp8_flags(config, fp8, vp_stage=vp_stage, n=n, mla=mla)
+        fp8_flags = chunk_fp8_flags(config, fp8, vp_stage=vp_stage, n=n, mla=mla, tokens=tokens)
     else:
         fp8_flags = [False] * n
     moe_flags = [False] * n
@@ -356,9 +364,10 @@ def _layer_specs(
             kernels,
             qk_norm=qk_norm,
             fp8=block_fp8,
-            moe=moe_spec(kernels, shared, block_fp8, config) if moe else None,
+            moe=moe_spec(kernels, shared, block_fp8, config, tokens) if moe else None,
             mla=mla,
             config=config,
+            tokens=tokens,
         )
 
     return [spec(bool(moe), in_fp8) for moe, in_fp8 in zip(moe_flags, fp8_flags, strict=True)]

@@ -12,6 +12,7 @@ from megatron.core.transformer import TransformerConfig
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.contracts.protocols import KernelProvider
+from primus.core.kernels.fp8_recipe import gemm_tokens
 from primus.megatron import compat
 from primus.megatron.dist import stage
 from primus.megatron.gpt import fuse_loss, fused_loss
@@ -191,7 +192,13 @@ def build_chunks(
         model = gpt_model(
             config,
             block_spec(
-                config, kernels, qk_norm=m.qk_norm, vp_stage=vp_stage, fp8=cfg.kernels, mla=m if m.mla else None
+                config,
+                kernels,
+                qk_norm=m.qk_norm,
+                vp_stage=vp_stage,
+                fp8=cfg.kernels,
+                mla=m if m.mla else None,
+                tokens=gemm_tokens(cfg),
             ),
             vocab_size=m.vocab_size,
             max_seq=max(cfg.train.seq_len, 1),

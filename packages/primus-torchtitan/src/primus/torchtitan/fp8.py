@@ -24,7 +24,7 @@ from typing import Any
 
 from primus.core.contracts.protocols import ConfigIssue
 from primus.core.kernels import fp8_experts as fp8_experts_rule
-from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear_rule, fp8_linears_note
+from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear_rule, fp8_linears_note, gemm_tokens
 
 log = logging.getLogger("primus.torchtitan")
 
@@ -59,9 +59,10 @@ WHOLE_UNDER_TP = ("wq_a", "wkv_a")
 def skip_rule(cfg: Any, too_small: list[str] | None = None) -> Callable[[str, Any], bool]:
     """``(name, module) -> bool``: the linear stays bf16, by the recipe's blocks and output head
     (:func:`keeps_bf16`), or, a linear outside the routed experts, by core's measured shape rule
-    (``fp8_recipe.linears``, on one rank's share under TP); the names the shape rule keeps go to ``too_small``."""
+    (``fp8_recipe.linears``, on one rank's share under TP, at a micro-batch's tokens); the names the shape rule keeps
+    go to ``too_small``."""
     kernels, num_layers = cfg.kernels, cfg.model.num_layers
-    pays = fp8_linear_rule(kernels, compiled=cfg.train.compile)
+    pays = fp8_linear_rule(kernels, compiled=cfg.train.compile, tokens=gemm_tokens(cfg))
     tp = cfg.parallel.tp
 
     def skip(name: str, module: Any) -> bool:

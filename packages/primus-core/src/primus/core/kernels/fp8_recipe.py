@@ -32,27 +32,42 @@ def fp8_blocks(num_layers: int, bf16_first: int, bf16_last: int) -> range:
 # the whole runs decide, and they pay with every linear in FP8 (H200: Llama 3B 1.22-1.32x, 8B's shapes 1.04-1.17x,
 # 1B 1.04-1.14x; H100 1B and 8B's shapes 0.99-1.00x), so compiled runs keep every linear in FP8.
 FP8_MIN_WEIGHT_EAGER = 4096 * 4096
+# The tokens of one GEMM call that bound was measured at. What pays is the GPU work of a call, tokens x weight: with
+# fewer tokens a micro-batch the same weight's FP8 GEMMs save less than its quantisation and launches cost. Measured:
+# a DeepSeek-V3-architecture model (4 blocks of Moonlight-16B-A3B) at 4096 tokens a micro-batch, whose dense MLP
+# (2048 x 11264) alone reaches the weight bound, trained at 0.95-0.99x bf16 with it in FP8 on TorchTitan (H200,
+# benchmarks/results/deepseek_fp8.json).
+FP8_RULE_TOKENS = 8192
 
 
-def fp8_linear_pays(in_features: int, out_features: int, *, compiled: bool) -> bool:
-    """Whether a linear of this (per-rank) shape is measured faster in FP8 than in bf16 (see
-    :data:`FP8_MIN_WEIGHT_EAGER`)."""
-    return compiled or in_features * out_features >= FP8_MIN_WEIGHT_EAGER
+def fp8_linear_pays(in_features: int, out_features: int, *, compiled: bool, tokens: int = FP8_RULE_TOKENS) -> bool:
+    """Whether a linear of this (per-rank) shape, called on ``tokens`` tokens (a micro-batch's, on this rank), is
+    measured faster in FP8 than in bf16 (see :data:`FP8_MIN_WEIGHT_EAGER`, :data:`FP8_RULE_TOKENS`)."""
+    return compiled or in_features * out_features * tokens >= FP8_MIN_WEIGHT_EAGER * FP8_RULE_TOKENS
 
 
-def fp8_linear_rule(kernels: Any, *, compiled: bool) -> Any:
+def gemm_tokens(cfg: Any) -> int:
+    """The tokens one linear of a block multiplies per call on one rank: a micro-batch's, its sequence split over
+    ``parallel.cp`` (sequence parallelism gathers them back before the column-parallel GEMMs)."""
+    return cfg.train.micro_batch_size * cfg.train.seq_len // cfg.parallel.cp
+
+
+def fp8_linear_rule(kernels: Any, *, compiled: bool, tokens: int = FP8_RULE_TOKENS) -> Any:
     """``(in_features, out_features) -> bool``: whether a linear of an FP8 block runs in FP8 under
-    ``kernels.fp8_recipe.linears`` (``auto``: :func:`fp8_linear_pays`; ``all``: every one)."""
+    ``kernels.fp8_recipe.linears`` (``auto``: :func:`fp8_linear_pays` at ``tokens`` a call; ``all``: every one)."""
     if kernels.fp8_recipe.linears == "all":
         return lambda in_features, out_features: True
-    return lambda in_features, out_features: fp8_linear_pays(in_features, out_features, compiled=compiled)
+    return lambda in_features, out_features: fp8_linear_pays(
+        in_features, out_features, compiled=compiled, tokens=tokens
+    )
 
 
 def fp8_linears_note(kept: int, total: int) -> str:
     """The kernel log's words for ``kept`` of ``total`` block linears left in bf16 by ``linears: auto``."""
     return (
         f"{kept} of {total} linears stay bf16: eager, FP8 is measured slower below in x out = "
-        f"{FP8_MIN_WEIGHT_EAGER:,} (train.compile: true fuses its casts; kernels.fp8_recipe.linears: all forces them)"
+        f"{FP8_MIN_WEIGHT_EAGER:,} at {FP8_RULE_TOKENS:,} tokens a micro-batch, in proportion at others "
+        "(train.compile: true fuses its casts; kernels.fp8_recipe.linears: all forces them)"
     )
 
 

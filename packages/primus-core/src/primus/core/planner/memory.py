@@ -215,7 +215,7 @@ def fp8_bytes(model: ModelConfig, layout: Layout, seq_len: int, kernels: KernelT
     """What FP8 GEMMs change in the peak, per device (negative: they save): per FP8 layer parameter, the
     recipe's weight copy less autocast's bf16 one where the engine makes it (``autocast``); per element of the
     FP8 linears' inputs kept for the backward (the layers not recomputed), the bytes FP8 saves on them."""
-    share = kernels.fp8_share(model, layout.tp, layout.ep)
+    share = kernels.fp8_share(model, layout.tp, layout.ep, int(seq_len / layout.cp * layout.micro_batch))
     nl = layers_per_stage(model, layout)
     _, layer = stage_params(model, layout)
     copy = cal.FP8_WEIGHT_COPY_BYTES[kernels.fp8] - (cal.AUTOCAST_WEIGHT_COPY_BYTES if autocast else 0)
@@ -249,19 +249,21 @@ class KernelTerms:
     # an MoE model's routed experts on FP8 grouped GEMMs (kernels.fp8_recipe.experts; see strategies.kernel_terms)
     fp8_experts: bool = False
 
-    def fp8_share(self, model: ModelConfig, tp: int = 1, ep: int = 1) -> float:
+    def fp8_share(self, model: ModelConfig, tp: int = 1, ep: int = 1, tokens: int | None = None) -> float:
         """The fraction of a layer's parameters on a device (``tp``, experts over ``ep``) whose GEMMs run in FP8: the
-        recipe's FP8 layers, and in them the linears :meth:`linear_share` counts."""
+        recipe's FP8 layers, and in them the linears :meth:`linear_share` counts (at ``tokens`` a micro-batch)."""
         if self.fp8 == "off":
             return 0.0
         n = model.num_layers if self.fp8_layers is None else self.fp8_layers
-        return min(n / model.num_layers, 1.0) * self.linear_share(model, tp, ep)
+        return min(n / model.num_layers, 1.0) * self.linear_share(model, tp, ep, tokens)
 
-    def linear_share(self, model: ModelConfig, tp: int, ep: int = 1) -> float:
+    def linear_share(self, model: ModelConfig, tp: int, ep: int = 1, tokens: int | None = None) -> float:
         """In an FP8 layer, the share of a device's layer parameters in FP8 linears: the dense linears (attention,
-        a dense or shared-expert MLP) whose per-rank weight ``fp8_linears`` puts in FP8 (compiled: every one), and
-        the routed experts where ``fp8_experts`` says so."""
-        from primus.core.kernels.fp8_recipe import fp8_linear_pays
+        a dense or shared-expert MLP) whose per-rank weight ``fp8_linears`` puts in FP8 at ``tokens`` a micro-batch
+        (None: the rule's own; compiled: every one), and the routed experts where ``fp8_experts`` says so."""
+        from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS, fp8_linear_pays
+
+        at = FP8_RULE_TOKENS if tokens is None else tokens
 
         d, every = model.hidden_size, self.fp8_linears == "all" or self.compiled
         # one rank's (in, out) of each linear (column-wise split the output, row-wise the input), and whether FP8
@@ -281,7 +283,7 @@ class KernelTerms:
             return sum(
                 i * o
                 for i, o, may in linears
-                if not fp8_only or (may and (every or fp8_linear_pays(i, o, compiled=False)))
+                if not fp8_only or (may and (every or fp8_linear_pays(i, o, compiled=False, tokens=at)))
             )
 
         def mlp(f: int) -> list[tuple[int, int, bool]]:

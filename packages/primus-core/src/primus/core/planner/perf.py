@@ -173,7 +173,7 @@ def step_time(
     rows, passes = tokens_per_expert(model, layout, seq_len), layout.engine_profile.moe_dispatch_passes
     bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev, "off", kernels.compiled, rows, passes).values())
     fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8, kernels.compiled, rows, passes).values())
-    fp8_share = kernels.fp8_share(model, layout.tp, layout.ep)
+    fp8_share = kernels.fp8_share(model, layout.tp, layout.ep, int(seq_len / layout.cp * layout.micro_batch))
     layer_s = fp8_share * fp8_layer + (1 - fp8_share) * bf16_layer
     # the slowest pipeline stage sets the pace: the last one also runs the output head and the loss
     head_s = (
