@@ -178,11 +178,18 @@ def _build_classes(provider: Any) -> tuple[type, type]:
 
 
 def linear_specs(
-    kernels: Any, provider: Any, config: Any, *, shared: bool = False, tokens: int = FP8_RULE_TOKENS
+    kernels: Any,
+    provider: Any,
+    config: Any,
+    *,
+    shared: bool = False,
+    mla: Any = None,
+    tokens: int = FP8_RULE_TOKENS,
 ) -> dict[str, Any]:
-    """The spec entries for one FP8 block: linear_qkv / linear_fc1 (column), linear_proj / linear_fc2 (row), those
-    of them ``fp8_recipe.linears`` puts in FP8 at this model's shapes (:func:`linear_shapes`; ``shared``: the shared
-    experts' fc1 / fc2); ``kernels`` the config's section, ``provider`` the run's ``fp8`` kernel choice."""
+    """The spec entries for one FP8 block: its linears (:func:`linear_shapes`: linear_qkv / linear_fc1 column,
+    linear_proj / linear_fc2 row; ``shared``: the shared experts' fc1 / fc2; ``mla``: latent attention's in place of
+    qkv / proj) that ``fp8_recipe.linears`` puts in FP8 at this model's shapes; ``kernels`` the config's section,
+    ``provider`` the run's ``fp8`` kernel choice."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from primus.core.kernels.fp8_recipe import Fp8Recipe
@@ -191,20 +198,25 @@ def linear_specs(
     column, row = linear_classes(provider)
     col_spec = ModuleSpec(module=column, params={"fp8_recipe": recipe})
     row_spec = ModuleSpec(module=row, params={"fp8_recipe": recipe})
-    specs = {"linear_qkv": col_spec, "linear_fc1": col_spec, "linear_proj": row_spec, "linear_fc2": row_spec}
     pays = fp8_linear_rule(kernels, compiled=False, tokens=tokens)  # megatron-core's model runs eager here
-    return {name: specs[name] for name, shape in linear_shapes(config, shared=shared).items() if pays(*shape)}
+    return {
+        name: row_spec if name in ROW_PARALLEL else col_spec
+        for name, shape in linear_shapes(config, shared=shared, mla=mla).items()
+        if pays(*shape)
+    }
 
+
+ROW_PARALLEL = ("linear_proj", "linear_fc2")  # the others, latent attention's too, are column-parallel
 
 # core's latent-attention roles (primus.core.config.deepseek.attention_linears) -> megatron's MLASelfAttention
-# submodule, and whether it is column- (True) or row-parallel
+# submodule
 MLA_LINEARS = {
-    "q": ("linear_q_proj", True),
-    "q_a": ("linear_q_down_proj", True),
-    "q_b": ("linear_q_up_proj", True),
-    "kv_a": ("linear_kv_down_proj", True),
-    "kv_b": ("linear_kv_up_proj", True),
-    "o": ("linear_proj", False),
+    "q": "linear_q_proj",
+    "q_a": "linear_q_down_proj",
+    "q_b": "linear_q_up_proj",
+    "kv_a": "linear_kv_down_proj",
+    "kv_b": "linear_kv_up_proj",
+    "o": "linear_proj",
 }
 
 
@@ -218,26 +230,8 @@ def mla_linear_shapes(model: Any) -> dict[str, tuple[int, int]]:
     (in_features, out_features), whole (megatron refuses TP with MLA here: primus.megatron.deepseek)."""
     from primus.core.config.deepseek import attention_linears
 
-    linears = {MLA_LINEARS[role][0]: shape for role, shape in attention_linears(model).items()}
+    linears = {MLA_LINEARS[role]: shape for role, shape in attention_linears(model).items()}
     return {name: shape for name, shape in linears.items() if name not in BF16_ONLY}
-
-
-def mla_linear_specs(kernels: Any, provider: Any, model: Any, tokens: int = FP8_RULE_TOKENS) -> dict[str, Any]:
-    """The MLASelfAttention submodule specs of one FP8 block: the latent attention's linears that
-    ``fp8_recipe.linears`` puts in FP8 at ``model``'s shapes (:func:`mla_linear_shapes`)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from primus.core.kernels.fp8_recipe import Fp8Recipe
-
-    recipe = Fp8Recipe.from_config(kernels)
-    column, row = linear_classes(provider)
-    pays = fp8_linear_rule(kernels, compiled=False, tokens=tokens)
-    columns = {sub: col for sub, col in MLA_LINEARS.values()}
-    return {
-        sub: ModuleSpec(module=column if columns[sub] else row, params={"fp8_recipe": recipe})
-        for sub, shape in mla_linear_shapes(model).items()
-        if pays(*shape)
-    }
 
 
 def issues(cfg: Any) -> list[ConfigIssue]:

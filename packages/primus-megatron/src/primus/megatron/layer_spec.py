@@ -271,10 +271,11 @@ def layer_spec(
 
         core = ModuleSpec(module=KernelCoreAttention, params={"kernel": _impl(kernels, "attention")})
         fp8_linears = {}
-        if fp8 is not None:
-            from primus.megatron.fp8 import mla_linear_specs
+        if fp8 is not None:  # the block's FP8 linears but its MLP's (lin's fc1 / fc2)
+            from primus.megatron.fp8 import linear_specs
 
-            fp8_linears = mla_linear_specs(fp8, kernels["fp8"], mla, tokens)
+            specs = linear_specs(fp8, kernels["fp8"], config, mla=mla, tokens=tokens)
+            fp8_linears = {k: v for k, v in specs.items() if k not in ("linear_fc1", "linear_fc2")}
         attention = attention_spec(qk, core, fp8_linears)
     return ModuleSpec(
         module=TransformerLayer,
