@@ -23,7 +23,7 @@ class FakeBackends:
             BackendSpec(
                 name="fake",
                 description="test backend",
-                run=lambda cfg, ctx: {"status": "ok"},
+                engine="primus.core.run.testing:StandInEngine",
                 validate=_refuse_cp,
                 model_families=frozenset({"llama", "qwen2", "qwen3", "mistral"}),
             )

@@ -292,11 +292,20 @@ def test_a_short_run_of_a_recipe_warms_up_for_its_steps_and_says_so(tmp_path, cl
 def test_eval_reads_a_run_folder_and_says_what_it_needs_otherwise(tmp_path, cli_registry):
     out = tmp_path / "run"
     assert (
-        _invoke("train", "tiny-llama", "backend.name=fake", "train.steps=2", f"logging.output_dir={out}").exit_code == 0
+        _invoke(
+            "train",
+            "tiny-llama",
+            "backend.name=fake",
+            "train.steps=2",
+            "checkpoint.enabled=false",
+            f"logging.output_dir={out}",
+        ).exit_code
+        == 0
     )
     # a run folder gives its config.yaml and checkpoints/: with no checkpoint saved, that folder is named
     _refused(_invoke("eval", str(out)), None, f"--checkpoint {out / 'checkpoints'}: no such folder")
     (out / "checkpoints" / "step_00000002").mkdir(parents=True)
-    _refused(_invoke("eval", str(out)), None, "backend 'fake' has no engine adapter")  # its config, read and run
+    # its config, read and run: the run named no evaluation data
+    _refused(_invoke("eval", str(out)), None, "primus eval needs evaluation data: set eval.holdout")
     _refused(_invoke("eval", "tiny-llama"), None, "--checkpoint is needed with 'tiny-llama'")
     _refused(_invoke("eval", str(tmp_path)), None, "a folder without config.yaml, so not a run folder")

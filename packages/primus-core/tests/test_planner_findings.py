@@ -110,7 +110,7 @@ def strict(monkeypatch) -> Registry:
                 BackendSpec(
                     name="strict",
                     description="refuses TP and PP",
-                    run=lambda cfg, ctx: {},
+                    engine="primus.core.run.testing:StandInEngine",
                     validate=_no_tp_no_pp,
                     model_families=frozenset({"llama", "qwen2", "qwen3", "mistral"}),
                 )

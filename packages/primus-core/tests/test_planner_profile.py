@@ -143,7 +143,10 @@ def _registry(**planners) -> Registry:
         @staticmethod
         @hookimpl
         def primus_backends():
-            return [BackendSpec(name, "", run=lambda cfg, ctx: {}, planner=p) for name, p in planners.items()]
+            return [
+                BackendSpec(name, "", engine="primus.core.run.testing:StandInEngine", planner=p)
+                for name, p in planners.items()
+            ]
 
     return Registry(build_plugin_manager(extra_plugins=[("backends", Backends)]))
 
@@ -159,7 +162,9 @@ def test_a_backend_gives_its_profile(monkeypatch):
 
 def test_a_broken_profile_names_its_backend():
     with pytest.raises(TypeError, match=r"backend 'bad' \(\?\): planner=.* gives a dict"):
-        load_profile(BackendSpec("bad", "", planner=lambda: {}, dist="?"))
+        load_profile(
+            BackendSpec("bad", "", engine="primus.core.run.testing:StandInEngine", planner=lambda: {}, dist="?")
+        )
 
 
 def test_the_planner_counts_what_the_profile_says(registry):

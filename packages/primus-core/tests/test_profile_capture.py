@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -10,34 +12,38 @@ from primus.core.cli import app as cli
 from primus.core.contracts import plugins
 from primus.core.contracts.plugins import Registry, build_plugin_manager
 from primus.core.contracts.protocols import BackendSpec
+from primus.core.run import metrics
+from primus.core.run.testing import StandInEngine
 
 torch = pytest.importorskip("torch")
 
 
-def _matmul_backend(cfg, ctx):
-    from primus.core.profile.capture import StepProfiler
+class MatmulEngine(StandInEngine):
+    """Core's stand-in with real work in its step: four matmuls and SiLUs a step, for the profiler to trace."""
 
-    x = torch.randn(128, 128)
-    with StepProfiler(cfg, ctx.info) as prof:
-        for step in range(1, cfg.train.steps + 1):
-            for _ in range(4):
-                x = torch.nn.functional.silu(x @ x)
-                x = x / x.norm()
-            ctx.step_end(step, {"loss": float(x.sum()), "mfu": 0.25, "tflops_per_device": 1.5})
-            prof.step()
-    return {}
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        self.x = torch.randn(128, 128)
+
+    def train_step(self, step, lr, gate):
+        for _ in range(4):
+            self.x = torch.nn.functional.silu(self.x @ self.x)
+            self.x = self.x / self.x.norm()
+        return super().train_step(step, lr, gate)
 
 
 class Backend:
     @staticmethod
     @hookimpl
     def primus_backends():
-        return [BackendSpec("matmul", "", run=_matmul_backend)]
+        return [BackendSpec("matmul", "", engine=MatmulEngine)]
 
 
 def test_profile_writes_traces_and_report(tmp_path, monkeypatch):
     monkeypatch.setenv(plugins.DISABLE_ENV, "1")
     monkeypatch.setattr(plugins, "_cached", Registry(build_plugin_manager(extra_plugins=[("matmul", Backend)])))
+    # a CPU has no peak in core's table: give it one, so the loop's MFU reaches the report
+    monkeypatch.setattr(metrics, "peak_flops", lambda name: 1e9)
     res = CliRunner().invoke(
         cli.app,
         [
@@ -51,7 +57,6 @@ def test_profile_writes_traces_and_report(tmp_path, monkeypatch):
     )
     assert res.exit_code == 0, res.output
     assert (tmp_path / "traces" / "rank0.json").is_file()
-    import json
 
     meta = json.loads((tmp_path / "traces" / "rank0.json").read_text())["primus"]  # what analyze needs for MFU
     assert meta["model"] == "tiny-llama" and meta["active_steps"] >= 1 and meta["flops_per_token"] > 0
@@ -61,13 +66,14 @@ def test_profile_writes_traces_and_report(tmp_path, monkeypatch):
     assert {k: meta["layout"][k] for k in ("world", "tp", "pp", "cp")} == {"world": 1, "tp": 1, "pp": 1, "cp": 1}
     assert isinstance(meta["kernels"], dict)  # the providers the backend selected (none for this one)
     report = (tmp_path / "profile" / "report.md").read_text()
-    assert "| 0 |" in report and "MFU (last logged interval): 25.0%" in report
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    mfu = f"MFU (last logged interval): {rows[-1]['mfu']:.1%}"
+    assert rows[-1]["mfu"] > 0 and "| 0 |" in report and mfu in report
     # a CPU trace: primus's own parser, and the report says why
     assert "Engine: Time shares from primus's built-in trace parser: HolisticTraceAnalysis cannot read" in report
     page = (tmp_path / "profile" / "report.html").read_text()
-    assert page.count("<table>") >= 4 and "CPU-only" in page and "MFU (last logged interval): 25.0%" in page
+    assert page.count("<table>") >= 4 and "CPU-only" in page and mfu in page
     assert "tiny-llama" in page and ">thread " in page  # the run summary; the timeline's lanes are CPU threads
     gemm_share = report.split("## Kernel categories")[1].splitlines()[4].split("|")[2].strip()
     assert float(gemm_share.rstrip("%")) > 0  # the matmuls were traced and counted as GEMM
-    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 5  # steps raised to wait + warmup + active + 1 so the schedule completes

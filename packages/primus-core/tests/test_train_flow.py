@@ -7,22 +7,12 @@ import json
 import pytest
 
 from primus.core import hookimpl
-from primus.core.contracts.plugins import Registry, build_plugin_manager
+from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
 from primus.core.contracts.protocols import BackendSpec
 from primus.core.launch.train import resolve, run_rank
+from primus.core.run import testing
 
 pytest.importorskip("torch")  # run_rank detects the device through torch
-
-
-def _fake_run(cfg, ctx):
-    for step in range(1, cfg.train.steps + 1):
-        ctx.step_end(step, {"loss": 10.0 / step, "lr": 1e-3, "tokens_per_s": 100.0})
-    return {"final_step": cfg.train.steps, "kernels": dict(ctx.info.kernels)}
-
-
-def _failing_run(cfg, ctx):
-    ctx.step_end(1, {"loss": 1.0})
-    raise RuntimeError("engine blew up")
 
 
 class Seen:
@@ -37,36 +27,25 @@ class Seen:
         self.events.append(("end", summary["status"]))
 
 
-def _registry(seen):
-    class Backends:
-        @staticmethod
-        @hookimpl
-        def primus_backends():
-            return [BackendSpec("fake", "", run=_fake_run), BackendSpec("failing", "", run=_failing_run)]
-
-    return Registry(build_plugin_manager(extra_plugins=[("backends", Backends), ("seen", seen)]))
-
-
 def test_run_writes_metrics_and_calls_hooks(tmp_path):
+    """Core's stand-in engine (loss 10 / step) through core's loop: the kernels chosen, a metrics row a step, the
+    summary and the resolved config written, the lifecycle hooks fired once each."""
     seen = Seen()
     seen.events = []
     res = resolve(
         "tiny-llama",
-        ["backend.name=fake", "train.steps=3", f"logging.output_dir={tmp_path}", "logging.tensorboard=false"],
+        ["backend.name=stand-in", "train.steps=3", f"logging.output_dir={tmp_path}", "logging.tensorboard=false"],
         world_size=1,
-        registry=_registry(seen),
+        registry=testing.registry(("seen", seen)),
     )
     summary = run_rank(res)
-    assert summary == {
-        "final_step": 3,
-        "kernels": {
-            "attention": "sdpa",
-            "rms_norm": "torch",
-            "swiglu": "torch",
-            "cross_entropy": "torch",
-            "rope": "torch",  # and no grouped_gemm: a dense model runs no experts
-        },
-        "status": "ok",
+    assert summary["status"] == "ok" and summary["final_step"] == 3
+    assert summary["kernels"] == {
+        "attention": "sdpa",
+        "rms_norm": "torch",
+        "swiglu": "torch",
+        "cross_entropy": "torch",
+        "rope": "torch",  # and no grouped_gemm: a dense model runs no experts
     }
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] == pytest.approx(10 / 3)
@@ -80,14 +59,15 @@ def test_failure_is_recorded_and_reraised(tmp_path):
     seen.events = []
     res = resolve(
         "tiny-llama",
-        ["backend.name=failing", f"logging.output_dir={tmp_path}", "logging.tensorboard=false"],
+        ["backend.name=stand-in", "backend.extra.fail_at=2", f"logging.output_dir={tmp_path}"]
+        + ["logging.tensorboard=false"],
         world_size=1,
-        registry=_registry(seen),
+        registry=testing.registry(("seen", seen)),
     )
-    with pytest.raises(RuntimeError, match="engine blew up"):
+    with pytest.raises(RuntimeError, match="engine failed at step 2"):
         run_rank(res)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary == {"status": "failed", "error": "RuntimeError: engine blew up"}
+    assert summary == {"status": "failed", "error": "RuntimeError: engine failed at step 2"}
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1  # the step before the failure is kept
     assert seen.events[-1] == ("end", "failed")
 
@@ -106,7 +86,7 @@ def test_user_errors_from_a_backend_are_one_line_exit_2(tmp_path, monkeypatch):
         @staticmethod
         @hookimpl
         def primus_backends():
-            return [BackendSpec("datafail", "", run=missing_tokenizer)]
+            return [BackendSpec("datafail", "", engine=missing_tokenizer)]
 
     monkeypatch.setattr(plugins, "_cached", Registry(build_plugin_manager(extra_plugins=[("b", B)])))
     res = CliRunner().invoke(
@@ -117,13 +97,36 @@ def test_user_errors_from_a_backend_are_one_line_exit_2(tmp_path, monkeypatch):
     assert "Traceback" not in res.output
 
 
+def test_a_backend_without_an_engine_is_refused_at_load_naming_it(monkeypatch):
+    """``BackendSpec.engine`` is required: a plugin that registers a backend without one is rejected when the
+    registry loads it (``primus plugins`` shows why), and its other backends with it; the rest load."""
+
+    class NoEngine:
+        @staticmethod
+        @hookimpl
+        def primus_backends():
+            return [BackendSpec("half", "", engine=None)]
+
+    class Legacy:
+        @staticmethod
+        @hookimpl
+        def primus_backends():
+            return [BackendSpec("legacy", "", run=lambda cfg, ctx: {})]  # the removed ``run`` contract
+
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    registry = testing.registry(("no-engine", NoEngine), ("legacy", Legacy))
+    assert set(registry.backends) == {"stand-in"}
+    errors = {name: registry.pm.records[name].error for name in ("no-engine", "legacy")}
+    assert "backend 'half': BackendSpec.engine must be an engine builder" in errors["no-engine"]
+    assert "unexpected keyword argument 'run'" in errors["legacy"]
+
+
 def test_an_engine_missing_a_member_of_the_contract_is_refused_naming_it(tmp_path):
     """The engine contract (primus.core.contracts.engine) is checked once, right after the build: an engine without
     ``load`` and with a ``barrier`` that is not callable is refused before any step, naming the backend and both,
     and is closed; the stand-in's optional members are what the check reports it offers."""
     from primus.core.contracts.engine import check_engine
     from primus.core.contracts.errors import UserError
-    from primus.core.run import testing
 
     closed = []
 

@@ -16,7 +16,9 @@ class EngineStandIn:
     @hookimpl
     def primus_backends():
         return [
-            BackendSpec(name=name, description="stand-in: config tests only", run="builtins:print")
+            BackendSpec(
+                name=name, description="stand-in: config tests only", engine="primus.core.run.testing:StandInEngine"
+            )
             for name in ("torchtitan", "megatron")
         ]
 

@@ -53,7 +53,7 @@ def primus_backends() -> list[BackendSpec]:
     :returns: a list of :class:`primus.core.contracts.protocols.BackendSpec`.
 
     Use in plugins: called when the registry is first built (``primus plugins``, ``primus train``).
-    Must not import the engine: a spec names its ``validate``/``run`` callables as ``"module:attr"``,
+    Must not import the engine: a spec names its ``engine`` builder and ``validate`` as ``"module:attr"``,
     and its Hugging Face importer/exporter (``hf``, see :class:`primus.core.hf.contract.HFInterop`) too.
     """
 

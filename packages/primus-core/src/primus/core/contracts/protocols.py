@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig
+    from primus.core.contracts.engine import EngineBuilder
 
 KERNEL_OPS = (
     "attention",
@@ -61,29 +62,34 @@ class ConfigIssue:
 class BackendSpec:
     """A training engine Primus can drive.
 
-    ``validate(cfg, world_size) -> list[ConfigIssue]`` refuses what the engine cannot do, before any
-    device work. ``engine(cfg, ctx) -> Engine`` builds the adapter that core's training loop drives
-    (:class:`primus.core.contracts.engine.Engine`: steps, learning rate, health, metrics, checkpoints and resume are
-    then core's). A backend without ``engine`` gives ``run(cfg, ctx) -> dict`` instead, which trains on its
-    own (called once per rank with a :class:`RunContext`) and returns a summary.
+    ``engine`` (required) builds, on each rank, the adapter core's training loop drives: an
+    :data:`~primus.core.contracts.engine.EngineBuilder`, ``(cfg, ctx) -> Engine``
+    (:class:`primus.core.contracts.engine.Engine`: steps, learning rate, health, metrics, checkpoints, evaluation
+    and resume are then core's). ``validate(cfg, world_size) -> list[ConfigIssue]`` refuses what the engine cannot
+    do, before any device work. Each is an object or a lazy ``"module:attr"`` name.
     """
 
     name: str
     description: str
-    run: str | Callable[..., Any] | None = None
-    validate: str | Callable[..., Any] | None = None
+    engine: str | EngineBuilder
+    validate: str | Callable[[PrimusConfig, int], list[ConfigIssue]] | None = None
     model_families: frozenset[str] = frozenset()
     priority: int = 0
     dist: str = ""  # filled in by the plugin manager
     # Hugging Face import/export: an object with the methods of primus.core.hf.contract.HFInterop (named lazily)
     hf: str | Callable[..., Any] | None = None
-    # ``build(cfg, ctx) -> Engine`` (primus.core.contracts.engine.Engine): the adapter core's training loop drives
-    engine: str | Callable[..., Any] | None = None
-    # the engine's facts for the planner (primus.core.planner); None: the planner's defaults
-    planner: str | Callable[..., Any] | None = None
+    # the engine's facts for the planner (primus.core.planner.profile.EngineProfile); None: the planner's defaults
+    planner: str | Any | None = None
 
-    def load_run(self) -> Callable[..., Any]:
-        return load_ref(self.run)
+    def __post_init__(self) -> None:
+        if self.engine is None or not (isinstance(self.engine, str) or callable(self.engine)):
+            raise TypeError(
+                f"backend {self.name!r}: BackendSpec.engine must be an engine builder (cfg, ctx) -> Engine or its "
+                f"'module:attr' name, got {self.engine!r}"
+            )
+
+    def load_engine(self) -> EngineBuilder:
+        return load_ref(self.engine)
 
     def load_validate(self) -> Callable[..., Any] | None:
         return load_ref(self.validate) if self.validate is not None else None
@@ -188,12 +194,13 @@ class RunInfo:
 
 @dataclass
 class RunContext:
-    """What a backend's ``run`` gets besides the config: who it is, and where to report.
+    """What a backend's engine builder gets besides the config: who this rank is, the kernels chosen for it, whether
+    it resumes, and the evaluation samples.
 
-    The backend reports through these methods, never by calling hooks itself: ``model_ready`` once the model
-    is built, ``train_step`` after every optimizer step (``primus_on_optimizer_step``), ``step_end`` at each
-    logging interval with its metrics (``primus_on_log``). Each also calls the deprecated hook of the old
-    name (``primus_on_train_step``, ``primus_on_step_end``) for one release.
+    Core's loop reports through these methods, never by calling hooks itself: ``model_ready`` once the engine is
+    built, ``train_step`` after every optimizer step (``primus_on_optimizer_step``), ``step_end`` at each logging
+    interval with its metrics (``primus_on_log``). Each also calls the deprecated hook of the old name
+    (``primus_on_train_step``, ``primus_on_step_end``) for one release.
     """
 
     info: RunInfo

@@ -221,13 +221,9 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
     backend = res.registry.backends[cfg.backend.name]
     summary: dict[str, Any] = {"status": "failed"}
     try:
-        if backend.engine is not None:  # core's loop drives the backend's adapter (it calls on_train_start)
-            from primus.core.run.loop import train
+        from primus.core.run.loop import train
 
-            summary = train(cfg, ctx, backend)
-        else:
-            hooks.primus_on_train_start(config=cfg, info=info)
-            summary = dict(backend.load_run()(cfg, ctx) or {})
+        summary = train(cfg, ctx, backend)  # core's loop drives the backend's engine (it calls on_train_start)
         summary.setdefault("status", "ok")
         return summary
     except BaseException as exc:
@@ -243,14 +239,10 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
 def eval_rank(res: Resolved, checkpoint: Path) -> dict[str, Any]:
     """Evaluate a checkpoint on this rank (``primus eval``): no training hooks, nothing written but the engine's
     scratch files under the run folder."""
-    from primus.core.contracts.errors import UserError
     from primus.core.run.loop import evaluate_checkpoint
 
     cfg, ctx = rank_context(res, write_config=False, evaluate=True)
-    backend = res.registry.backends[cfg.backend.name]
-    if backend.engine is None:
-        raise UserError(f"backend {cfg.backend.name!r} has no engine adapter: primus eval needs one")
-    return evaluate_checkpoint(cfg, ctx, backend, checkpoint)
+    return evaluate_checkpoint(cfg, ctx, res.registry.backends[cfg.backend.name], checkpoint)
 
 
 def torchrun_command(

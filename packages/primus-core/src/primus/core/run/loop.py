@@ -212,7 +212,6 @@ class _Checkpoints:
 def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, Any]:
     """Build ``spec``'s engine on this rank and train it for ``train.steps`` steps; returns the run's summary
     (``status`` ``preempted`` when a stop signal or ``train.max_minutes`` ended it early, after a checkpoint)."""
-    from primus.core.contracts.protocols import load_ref
     from primus.core.profile.capture import StepProfiler
     from primus.core.run import evaluation
     from primus.core.run.stop import StopRequest
@@ -222,7 +221,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
     if cfg.checkpoint.enabled and not ctx.resume:
         checkpoints.refuse_earlier_run()
     eval_data = ctx.eval_samples if cfg.eval.interval else None
-    engine: Engine = load_ref(spec.engine)(cfg, ctx)
+    engine: Engine = spec.load_engine()(cfg, ctx)
     try:
         offers = check_engine(engine, spec.name)
     except UserError:
@@ -329,7 +328,6 @@ def _saved(checkpoints: _Checkpoints) -> str:
 
 def evaluate_checkpoint(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, folder: Path) -> dict[str, Any]:
     """``primus eval``: build ``spec``'s engine, load the checkpoint ``folder`` (any layout) and evaluate it."""
-    from primus.core.contracts.protocols import load_ref
     from primus.core.run import evaluation
 
     samples = ctx.eval_samples
@@ -338,7 +336,7 @@ def evaluate_checkpoint(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, f
     # the checkpoint, or a root's newest, that verifies (sizes and checksums; every rank reads every file once)
     folder = ckpt.readable(folder, NAMING)
     man = ckpt.check_compatible(folder, cfg, spec.dist or spec.name)
-    engine: Engine = load_ref(spec.engine)(cfg, ctx)
+    engine: Engine = spec.load_engine()(cfg, ctx)
     try:
         evaluation.require_evaluate(engine, spec.name)
         engine.load(folder)
