@@ -80,14 +80,6 @@ def train(engine: str, out: Path, nproc: int, overrides: list[str]) -> dict:
     }
 
 
-def from_seed(engine: str, seed: Path) -> list[str]:
-    """Start from the engine's seed checkpoint in ``seed`` (megatron writes it there on the first run that names it,
-    the reference; torchtitan in a seed-only run of its own)."""
-    if engine == "megatron":
-        return [f"backend.extra.seed_checkpoint={seed}"]
-    return [f"backend.extra.checkpoint.initial_load_path={seed / 'checkpoints' / 'step_00000000'}"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/multi_gpu_equality.json")
@@ -108,15 +100,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) / time.strftime("%Y%m%d-%H%M%S")
     for engine in args.engines.split(","):
-        seed = work / engine / "seed"
-        load = from_seed(engine, seed)
-        if engine == "torchtitan":  # torchtitan writes its seed checkpoint in a run of its own (one process)
-            made = train(engine, seed, 1, [*common, "backend.extra.checkpoint.create_seed_checkpoint=true",
-                                           "checkpoint.enabled=true"])  # fmt: skip
-            if made.get("error"):
-                result["engines"][engine] = {"seed": made}
-                continue
-        ref = train(engine, work / engine / "ref", 1, [*common, *load])
+        seed = work / engine / "seed"  # the reference writes the weights it starts from; every layout loads them
+        load = [f"train.init_from={seed}"]
+        ref = train(engine, work / engine / "ref", 1, [*common, f"train.save_initial={seed}"])
         entry: dict = {"reference": ref, "layouts": {}}
         result["engines"][engine] = entry
         layouts = list(LAYOUTS[engine].items())[: 1 if args.smoke else None]

@@ -77,9 +77,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("megatron_ref")
     seed = root / "seed"
     out = root / "ws1"
-    rows = train(
-        TINY, out, 1, f"backend.extra.seed_checkpoint={seed}", "checkpoint.enabled=true", "checkpoint.interval=3"
-    )
+    rows = train(TINY, out, 1, f"train.save_initial={seed}", "checkpoint.enabled=true", "checkpoint.interval=3")
     return {"seed": seed, "out": out, "rows": rows, "losses": losses(rows)}
 
 
@@ -97,6 +95,6 @@ DP2_CKPT = [
 def dp2_straight(reference: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """An uninterrupted 6-step run on 2 ranks from the reference's seed weights (keep_last 2)."""
     out = tmp_path_factory.mktemp("megatron_dp2") / "straight"
-    overrides = [f"backend.extra.seed_checkpoint={reference['seed']}", *DP2_CKPT]
+    overrides = [f"train.init_from={reference['seed']}", *DP2_CKPT]
     rows = train(TINY, out, 2, *overrides)
     return {"out": out, "rows": rows, "losses": losses(rows), "overrides": overrides}

@@ -20,17 +20,15 @@ FAMILY_LAYOUTS = {
 @pytest.mark.parametrize("family", list(FAMILY_LAYOUTS))
 def test_family_trains_and_layout_matches(tmp_path, family):
     config = str(CONFIGS / f"{family}.yaml")
-    seed = f"backend.extra.seed_checkpoint={tmp_path / 'seed'}"
-    ref = losses(train(config, tmp_path / "ws1", 1, seed))
+    ref = losses(train(config, tmp_path / "ws1", 1, f"train.save_initial={tmp_path / 'seed'}"))
+    seed = f"train.init_from={tmp_path / 'seed'}"
     assert ref[-1] < ref[0] - 0.3, ref
     other = losses(train(config, tmp_path / "layout", 2, seed, *FAMILY_LAYOUTS[family]))
     assert other == pytest.approx(ref, abs=LOSS_TOL)
 
 
 def test_bf16_trains_close_to_fp32(reference, tmp_path):
-    rows = train(
-        TINY, tmp_path / "bf16", 1, "train.precision=bf16", f"backend.extra.seed_checkpoint={reference['seed']}"
-    )
+    rows = train(TINY, tmp_path / "bf16", 1, "train.precision=bf16", f"train.init_from={reference['seed']}")
     # bf16 compute, fp32 master weights: the same curve to within bf16 rounding
     assert losses(rows) == pytest.approx(reference["losses"], abs=0.05)
 

@@ -71,7 +71,7 @@ def test_tp2_sequence_parallel_fp8_matches_tp2(reference, tmp_path):
     kernels (grad norms at steps 5-6 measured 0.4%, 4.9% and 19.5% apart on three 2-core EPYC machines, losses within
     1e-3 on each; the first three steps' norms within the 2% asserted here on each)."""
     common = ("train.precision=bf16", "kernels.fp8=tensorwise", "kernels.fp8_recipe.linears=all")
-    common += (f"backend.extra.seed_checkpoint={reference['seed']}",)
+    common += (f"train.init_from={reference['seed']}",)
     common += ("train.steps=3",)
     tp = train(TINY, tmp_path / "tp2", 2, *common, "parallel.tp=2")
     sp = train(TINY, tmp_path / "tp2sp", 2, *common, "parallel.tp=2", "parallel.sequence_parallel=true")

@@ -34,7 +34,7 @@ def _step(out, step: int, dst):
 @pytest.fixture(scope="module")
 def runs(reference, tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_fsdp2")
-    seed = f"backend.extra.seed_checkpoint={reference['seed']}"
+    seed = f"train.init_from={reference['seed']}"
     out = root / "fsdp2_tp2"
     rows = train(TINY, out, 4, seed, *FSDP2_TP2, "checkpoint.enabled=true", "checkpoint.interval=3")
     resumed = {}

@@ -25,7 +25,7 @@ NAN_AT_3 = "backend.extra.fault_injection.nan_at_step=3"
 
 def test_nonfinite_stops_at_the_step(reference, tmp_path):
     out = tmp_path / "stop"
-    seed = f"backend.extra.seed_checkpoint={reference['seed']}"
+    seed = f"train.init_from={reference['seed']}"
     ckpt = ["checkpoint.enabled=true", "checkpoint.interval=2"]
     proc = primus("train", TINY, out, 2, seed, NAN_AT_3, "train.health.on_nonfinite=stop", *ckpt)
     assert proc.returncode != 0
@@ -58,7 +58,7 @@ def test_nonfinite_skip_drops_the_update(reference, tmp_path):
         TINY,
         out,
         2,
-        f"backend.extra.seed_checkpoint={reference['seed']}",
+        f"train.init_from={reference['seed']}",
         NAN_AT_3,
         "train.health.on_nonfinite=skip",
         "train.steps=5",

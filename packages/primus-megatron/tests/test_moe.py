@@ -34,8 +34,8 @@ REFERENCE = {"ep2": "ref", "ep4": "ref_seq", "tp2_ep2": "ref", "cp2_ep2": "ref"}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_moe")
-    seed = f"backend.extra.seed_checkpoint={root / 'seed'}"
-    out = {"root": root, "ref": train(MOE, root / "ref", 1, seed, "checkpoint.enabled=true", "checkpoint.interval=3")}
+    save, seed = f"train.save_initial={root / 'seed'}", f"train.init_from={root / 'seed'}"
+    out = {"root": root, "ref": train(MOE, root / "ref", 1, save, "checkpoint.enabled=true", "checkpoint.interval=3")}
     out["ref_seq"] = train(MOE, root / "ref_seq", 1, seed, SEQ)
     # its stacked experts' checkpoint, resumed with megatron's per-expert SequentialMLP: refused
     per_expert = [f"checkpoint.dir={root / 'ref' / 'checkpoints'}", "kernels.grouped_gemm=torch"]

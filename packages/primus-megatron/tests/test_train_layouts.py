@@ -72,7 +72,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_world_size_1(reference, tmp_path, name):
     nproc, overrides = LAYOUTS[name]
-    rows = train(TINY, tmp_path / name, nproc, f"backend.extra.seed_checkpoint={reference['seed']}", *overrides)
+    rows = train(TINY, tmp_path / name, nproc, f"train.init_from={reference['seed']}", *overrides)
     assert losses(rows) == pytest.approx(reference["losses"], abs=LOSS_TOL), name
     ref_norms = [r["grad_norm"] for r in reference["rows"]]
     assert [r["grad_norm"] for r in rows] == pytest.approx(ref_norms, rel=1e-3), name

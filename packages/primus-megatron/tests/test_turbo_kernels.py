@@ -40,8 +40,8 @@ def train(out: Path, *overrides: str, turbo: bool) -> list[dict]:
 
 def test_turbo_kernels_give_megatrons_loss(tmp_path):
     seed = tmp_path / "seed"
-    ref = train(tmp_path / "core", f"backend.extra.seed_checkpoint={seed}", turbo=False)
-    got = train(tmp_path / "turbo", f"backend.extra.seed_checkpoint={seed}", *TURBO, turbo=True)
+    ref = train(tmp_path / "core", f"train.save_initial={seed}", turbo=False)
+    got = train(tmp_path / "turbo", f"train.init_from={seed}", *TURBO, turbo=True)
     applied = json.loads((tmp_path / "turbo" / "summary.json").read_text())["kernels_applied"]
     assert applied == {"rope": "triton provider", "output_loss": "triton fused linear + cross-entropy"}
     core = json.loads((tmp_path / "core" / "summary.json").read_text())["kernels_applied"]

@@ -53,6 +53,7 @@ def test_profiling_health_and_fault_injection_are_accepted():
         ),
         (["parallel.pp=3"], 3, "model.num_layers", "do not split evenly"),
         (["backend.extra.fsdp=true"], 2, "backend.extra.fsdp", "parallel.fsdp: true"),
+        (["backend.extra.seed_checkpoint=seed"], 1, "backend.extra.seed_checkpoint", "train.save_initial (write"),
         (["parallel.fsdp=true", "parallel.dp_replicate=2", "parallel.dp_shard=2"], 4, "parallel.dp_replicate", "HSDP"),
         (["parallel.fsdp=true", "parallel.overlap_param_gather=true"], 2, "parallel.overlap_param_gather", "prefetch"),
         (["parallel.fsdp=true", "kernels.fp8=tensorwise"], 2, "kernels.fp8", "FSDP2-sharded"),

@@ -109,15 +109,15 @@ def losses(out: Path) -> list[float]:
 
 @pytest.fixture(scope="session")
 def seed_checkpoint(tmp_path_factory) -> callable:
-    """One seed checkpoint per model config (made once, world size 1), loaded by every layout so they all
-    start from the same weights."""
+    """One seed checkpoint per model config (core's ``train.save_initial`` of a one-step run at world size 1),
+    loaded by every layout (``train.init_from``) so they all start from the same weights."""
     made: dict[tuple[str, ...], str] = {}
 
     def get(*overrides: str) -> str:
         if overrides not in made:
             out = tmp_path_factory.mktemp("seed")
-            primus_train(TINY, out, *overrides, "backend.extra.checkpoint.create_seed_checkpoint=true")
-            made[overrides] = str(out / "checkpoints" / "step_00000000")
+            primus_train(TINY, out / "run", *overrides, f"train.save_initial={out / 'seed'}", "train.steps=1")
+            made[overrides] = str(out / "seed")
         return made[overrides]
 
     return get
@@ -131,7 +131,7 @@ def reference(tmp_path_factory, seed_checkpoint):
     def get(model: tuple[str, ...]):
         if model not in runs:
             out = tmp_path_factory.mktemp("ws1")
-            primus_train(TINY, out, *model, f"backend.extra.checkpoint.initial_load_path={seed_checkpoint(*model)}")
+            primus_train(TINY, out, *model, f"train.init_from={seed_checkpoint(*model)}")
             runs[model] = out
         return runs[model]
 
@@ -144,7 +144,7 @@ def fsdp2_straight(tmp_path_factory, seed_checkpoint):
     (all kept): the reference of the resume and crash-safety tests."""
     out = tmp_path_factory.mktemp("fsdp2")
     overrides = (
-        f"backend.extra.checkpoint.initial_load_path={seed_checkpoint()}",
+        f"train.init_from={seed_checkpoint()}",
         "parallel.dp_shard=2",
         "checkpoint.interval=2",
     )

@@ -21,9 +21,8 @@ from primus.torchtitan.data import PrimusDataLoader
 
 
 def test_checkpointer_calls_keep_torchtitans_signatures():
-    """primus.torchtitan.checkpoint calls CheckpointManager's dcp_save / dcp_load / load and the private
-    _flattened_model_states_sd / _states_to_load with these parameters, and relies on load taking
-    initial_load_path only while its folder does not exist."""
+    """primus.torchtitan.checkpoint calls CheckpointManager's dcp_save / dcp_load and the private
+    _flattened_model_states_sd / _states_to_load with these parameters."""
     from torchtitan.components.checkpoint import CheckpointManager
 
     def params(name):
@@ -38,11 +37,8 @@ def test_checkpointer_calls_keep_torchtitans_signatures():
         "to_hf",
     ]
     assert params("dcp_load") == ["self", "state_dict", "checkpoint_id", "from_hf", "from_quantized"]
-    assert params("load") == ["self", "step"]
     assert params("_flattened_model_states_sd") == ["self", "state_dict"]
     assert params("_states_to_load") == ["self", "model_only"]
-    src = inspect.getsource(CheckpointManager.load)
-    assert "if not os.path.exists(self.folder):" in src and "self.initial_load_path" in src
     assert "self.exclude_from_loading" in inspect.getsource(CheckpointManager._states_to_load)
 
 

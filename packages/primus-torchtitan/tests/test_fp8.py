@@ -149,7 +149,7 @@ def test_fsdp_tp_fp8_matches_fsdp(tmp_path, seed_checkpoint):
     that init depends on the machine's environment (0.03 to > 0.15), so training progress is test_train's to show."""
     common = ("train.precision=bf16", "checkpoint.enabled=false", "kernels.fp8=tensorwise", "parallel.dp_shard=2")
     common += ("kernels.fp8_recipe.linears=all",)
-    seed = f"backend.extra.checkpoint.initial_load_path={seed_checkpoint('train.init=engine')}"
+    seed = f"train.init_from={seed_checkpoint('train.init=engine')}"
     primus_train(TINY, tmp_path / "fsdp", *common, seed, nproc=2)
     tp = primus_train(TINY, tmp_path / "tp", *common, seed, "parallel.tp=2", nproc=4)
     assert "fp8 (fp8, tensorwise): 14 linears swapped" in " ".join(tp.stderr.split())

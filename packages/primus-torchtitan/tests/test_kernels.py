@@ -249,7 +249,7 @@ def test_counting_providers_run_and_match_torchtitans_modules(layout, tmp_path, 
         "train.steps=2",
         "checkpoint.enabled=false",
         "train.schedule.decay_steps=8",
-        f"backend.extra.checkpoint.initial_load_path={seed_checkpoint()}",
+        f"train.init_from={seed_checkpoint()}",
         env={"PRIMUS_TEST_COUNTING": str(counts)},
         nproc=nproc,
     )
@@ -277,7 +277,7 @@ def test_turbo_triton_kernels_give_the_same_loss(tmp_path, reference, seed_check
         "train.steps=2",
         "checkpoint.enabled=false",
         "train.schedule.decay_steps=8",
-        f"backend.extra.checkpoint.initial_load_path={seed_checkpoint()}",
+        f"train.init_from={seed_checkpoint()}",
         env={"PRIMUS_TEST_TRITON_ON_CPU": "1", "TRITON_INTERPRET": "1", "PRIMUS_TEST_COUNTING": str(counts)},
     )
     assert json.loads((tmp_path / "calls.json.0").read_text()) == {

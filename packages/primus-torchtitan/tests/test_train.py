@@ -96,7 +96,7 @@ def test_layout_matches_world_size_1(layout, tmp_path, reference, seed_checkpoin
         *model,
         *overrides,
         "checkpoint.enabled=false",
-        f"backend.extra.checkpoint.initial_load_path={seed_checkpoint(*model)}",
+        f"train.init_from={seed_checkpoint(*model)}",
         nproc=nproc,
     )
     got = metrics(tmp_path)
@@ -117,7 +117,7 @@ def test_bf16_fsdp_trains(tmp_path):
 
 def test_resume_continues_like_a_straight_run(tmp_path, reference, seed_checkpoint):
     straight = losses(reference(()))
-    seed = f"backend.extra.checkpoint.initial_load_path={seed_checkpoint()}"
+    seed = f"train.init_from={seed_checkpoint()}"
     # the first half stops at step 4 with the LR schedule of the 8-step run
     primus_train(TINY, tmp_path, seed, "train.steps=4", "checkpoint.interval=3", "train.schedule.decay_steps=8")
     ckpts = tmp_path / "checkpoints"

@@ -92,6 +92,18 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
             "head-tail shards",
         ),
         (["backend.extra.trainer.steps=3"], 1, "backend.extra.trainer", "not a section of torchtitan's JobConfig"),
+        (
+            ["backend.extra.checkpoint.initial_load_path=s"],
+            1,
+            "backend.extra.checkpoint.initial_load_path",
+            "init_from",
+        ),
+        (
+            ["backend.extra.checkpoint.create_seed_checkpoint=true"],
+            1,
+            "checkpoint.create_seed_checkpoint",
+            "save_initial",
+        ),
     ],
 )
 def test_refused_with_reason(overrides, world_size, key, why):

@@ -218,18 +218,18 @@ def check_compatible(path: Path, cfg: PrimusConfig) -> dict[str, Any]:
     return core.check_compatible(path, cfg, "primus-megatron")
 
 
-def _save(sd: dict[str, Any], final: Path, man: dict[str, Any], rank: int) -> None:
-    def write_all(tmp: Path) -> None:
-        from megatron.core import dist_checkpointing
+def write_weights(folder: Path, chunks: list[Any]) -> None:
+    """This rank's shards of the model alone into ``folder`` (core commits it: ``train.save_initial``); any layout
+    loads it (:func:`load_seed`)."""
+    from megatron.core import dist_checkpointing
 
-        compat.checkpoint_writer_dies_with_rank()
-        dist_checkpointing.save(sd, str(tmp))
-
-    core.atomic_save(final, man, rank, write_all, _barrier)
+    compat.checkpoint_writer_dies_with_rank()
+    dist_checkpointing.save({"model": _model_sd(chunks)}, str(folder))
 
 
 def save_seed(path: Path, chunks: list[Any], rank: int, man: dict[str, Any]) -> None:
-    _save({"model": _model_sd(chunks)}, path, {**man, "seed": True}, rank)
+    """The model alone, committed with its manifest by this process (``primus checkpoint import``)."""
+    core.atomic_save(path, {**man, "seed": True}, rank, lambda tmp: write_weights(tmp, chunks), _barrier)
     log.info("saved seed checkpoint %s", path)
 
 

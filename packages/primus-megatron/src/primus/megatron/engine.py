@@ -27,6 +27,7 @@ from primus.core.contracts.protocols import RunContext
 from primus.core.kernels import fp8_experts
 from primus.core.kernels.documents import document_eos, document_ids
 from primus.core.run.health import collective_timeout
+from primus.core.run.metrics import global_token_loss
 
 # megatron-core's FSDP modules announce at import "using Megatron-FSDP" (imported whether or not parallel.fsdp is
 # on); set before megatron.core is first imported below, so a run without FSDP does not say it uses it
@@ -145,7 +146,6 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.module import Float16Module
 
-        from primus.megatron import checkpoint as ckpt
         from primus.megatron import compat as mc
         from primus.megatron.data import build_batches
         from primus.megatron.dist import init_parallel, ranks, seed, stage
@@ -197,18 +197,10 @@ class MegatronEngine:
             from primus.megatron.hf import init_canonical
 
             init_canonical(chunks, cfg)
-        if t.init_from:  # HF or megatron weights into this rank's TP/PP shard (a seed checkpoint or resume overrides)
+        if t.init_from:  # HF or megatron weights into this rank's TP/PP shard (resume overrides)
             from primus.megatron.hf import load_init_from
 
             load_init_from(chunks, cfg)
-
-        seed_dir = cfg.backend.extra.get("seed_checkpoint")
-        if seed_dir:
-            seed_path = Path(seed_dir)
-            if seed_path.is_dir():
-                ckpt.load_seed(seed_path, chunks, cfg)
-            else:
-                ckpt.save_seed(seed_path, chunks, self.rank, ckpt.manifest(cfg, 0, self.layout))
 
         chunks_fp = [Float16Module(config, c) for c in chunks] if t.precision in ("bf16", "fp16") else chunks
         if fully_sharded(cfg):
@@ -300,11 +292,6 @@ class MegatronEngine:
             stats += torch.stack([x["lm loss"] for x in reduced]).sum(0).double()
         return stats
 
-    def _global_loss(self, stats: torch.Tensor) -> float:
-        """The per-token loss over the world's tokens, the same on every rank (NaN if any is)."""
-        dist.all_reduce(stats)
-        return (stats[0] / stats[1]).item()
-
     def expert_routers(self) -> list[tuple[int, Any, Any]]:
         """megatron's routers on this rank (TopKRouter: ``layer_number`` is global, 1-based), with the tokens per
         expert from their output ``(probs, routing_map [tokens, experts])``."""
@@ -375,7 +362,7 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         set_lr(self.optimizer, lr, t.optimizer.weight_decay)
         reduced = self._schedule(lambda: self.batches.micro_batches(step - 1), step, forward_only=False)
-        loss = self._global_loss(self._loss_sums(reduced))
+        loss = global_token_loss(self._loss_sums(reduced))
         # with the loss and (inside the optimizer step) the grad norm known, before the update
         applied, grad_norm = self.mc.optimizer_step(self.optimizer, lambda norm: gate(loss, norm))
         return StepResult(loss=loss, grad_norm=float(grad_norm) if grad_norm is not None else None, applied=applied)
@@ -414,7 +401,7 @@ class MegatronEngine:
         finally:
             for m in self.model:
                 m.train()
-        return self._global_loss(stats)
+        return global_token_loss(stats)
 
     def save(self, folder: Path) -> None:
         from primus.megatron import checkpoint as ckpt
@@ -427,6 +414,11 @@ class MegatronEngine:
         if gathering:
             for m in self.model:
                 m.enable_forward_pre_hook()
+
+    def save_weights(self, folder: Path) -> None:
+        from primus.megatron import checkpoint as ckpt
+
+        ckpt.write_weights(folder, self.chunks)
 
     def load(self, folder: Path) -> None:
         from primus.core.contracts.errors import UserError

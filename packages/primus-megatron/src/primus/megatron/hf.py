@@ -314,7 +314,7 @@ class MegatronHF:
 
     def import_hf(self, cfg: PrimusConfig, hf_dir: Path, out: Path) -> Path:
         """A seed checkpoint (model only, step 0) at ``out``: start a run from it with
-        ``backend.extra.seed_checkpoint=OUT``. One process builds the whole model; under torchrun with the
+        ``train.init_from=OUT``. One process builds the whole model; under torchrun with the
         config's world size each rank fills its TP/PP shard."""
         import yaml
 

@@ -9,7 +9,7 @@ from primus.megatron import deepseek, faults, fp8
 # backend.extra keys: a seed checkpoint (same initial weights in every layout), raw
 # TransformerConfig / DistributedDataParallelConfig fields passed through unchanged, and the
 # test-only fault injectors (primus.megatron.faults).
-EXTRA_KEYS = frozenset({"seed_checkpoint", "transformer_config", "ddp", "fault_injection"})
+EXTRA_KEYS = frozenset({"transformer_config", "ddp", "fault_injection"})
 
 
 def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
@@ -132,7 +132,14 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     out.extend(deepseek.issues(cfg))
     for problem in faults.issues(cfg.backend.extra):
         refuse("backend.extra.fault_injection", problem, allowed=", ".join(faults.KEYS))
-    unknown = set(cfg.backend.extra) - EXTRA_KEYS - {"fsdp"}  # fsdp: refused above with its reason
+    if "seed_checkpoint" in cfg.backend.extra:  # (its key before core had one for every engine)
+        refuse(
+            "backend.extra.seed_checkpoint",
+            "a run's initial weights are core's, the same key on every engine",
+            cfg.backend.extra["seed_checkpoint"],
+            "train.save_initial (write them), train.init_from (load them, any layout)",
+        )
+    unknown = set(cfg.backend.extra) - EXTRA_KEYS - {"fsdp", "seed_checkpoint"}  # refused above with their reasons
     if unknown:
         refuse(
             "backend.extra",

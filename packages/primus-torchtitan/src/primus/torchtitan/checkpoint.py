@@ -7,10 +7,8 @@ with torchtitan's ``CheckpointManager.dcp_save`` / ``dcp_load`` over the states 
 the model, the optimizers, the LR schedulers, the data loader (its position: a resumed run continues with the
 next unseen samples, also at another data-parallel size) and the train state.
 
-A *seed checkpoint* (``backend.extra.checkpoint.create_seed_checkpoint``) holds only the model at step 0 (the
-weights the run would start from: ``train.init`` and ``train.init_from`` applied), taken by
-``checkpoint.initial_load_path`` (as are Hugging Face folders, through the state-dict adapter) as the initial
-weights: :func:`load_initial`.
+The weights a run starts from are core's keys on every engine: ``train.save_initial`` writes them (the model alone,
+:func:`write_model`), ``train.init_from`` loads them (:func:`load_model`, any layout) or a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.run import checkpoints as core
@@ -73,11 +69,6 @@ def save_one_process(target: Path, cfg: PrimusConfig, write: Callable[[Path], No
     core.atomic_save(target, manifest(cfg, step, layout(cfg, 1)), 0, write, lambda: None)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def write(checkpointer: CheckpointManager, folder: Path) -> None:
     """This rank's shards of every state torchtitan checkpoints into ``folder`` (core commits it)."""
     states = checkpointer._flattened_model_states_sd()
@@ -97,33 +88,7 @@ def load_model(checkpointer: CheckpointManager, folder: Path, cfg: PrimusConfig)
     log.info("initialised the model from %s", folder)
 
 
-def load_initial(checkpointer: CheckpointManager, cfg: PrimusConfig) -> bool:
-    """The initial weights torchtitan's config names (``checkpoint.initial_load_path``: a seed checkpoint or,
-    with ``initial_load_in_hf``, a Hugging Face folder), never a checkpoint of core's folder; a Primus seed is
-    checked against the model first. Returns whether anything was loaded."""
-    if not checkpointer.enable:  # (a disabled checkpointer is built without its initial_load_* attributes)
-        return False
-    path = checkpointer.initial_load_path
-    if not (path or checkpointer.initial_load_in_hf):
-        return False
-    if path and not checkpointer.initial_load_in_hf and core.read_manifest(Path(path)) is not None:
-        check_compatible(Path(path), cfg)
-    folder = getattr(checkpointer, "folder", "")
-    checkpointer.folder = str(Path(folder or ".") / "no-such-folder")  # torchtitan's initial-load branch
-    try:
-        return checkpointer.load()
-    finally:
-        checkpointer.folder = folder
-
-
-def save_seed(checkpointer: CheckpointManager, root: Path, cfg: PrimusConfig, layout_: dict[str, int]) -> Path:
-    """The model alone as the step-0 checkpoint under ``root``: every layout can start from these weights."""
-    final = NAMING.folder(root, 0)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-
-    def write_model(tmp: Path) -> None:
-        checkpointer.dcp_save(checkpointer.states[MODEL].state_dict(), str(tmp), AsyncMode.DISABLED)
-
-    core.atomic_save(final, manifest(cfg, 0, layout_), rank, write_model, _barrier)
-    log.info("saved seed checkpoint %s", final)
-    return final
+def write_model(checkpointer: CheckpointManager, folder: Path) -> None:
+    """This rank's shards of the model alone into ``folder`` (core commits it: ``train.save_initial``); any layout
+    loads it (:func:`load_model`)."""
+    checkpointer.dcp_save(checkpointer.states[MODEL].state_dict(), str(folder), AsyncMode.DISABLED)

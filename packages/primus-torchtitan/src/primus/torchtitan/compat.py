@@ -127,11 +127,10 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_train_step_still_clips_then_steps_the_optimizer_and_schedule",
     ),
     Patch(
-        "checkpoint.write, checkpoint.read, checkpoint.load_initial, checkpoint.save_seed",
-        "CheckpointManager.dcp_save / dcp_load / load called directly, with the private _flattened_model_states_sd "
-        "and _states_to_load, and its folder attribute pointed away for the initial load",
-        "core names the folder and commits it; torchtitan has no public call that saves or loads a given folder, "
-        "and loads initial_load_path only while its own folder does not exist",
+        "checkpoint.write, checkpoint.read, checkpoint.write_model, checkpoint.load_model",
+        "CheckpointManager.dcp_save / dcp_load called directly, with the private _flattened_model_states_sd "
+        "and _states_to_load",
+        "core names the folder and commits it; torchtitan has no public call that saves or loads a given folder",
         "test_checkpoint.py::test_checkpointer_calls_keep_torchtitans_signatures",
     ),
     Patch(

@@ -102,17 +102,12 @@ def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | 
 
 class TorchTitanEngine:
     def __init__(self, cfg: PrimusConfig, ctx: RunContext) -> None:
-        from primus.torchtitan import compat, job_config, validate
+        from primus.torchtitan import compat, validate
 
         attention = ctx.kernels.get("attention")
         cp_attention = attention is not None and CONTEXT_PARALLEL in attention.features
         if ctx.info.device == "cpu" and (why := validate.cpu_refusal(cfg, cp_attention)):
             raise RuntimeError(f"the torchtitan backend cannot run this on a CPU: {why}")
-        seed_only = bool(job_config.extra_value(cfg.backend.extra, "checkpoint.create_seed_checkpoint", False))
-        if seed_only and ctx.info.world_size > 1:
-            raise RuntimeError(
-                "a seed checkpoint is written by one process (unsharded): run it without --nproc-per-node"
-            )
         compat.import_torchtitan(ctx.info.device)
         from primus.torchtitan import checkpoint as ckpt
 
@@ -137,7 +132,6 @@ class TorchTitanEngine:
             "backend": "torchtitan",
             "kernels": {op: c.provider if c.fn else "torchtitan" for op, c in kernels.items()},
         }
-        self.finished: dict[str, Any] | None = None
         if cfg.train.init == "canonical":  # core's initial weights, the same on every layout and engine
             from primus.torchtitan.hf import init_canonical
 
@@ -146,11 +140,6 @@ class TorchTitanEngine:
             from primus.torchtitan.hf import load_init_from
 
             load_init_from(trainer, cfg)
-        if seed_only:  # the engine's whole job: the weights this run would start from, for every layout to load
-            folder = ckpt.save_seed(trainer.checkpointer, checkpoint_dir(cfg), cfg, self.layout)
-            self.finished = {"backend": "torchtitan", "seed_checkpoint": str(folder)}
-            return
-        ckpt.load_initial(trainer.checkpointer, cfg)
         self.data = trainer.batch_generator(trainer.dataloader)
 
     def expert_routers(self) -> list[tuple[int, Any, Any]]:
@@ -199,6 +188,11 @@ class TorchTitanEngine:
         from primus.torchtitan import checkpoint as ckpt
 
         ckpt.read(self.trainer.checkpointer, folder)
+
+    def save_weights(self, folder: Path) -> None:
+        from primus.torchtitan import checkpoint as ckpt
+
+        ckpt.write_model(self.trainer.checkpointer, folder)
 
     def barrier(self) -> None:
         import torch.distributed as dist

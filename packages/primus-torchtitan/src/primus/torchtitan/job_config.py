@@ -191,6 +191,4 @@ def build_job_config(cfg: Any, *, model_name: str, flavor: str, output_dir: str,
     jc.debug.seed = t.seed
     # backend.extra.fault_injection is Primus's (primus.torchtitan.faults), not a JobConfig section
     apply_overrides(jc, {k: v for k, v in cfg.backend.extra.items() if k != faults.EXTRA_KEY})
-    if not cfg.checkpoint.enabled and ck.initial_load_path:
-        ck.enable, ck.load_only = True, True  # load the initial weights, save nothing
     return jc

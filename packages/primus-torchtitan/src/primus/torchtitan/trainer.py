@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from primus.core.kernels.documents import document_ids
+from primus.core.run.metrics import global_token_loss
 from primus.core.run.optimizer import split_weight_decay
 from primus.torchtitan import compat
 from primus.torchtitan.loss import head_targets
@@ -181,9 +182,7 @@ class PrimusTrainer(Trainer):
             for part in self.model_parts:
                 part.train()
                 reshard(part)
-        if dims.world_size > 1:
-            torch.distributed.all_reduce(sums)
-        return (sums[0] / sums[1]).item()
+        return global_token_loss(sums)
 
     def train_step(self, data_iterator: Any) -> None:
         self._step_losses.clear()

@@ -311,8 +311,26 @@ PINNED_EXTRA = {
 }
 
 
+# torchtitan fields whose job is core's, one key on every engine: field -> the core key
+CORE_KEYS = {
+    "checkpoint.initial_load_path": "train.init_from",
+    "checkpoint.initial_load_in_hf": "train.init_from (a Hugging Face folder)",
+    "checkpoint.initial_load_model_only": "train.init_from (it takes the model weights alone)",
+    "checkpoint.create_seed_checkpoint": "train.save_initial (then train.init_from on any layout)",
+}
+
+
 def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
-    out = []
+    out = [
+        ConfigIssue(
+            f"backend.extra.{key}",
+            "a run's initial weights are core's, the same key on every engine",
+            value=value,
+            allowed=core_key,
+        )  # fmt: skip
+        for key, core_key in CORE_KEYS.items()
+        if (value := extra_value(extra, key)) is not None
+    ]
     for key, value in extra.items():
         section = key.split(".")[0]
         if key == faults.EXTRA_KEY:  # Primus's test-only fault injectors, not a JobConfig section

@@ -189,6 +189,11 @@ class TrainConfig(Section):
         description="start from these weights: a Hugging Face folder (its config.json gives the model) or a Primus "
         "checkpoint of either engine (primus.core.run.init_from)",
     )
+    save_initial: str | None = Field(
+        None,
+        description="write the weights this run starts from (after train.init / train.init_from, before step 1) "
+        "into this folder, a weights-only checkpoint that train.init_from loads on any layout; then train",
+    )
     objective: Literal["pretrain", "sft"] = Field(
         "pretrain",
         description="pretrain: next-token loss on every token; sft: fine-tuning on .jsonl chat (messages) or "

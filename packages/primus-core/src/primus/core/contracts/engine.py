@@ -84,11 +84,12 @@ CAPABILITIES = {
     "interval_metrics": "interval_metrics() -> dict[str, float]: metrics defined in core that only the engine can "
     "measure (e.g. moe_aux_loss), over the steps since the previous call; called on every rank at each logging step "
     "(it may reduce over ranks)",
+    "save_weights": "save_weights(folder) -> None: this rank's share of the model weights alone (no optimizer or "
+    "data state) into ``folder``, in the form ``load`` and ``train.init_from`` read on any layout; core commits the "
+    "folder with its manifest (``train.save_initial``)",
     "summary": "attribute, dict: what the run's summary takes over (e.g. the kernels the engine applied)",
-    "finished": "attribute, dict or None: set at build by an engine whose whole job was done then (e.g. a seed "
-    "checkpoint written): its summary; the loop then runs no step",
 }
-ATTRIBUTES = frozenset({"summary", "finished"})
+ATTRIBUTES = frozenset({"summary"})
 
 
 def check_engine(engine: Any, backend: str) -> frozenset[str]:

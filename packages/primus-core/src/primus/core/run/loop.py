@@ -120,6 +120,24 @@ class _Checkpoints:
                 "to continue from the newest, or use another logging.output_dir / checkpoint.dir"
             )
 
+    def save_initial(self, folder: Path) -> None:
+        """``train.save_initial``: the weights the run starts from, committed like a checkpoint (files recorded, the
+        manifest last, ``weights_only``: what decided the weights). The same weights already there are kept (a run
+        restarted before its first checkpoint); anything else there is refused, before it is touched."""
+        t = self.cfg.train
+        origin = {"model_shape": ckpt.model_shape(self.cfg), "seed": t.seed, "init": t.init, "init_from": t.init_from}
+        man = ckpt.read_manifest(folder)
+        if man is not None and man.get("weights_only") == origin:
+            log.info("train.save_initial: %s already holds this run's initial weights", folder)
+            return
+        if folder.exists():
+            raise UserError(
+                f"train.save_initial: {folder} exists; load it with train.init_from={folder}, or name a new folder"
+            )
+        man = {**ckpt.manifest(self.cfg, 0, self.engine.layout, self.engine.distributions), "weights_only": origin}
+        ckpt.atomic_save(folder, man, self.rank, self.engine.save_weights, self.engine.barrier, self.world)
+        log.info("saved the initial weights in %s (load them with train.init_from)", folder)
+
     def resume(self) -> tuple[int, int]:
         """Load the newest complete checkpoint that verifies: (step, applied updates); (0, 0) when there is none.
         A newer one that does not verify is skipped with a warning naming its files; when none verifies, a
@@ -231,8 +249,8 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
     checkpoints.engine = engine
     try:
         ctx.model_ready(engine.model_parts)
-        if "finished" in offers:
-            return dict(engine.finished)
+        if t.save_initial and "save_weights" not in offers:
+            raise UserError(f"train.save_initial: backend {spec.name!r}'s engine cannot write its weights alone")
         if cfg.checkpoint.enabled or ctx.resume:
             checkpoints.fingerprint_data()
         if eval_data is not None:
@@ -240,6 +258,8 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
         start = applied = 0
         if ctx.resume:
             start, applied = checkpoints.resume()
+        if t.save_initial and start == 0:
+            checkpoints.save_initial(Path(t.save_initial))
         ctx.hooks.primus_on_train_start(config=cfg, info=ctx.info)
 
         expert_load = _expert_load(cfg, engine, ctx.info.device) if "expert_routers" in offers else None

@@ -1,4 +1,4 @@
-"""Throughput metrics every backend reports the same way: tokens/s, TFLOP/s per device, MFU, memory.
+"""Metrics every backend reports the same way: the global token loss, tokens/s, TFLOP/s per device, MFU, memory.
 
 MFU = (tokens/s per device × FLOPs per token) ÷ the device's dense bf16 peak (datasheet values
 below; fp8 runs are still counted against the bf16 peak so the figures stay comparable).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 # Dense (no sparsity) bf16 peak FLOP/s by device-name substring, most specific first.
 PEAK_BF16_FLOPS: list[tuple[str, float]] = [
@@ -36,6 +37,18 @@ def peak_flops(device_name: str | None) -> float | None:
         if key.lower() in device_name.lower():
             return value
     return None
+
+
+def global_token_loss(sums: Any) -> float:
+    """The ``loss`` metric (and the evaluation loss) from every rank's share: ``sums`` is this rank's float64 tensor
+    ``[token-loss sum, tokens]`` (zeros on a rank that reports no loss, e.g. a pipeline stage before the last; ranks
+    that hold copies of one pair may all add it, which leaves the ratio unchanged). Summed over the world, then the
+    per-token mean: the same value on every rank, NaN if any rank's sum is. ``sums`` is reduced in place."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1]).item()
 
 
 @dataclass

@@ -67,6 +67,9 @@ class StandInEngine:
             raise RuntimeError("killed mid-save")
         (folder / "state.json").write_text(json.dumps({"step": self.step}))
 
+    def save_weights(self, folder: Path) -> None:
+        (folder / "weights.bin").write_bytes(weights(self.step))
+
     def load(self, folder: Path) -> None:
         if len((folder / "weights.bin").read_bytes()) < WEIGHT_BYTES:
             raise EOFError(f"{folder / 'weights.bin'} is short")
