@@ -258,10 +258,12 @@ def layer_spec(
         "linear_fc1": ColumnParallelLinear,
         "linear_fc2": RowParallelLinear,
     }
+    fp8_linears = {}  # the block's linears in FP8 (latent attention's with mla), by megatron's submodule name
     if fp8 is not None:
         from primus.megatron.fp8 import linear_specs
 
-        lin.update(linear_specs(fp8, kernels["fp8"], config, tokens=tokens))
+        fp8_linears = linear_specs(fp8, kernels["fp8"], config, mla=mla, tokens=tokens)
+        lin.update(fp8_linears)
     norm = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
     qk = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
     rope, _ = rope_impl(kernels)
@@ -270,13 +272,8 @@ def layer_spec(
         from primus.megatron.deepseek import attention_spec
 
         core = ModuleSpec(module=KernelCoreAttention, params={"kernel": _impl(kernels, "attention")})
-        fp8_linears = {}
-        if fp8 is not None:  # the block's FP8 linears but its MLP's (lin's fc1 / fc2)
-            from primus.megatron.fp8 import linear_specs
-
-            specs = linear_specs(fp8, kernels["fp8"], config, mla=mla, tokens=tokens)
-            fp8_linears = {k: v for k, v in specs.items() if k not in ("linear_fc1", "linear_fc2")}
-        attention = attention_spec(qk, core, fp8_linears)
+        mlp_linears = ("linear_fc1", "linear_fc2")  # (lin's, for the MLP below)
+        attention = attention_spec(qk, core, {k: v for k, v in fp8_linears.items() if k not in mlp_linears})
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from primus.core.config import deepseek
 from primus.core.contracts.protocols import ConfigIssue
 from primus.core.kernels import fp8_experts as fp8_experts_rule
 from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear_rule, fp8_linears_note, gemm_tokens
@@ -53,7 +54,7 @@ def keeps_bf16(name: str, *, num_layers: int, recipe: Any) -> bool:
 # its TP plan leaves whole (NoParallel): the FP8 linear's TP path takes sharded weights only, so under TP they stay
 # bf16
 ROW_WISE = ("wo", "w2")
-WHOLE_UNDER_TP = ("wq_a", "wkv_a")
+WHOLE_UNDER_TP = tuple(f"w{role}" for role in deepseek.WHOLE_UNDER_TP)  # core's roles, torchtitan's names: wq_a, wkv_a
 
 
 def skip_rule(cfg: Any, too_small: list[str] | None = None) -> Callable[[str, Any], bool]:

@@ -327,7 +327,7 @@ def _extra_issues(extra: dict[str, Any]) -> list[ConfigIssue]:
             "a run's initial weights are core's, the same key on every engine",
             value=value,
             allowed=core_key,
-        )  # fmt: skip
+        )
         for key, core_key in CORE_KEYS.items()
         if (value := extra_value(extra, key)) is not None
     ]

@@ -46,10 +46,15 @@ def fp8_linear_pays(in_features: int, out_features: int, *, compiled: bool, toke
     return compiled or in_features * out_features * tokens >= FP8_MIN_WEIGHT_EAGER * FP8_RULE_TOKENS
 
 
-def gemm_tokens(cfg: Any) -> int:
+def call_tokens(micro_batch: int, seq_len: int, cp: int) -> int:
     """The tokens one linear of a block multiplies per call on one rank: a micro-batch's, its sequence split over
-    ``parallel.cp`` (sequence parallelism gathers them back before the column-parallel GEMMs)."""
-    return cfg.train.micro_batch_size * cfg.train.seq_len // cfg.parallel.cp
+    ``cp`` context-parallel ranks (sequence parallelism gathers them back before the column-parallel GEMMs)."""
+    return micro_batch * seq_len // cp
+
+
+def gemm_tokens(cfg: Any) -> int:
+    """:func:`call_tokens` of a run's config."""
+    return call_tokens(cfg.train.micro_batch_size, cfg.train.seq_len, cfg.parallel.cp)
 
 
 def fp8_linear_rule(kernels: Any, *, compiled: bool, tokens: int = FP8_RULE_TOKENS) -> Any:

@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from primus.core.config.schema import ModelConfig
-from primus.core.kernels.fp8_recipe import fp8_blocks
+from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS, call_tokens, fp8_blocks, fp8_linear_pays
 from primus.core.planner import calibration as cal
 from primus.core.planner.calibration import GIB
 from primus.core.planner.modelmath import count_params
@@ -215,7 +215,7 @@ def fp8_bytes(model: ModelConfig, layout: Layout, seq_len: int, kernels: KernelT
     """What FP8 GEMMs change in the peak, per device (negative: they save): per FP8 layer parameter, the
     recipe's weight copy less autocast's bf16 one where the engine makes it (``autocast``); per element of the
     FP8 linears' inputs kept for the backward (the layers not recomputed), the bytes FP8 saves on them."""
-    share = kernels.fp8_share(model, layout.tp, layout.ep, int(seq_len / layout.cp * layout.micro_batch))
+    share = kernels.fp8_share(model, layout.tp, layout.ep, call_tokens(layout.micro_batch, seq_len, layout.cp))
     nl = layers_per_stage(model, layout)
     _, layer = stage_params(model, layout)
     copy = cal.FP8_WEIGHT_COPY_BYTES[kernels.fp8] - (cal.AUTOCAST_WEIGHT_COPY_BYTES if autocast else 0)
@@ -261,8 +261,6 @@ class KernelTerms:
         """In an FP8 layer, the share of a device's layer parameters in FP8 linears: the dense linears (attention,
         a dense or shared-expert MLP) whose per-rank weight ``fp8_linears`` puts in FP8 at ``tokens`` a micro-batch
         (None: the rule's own; compiled: every one), and the routed experts where ``fp8_experts`` says so."""
-        from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS, fp8_linear_pays
-
         at = FP8_RULE_TOKENS if tokens is None else tokens
 
         d, every = model.hidden_size, self.fp8_linears == "all" or self.compiled
