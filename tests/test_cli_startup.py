@@ -33,3 +33,19 @@ def test_listing_plugins_and_validating_a_config_import_no_engine():
         "        assert not e.code, e.code"
     )
     assert not set(loaded_after(code)) & {"megatron", "torchtitan"}
+
+
+def test_a_command_imports_only_its_own_module():
+    """``primus train`` imports train's module, not plan's (nor the planner's search) or the other commands'."""
+    probe = (
+        "import sys\nfrom primus.core.cli import app as cli\nsys.argv = ['primus', 'train', '--help']\n"
+        "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('primus.core.cli.', 'primus.core.planner'))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ast.literal_eval(proc.stdout.strip().splitlines()[-1]) == [
+        "primus.core.cli.app",
+        "primus.core.cli.helpers",
+        "primus.core.cli.train",
+    ]

@@ -172,12 +172,12 @@ def test_plugin_command_group_is_mounted(fake_entry_points, monkeypatch):
 
     fake_entry_points.append(_ep("cmds", "primus-cmds", Cmds))
     monkeypatch.setattr(plugins, "_cached", None)
-    monkeypatch.setattr(cli, "app", typer.Typer())
-    cli.app.add_typer(typer.Typer(), name="config")
-    cli.add_plugin_commands()
-    res = CliRunner().invoke(cli.app, ["greet", "hello", "--name", "primus"])
+    app = typer.Typer()
+    app.add_typer(typer.Typer(), name="config")
+    cli.add_plugin_commands(app)
+    res = CliRunner().invoke(app, ["greet", "hello", "--name", "primus"])
     assert res.exit_code == 0 and "hello primus" in res.output
-    assert [g.name for g in cli.app.registered_groups].count("config") == 1
+    assert [g.name for g in app.registered_groups].count("config") == 1
 
 
 # ------------------------------------------------------------------ every hook goes through pluggy

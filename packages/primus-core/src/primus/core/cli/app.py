@@ -13,38 +13,62 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from primus.core.cli.analyze import analyze
-from primus.core.cli.checkpoint import checkpoint_app
-from primus.core.cli.data import data_app
-from primus.core.cli.eval import evaluate
 from primus.core.cli.helpers import Overrides, WorldSize, _fail, _resolve, err, out
-from primus.core.cli.plan import plan
-from primus.core.cli.preflight import preflight
-from primus.core.cli.profile import profile
-from primus.core.cli.slurm import slurm_app
-from primus.core.cli.train import train
 from primus.core.contracts.errors import UserError
 
-app = typer.Typer(
-    help="Primus: one config and one CLI over Megatron-Core and TorchTitan.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
 config_app = typer.Typer(help="Resolve, show and validate configs.", no_args_is_help=True)
 presets_app = typer.Typer(help="Model and recipe presets.", no_args_is_help=True)
-# in the order a user meets them: train first
-app.command()(train)
-app.command("eval")(evaluate)
-app.command("plan")(plan)
-app.command("profile")(profile)
-app.command("analyze")(analyze)
-app.command("preflight")(preflight)
-app.add_typer(config_app, name="config")
-app.add_typer(presets_app, name="presets")
-app.add_typer(data_app, name="data")
-app.add_typer(checkpoint_app, name="checkpoint")
-app.add_typer(slurm_app, name="slurm")
+
+# Every built-in command, in the order a user meets them (train first): its name -> "module:attribute", a function
+# (a command) or a Typer (a group). A run imports only the module of the command it runs (`primus train` does not
+# import the planner); help and the test runner's full `app` import them all.
+COMMANDS = {
+    "train": "primus.core.cli.train:train",
+    "eval": "primus.core.cli.eval:evaluate",
+    "plan": "primus.core.cli.plan:plan",
+    "profile": "primus.core.cli.profile:profile",
+    "analyze": "primus.core.cli.analyze:analyze",
+    "preflight": "primus.core.cli.preflight:preflight",
+    "config": "primus.core.cli.app:config_app",
+    "presets": "primus.core.cli.app:presets_app",
+    "data": "primus.core.cli.data:data_app",
+    "checkpoint": "primus.core.cli.checkpoint:checkpoint_app",
+    "slurm": "primus.core.cli.slurm:slurm_app",
+    "plugins": "primus.core.cli.app:plugins",
+    "env": "primus.core.cli.app:env",
+}
+
+
+def build(only: str | None = None) -> typer.Typer:
+    """The ``primus`` app with every built-in command, or with ``only`` that one (what a run of it needs); plugin
+    command groups are added by :func:`add_plugin_commands`."""
+    import importlib
+
+    app = typer.Typer(
+        help="Primus: one config and one CLI over Megatron-Core and TorchTitan.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+    app.callback()(_main)
+    for name, target in COMMANDS.items():
+        if only is None or name == only:
+            module, _, attr = target.partition(":")
+            obj = getattr(importlib.import_module(module), attr)
+            if isinstance(obj, typer.Typer):
+                app.add_typer(obj, name=name)
+            else:
+                app.command(name)(obj)
+    plain_help(app)
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":  # the whole app, built on first use (tests drive it with typer's CliRunner)
+        globals()["app"] = whole = build()
+        add_plugin_commands(whole)
+        return whole
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _version_callback(value: bool) -> None:
@@ -53,7 +77,6 @@ def _version_callback(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _main(
     version: Annotated[
         bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="print the version and exit")
@@ -209,7 +232,6 @@ def presets_show(name: Annotated[str, typer.Argument(help="preset name")]) -> No
 # ------------------------------------------------------------------------------------------------ plugins, env
 
 
-@app.command()
 def plugins() -> None:
     """Installed plugins: distribution, version, what each provides, and any that failed (then exit 1)."""
     from primus.core.contracts.plugins import get_registry
@@ -235,7 +257,6 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-@app.command()
 def env() -> None:
     """Versions of Python, torch, the engines and Primus packages, and the devices found."""
     table = Table("component", "version", box=None)
@@ -272,15 +293,16 @@ def env() -> None:
     out.print(table)
 
 
-def add_plugin_commands() -> None:
+def add_plugin_commands(app: typer.Typer) -> None:
     """Mount the command groups plugins offer (primus_commands); a clash with a built-in name is refused."""
     from primus.core.contracts.plugins import get_registry
 
-    taken = {g.name for g in app.registered_groups} | {c.name or c.callback.__name__ for c in app.registered_commands}
+    taken = set(COMMANDS)
     for name, group in get_registry().commands:
         if name in taken:
             logging.getLogger("primus.plugins").error("command group %r is already taken; not added", name)
             continue
+        plain_help(group)
         app.add_typer(group, name=name)
         taken.add(name)
 
@@ -304,10 +326,16 @@ def plain_help(group: typer.Typer) -> None:
 
 
 def main() -> None:
+    """Run the command ``sys.argv`` names, importing only its module; anything else (help, a plugin's group, a
+    typo: click's error lists the names) gets the whole app."""
+    first = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
     try:
-        add_plugin_commands()
-        plain_help(app)
-        app()
+        if first in COMMANDS:
+            build(only=first)()
+        else:
+            whole = build()
+            add_plugin_commands(whole)
+            whole()
     except UserError as exc:
         err.print(f"error: {exc}", style="red", highlight=False, markup=False)
         sys.exit(2)

@@ -1,21 +1,10 @@
 """The data layer: tokenizers, token streams from every supported source, and packed training samples.
 
-Importing this package imports numpy and tokenizers, never torch.
-"""
+Its modules import numpy and tokenizers, never torch. The names below are imported from their modules
+on first use."""
 
-from primus.core.data.errors import DataError
-from primus.core.data.indexed import IndexedReader, write_indexed
-from primus.core.data.packed import GlobalOrder, PackedDataset
-from primus.core.data.sources import load_token_stream
-from primus.core.data.tokenizer import eos_id, load_tokenizer
+from primus.core.contracts.lazy import exports
 
-__all__ = [
-    "DataError",
-    "GlobalOrder",
-    "IndexedReader",
-    "PackedDataset",
-    "eos_id",
-    "load_token_stream",
-    "load_tokenizer",
-    "write_indexed",
-]
+_NAMES = {"errors": "DataError", "indexed": "IndexedReader write_indexed", "packed": "GlobalOrder PackedDataset"}
+_NAMES |= {"sources": "load_token_stream", "tokenizer": "eos_id load_tokenizer"}
+__all__, __getattr__ = exports(__name__, **_NAMES)

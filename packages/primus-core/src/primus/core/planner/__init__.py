@@ -1,25 +1,14 @@
 """The planner: per-device memory and step-time models, and the search that ranks parallel layouts.
 
-What it knows of an engine comes from the engine's backend (its :class:`EngineProfile`), never from its name."""
+What it knows of an engine comes from the engine's backend (its :class:`EngineProfile`), never from its name.
+The names below are imported from their modules on first use."""
 
-from primus.core.planner.hardware import DEVICES, Device, device
-from primus.core.planner.memory import KernelTerms, Layout, MemoryBreakdown, estimate
-from primus.core.planner.profile import GENERIC, EngineProfile, profile_of
-from primus.core.planner.search import Candidate, Cluster, best, candidates
+from primus.core.contracts.lazy import exports
 
-__all__ = [
-    "DEVICES",
-    "GENERIC",
-    "Candidate",
-    "Cluster",
-    "Device",
-    "EngineProfile",
-    "KernelTerms",
-    "Layout",
-    "MemoryBreakdown",
-    "best",
-    "candidates",
-    "device",
-    "estimate",
-    "profile_of",
-]
+__all__, __getattr__ = exports(
+    __name__,
+    hardware="DEVICES Device device",
+    memory="KernelTerms Layout MemoryBreakdown estimate",
+    profile="GENERIC EngineProfile profile_of",
+    search="Candidate Cluster best candidates",
+)
