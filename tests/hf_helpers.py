@@ -193,11 +193,12 @@ _ROUNDTRIP = (
     + """
 from primus.core.cli.checkpoint import config_with_hf_model
 from primus.core.hf.contract import export_checkpoint, import_checkpoint
+from primus.core.run.checkpoints import readable
 config, hf_dir, checkpoint, hf_out, ids_path, out_path = sys.argv[1:7]
 cfg = config_with_hf_model(config, [], hf_dir)
 path = import_checkpoint(cfg, hf_dir, Path(checkpoint))
 torch.save(forward(cfg, path, torch.load(ids_path)), out_path)
-export_checkpoint(cfg, path, hf_out)
+export_checkpoint(cfg, readable(path), hf_out)
 """
 )
 

@@ -108,3 +108,14 @@ def test_refusals(overrides, world, path, needle):
         resolve(TINY, overrides, world_size=world)
     text = str(info.value)
     assert path in text and needle in text, text
+
+
+def test_latent_attention_under_tp_needs_sequence_parallel():
+    """Multi-head latent attention under TP: megatron-core sums the decoupled RoPE key's gradient over the
+    tensor-parallel ranks only in its sequence-parallel gather; without SP it is refused by name (a dense MLA model:
+    an MoE one is refused for SP already), with SP accepted."""
+    with pytest.raises(ConfigError) as info:
+        resolve("tiny-deepseek", ["backend.name=megatron", "model.moe=null", "parallel.tp=2"], world_size=2)
+    assert "parallel.sequence_parallel" in str(info.value) and "RoPE key" in str(info.value), str(info.value)
+    sp = ["backend.name=megatron", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    assert resolve("tiny-deepseek", sp, world_size=2).config.parallel.tp == 2

@@ -132,18 +132,19 @@ def _optimizer_keys(folder: Path) -> list[str]:
     return [k for k in metadata if k.startswith(("optimizer.", "chained_"))]
 
 
-def experts_mismatch(folder: Path, chained: bool, ep: int) -> str | None:
-    """Why a mixture-of-experts run cannot load ``folder``'s optimizer state: megatron-core 0.16 keeps the expert-
-    parallel parameters in an optimizer of their own when ep > 1 (a chain of two), one optimizer at ep 1, and loads
-    neither format as the other."""
+def experts_mismatch(folder: Path, chained: bool, tp: int, ep: int) -> str | None:
+    """Why a mixture-of-experts run cannot load ``folder``'s optimizer state: megatron-core 0.16 keeps the routed
+    experts' parameters in an optimizer of their own where their data-parallel group is not the dense one (ep > 1 or
+    tp > 1: primus.megatron.experts.experts_apart; a chain of two), one optimizer otherwise, and loads neither format
+    as the other."""
     keys = _optimizer_keys(folder)
     if not keys or any(k.startswith("chained_") for k in keys) == chained:
         return None
+    apart, together = "parallel.ep > 1 or parallel.tp > 1", "parallel.ep = 1 and parallel.tp = 1"
     return (
-        f"checkpoint {folder} was written by a mixture-of-experts run with "
-        f"{'parallel.ep > 1' if not chained else 'parallel.ep = 1'}, this run has parallel.ep = {ep}: megatron-core "
-        "0.16 keeps the experts' optimizer state apart only when ep > 1 and does not convert between the two; resume "
-        f"with {'parallel.ep = 1' if chained else 'parallel.ep > 1'}"
+        f"checkpoint {folder} was written by a mixture-of-experts run with {together if chained else apart}, this run "
+        f"has parallel.ep = {ep}, parallel.tp = {tp}: megatron-core 0.16 keeps the experts' optimizer state apart only "
+        f"with {apart} and does not convert between the two; resume with {apart if not chained else together}"
     )
 
 

@@ -6,8 +6,8 @@ scaling factor).
 
 Where megatron differs from DeepSeek-V3's definition, the config is refused by name (:func:`issues`): its
 group-limited routing ranks a group by its top ``experts_per_token / groups_per_token`` scores (DeepSeek-V3's
-8 / 4: the top 2, as transformers); a sigmoid router always renormalises its top-k; the compressed KV
-projection is not split over tensor-parallel ranks here.
+8 / 4: the top 2, as transformers); a sigmoid router always renormalises its top-k; under tensor parallelism its
+latent attention needs sequence parallelism (:func:`whole_linear`).
 """
 
 from __future__ import annotations
@@ -79,15 +79,16 @@ def attention_spec(norm: Any, core_attention: Any, linears: dict[str, Any] | Non
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    down = whole_linear()
     return ModuleSpec(
         module=MLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
             **{
                 "linear_q_proj": ColumnParallelLinear,
-                "linear_q_down_proj": ColumnParallelLinear,
+                "linear_q_down_proj": down,
                 "linear_q_up_proj": ColumnParallelLinear,
-                "linear_kv_down_proj": ColumnParallelLinear,
+                "linear_kv_down_proj": down,
                 "linear_kv_up_proj": ColumnParallelLinear,
                 "linear_proj": RowParallelLinear,
                 **(linears or {}),
@@ -97,6 +98,17 @@ def attention_spec(norm: Any, core_attention: Any, linears: dict[str, Any] | Non
             kv_layernorm=norm,
         ),
     )
+
+
+def whole_linear() -> type:
+    """The down projections' class: megatron's replicated ``Linear`` (the one MLASelfAttention accepts besides
+    TE's), whole on every tensor-parallel rank as DeepSeek's reference splits them. Megatron's other choice, a
+    ColumnParallelLinear, loses part of the decoupled RoPE key's gradient under TP: each rank's share of the key
+    (its heads') is never summed over ranks. The replicated one's key goes through the sequence-parallel gather,
+    whose backward sums it, and its weight is marked sequence-parallel, so megatron sums its gradient too."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    return mla.Linear
 
 
 def issues(cfg: PrimusConfig) -> list[ConfigIssue]:
@@ -114,7 +126,10 @@ def issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if e is not None and e.router == "sigmoid" and not e.normalize_topk and e.experts_per_token > 1:
         why = "megatron-core's sigmoid router always renormalises its top-k scores"
         out.append(ConfigIssue("model.moe.normalize_topk", why, value=False, allowed="true"))
-    if cfg.parallel.tp > 1:
-        why = "multi-head latent attention's latent projections are not split over tensor-parallel ranks here"
-        out.append(ConfigIssue("parallel.tp", why, value=cfg.parallel.tp, allowed="1"))
+    if m.mla is not None and cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel:
+        why = (
+            "megatron-core sums the decoupled RoPE key's gradient over tensor-parallel ranks only in the "
+            "sequence-parallel gather of multi-head latent attention"
+        )
+        out.append(ConfigIssue("parallel.sequence_parallel", why, value=False, allowed="true, or parallel.tp: 1"))
     return out

@@ -428,7 +428,7 @@ class MegatronEngine:
         why = None
         if self.cfg.model.moe is not None:
             chained = len(getattr(self.optimizer, "chained_optimizers", [])) > 1
-            why = ckpt.experts_mismatch(folder, chained, self.cfg.parallel.ep)
+            why = ckpt.experts_mismatch(folder, chained, self.cfg.parallel.tp, self.cfg.parallel.ep)
             why = why or ckpt.experts_layout_mismatch(folder, self.experts_layout)
         why = why or ckpt.optimizer_mismatch(folder, _sharded_optimizer(self.cfg), ranks()["dp_size"])
         if why:

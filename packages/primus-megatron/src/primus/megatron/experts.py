@@ -34,6 +34,13 @@ from primus.core.kernels import reference
 STACKED, PER_EXPERT = "stacked", "per_expert"
 
 
+def experts_apart(config: Any) -> bool:
+    """Whether the routed experts' data-parallel group is not the dense one: under EP, and under TP too, where each
+    tensor-parallel rank holds every local expert whole (expert_tensor_parallel_size 1, as dist.init_parallel builds
+    the groups) and routes only its sequence-parallel share of the tokens."""
+    return config.expert_model_parallel_size > 1 or config.tensor_model_parallel_size > 1
+
+
 class StackedExperts(MegatronModule):
     def __init__(self, num_local_experts: int, config: Any, submodules: Any = None, pg_collection: Any = None, *,
                  gemm: Any = "", swiglu: Any = ""):  # fmt: skip
@@ -59,8 +66,8 @@ class StackedExperts(MegatronModule):
                 _initialize_affine_weight_gpu(w, init[name], partition_dim=tp_dim, is_expert=True)
             else:
                 set_tensor_model_parallel_attributes(w, True, tp_dim, 1)
-            # as megatron's expert linears: reduced over the expert-data-parallel group when experts are split
-            w.allreduce = config.expert_model_parallel_size == 1
+            # reduced over the experts' data-parallel group where it is not the dense one (under EP or TP)
+            w.allreduce = not experts_apart(config)
             setattr(self, name, w)
         self.register_load_state_dict_post_hook(_ignore_extra_states)
 

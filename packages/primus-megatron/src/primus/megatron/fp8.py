@@ -97,7 +97,7 @@ def linear_shapes(config: Any, *, shared: bool = False, mla: Any = None) -> dict
     ffn = config.moe_shared_expert_intermediate_size if shared else config.ffn_hidden_size
     shapes = {"linear_fc1": (h, ffn * (2 if config.gated_linear_unit else 1) // tp), "linear_fc2": (ffn // tp, h)}
     if not shared and mla is not None:
-        shapes |= mla_linear_shapes(mla)
+        shapes |= mla_linear_shapes(mla, tp)
     elif not shared:
         q = config.num_attention_heads * config.kv_channels
         kv = 2 * (config.num_query_groups or config.num_attention_heads) * config.kv_channels
@@ -225,12 +225,12 @@ MLA_LINEARS = {
 BF16_ONLY = ("linear_q_down_proj", "linear_kv_down_proj")
 
 
-def mla_linear_shapes(model: Any) -> dict[str, tuple[int, int]]:
-    """megatron's MLA linears of ``model`` (core's ModelConfig) that may run in FP8 (not :data:`BF16_ONLY`) ->
-    (in_features, out_features), whole (megatron refuses TP with MLA here: primus.megatron.deepseek)."""
-    from primus.core.config.deepseek import attention_linears
+def mla_linear_shapes(model: Any, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """megatron's MLA linears of ``model`` (core's ModelConfig) that may run in FP8 (not :data:`BF16_ONLY`) -> one
+    tensor-parallel rank's (in_features, out_features) (core's rank_attention_linears)."""
+    from primus.core.config.deepseek import rank_attention_linears
 
-    linears = {MLA_LINEARS[role]: shape for role, shape in attention_linears(model).items()}
+    linears = {MLA_LINEARS[role]: shape for role, shape in rank_attention_linears(model, tp).items()}
     return {name: shape for name, shape in linears.items() if name not in BF16_ONLY}
 
 

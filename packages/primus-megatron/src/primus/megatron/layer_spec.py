@@ -273,7 +273,8 @@ def layer_spec(
 
         core = ModuleSpec(module=KernelCoreAttention, params={"kernel": _impl(kernels, "attention")})
         mlp_linears = ("linear_fc1", "linear_fc2")  # (lin's, for the MLP below)
-        attention = attention_spec(qk, core, {k: v for k, v in fp8_linears.items() if k not in mlp_linears})
+        # its latent norms see the sequence-parallel share of the tokens, as the block's norms do: `norm`, not `qk`
+        attention = attention_spec(norm, core, {k: v for k, v in fp8_linears.items() if k not in mlp_linears})
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

@@ -15,6 +15,7 @@ from primus.core.contracts.protocols import KernelProvider
 from primus.core.kernels.fp8_recipe import gemm_tokens
 from primus.megatron import compat
 from primus.megatron.dist import stage
+from primus.megatron.experts import experts_apart
 from primus.megatron.gpt import fuse_loss, fused_loss
 from primus.megatron.layer_spec import block_spec
 
@@ -211,5 +212,18 @@ def build_chunks(
             fuse_loss(model, fused)
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        experts_reduced_over_their_group(model, config)
         chunks.append(model.to(torch.cuda.current_device()))
     return chunks
+
+
+def experts_reduced_over_their_group(model: torch.nn.Module, config: TransformerConfig) -> None:
+    """Mark the routed experts' parameters ``allreduce = False`` where :func:`experts_apart`: megatron's DDP then sums
+    their gradients over the experts' data-parallel group (at TP 2 both tensor-parallel ranks' tokens). Megatron's
+    expert linears mark them by EP alone (its default splits experts over TP, where the dense group is right): at
+    EP 1 × TP 2 each rank's experts trained on their half of the tokens' gradient."""
+    if not experts_apart(config):
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False

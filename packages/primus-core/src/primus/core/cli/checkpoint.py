@@ -117,11 +117,11 @@ def export(
         folder = readable(path)  # the checkpoint itself, or the newest under it, that verifies
         res = resolve(str(source), [*OFFLINE_OVERRIDES, *(overrides or [])], world_size=1)
         cfg = res.config
-        written = export_checkpoint(
-            cfg, folder, to_hf, max_shard_bytes=max_shard_mb * 2**20, registry=res.registry, verified=True
-        )
+        written = export_checkpoint(cfg, folder, to_hf, max_shard_bytes=max_shard_mb * 2**20, registry=res.registry)
     except (ConfigError, UserError) as exc:
         raise _fail(exc) from None
+    if folder != path:
+        _out.print(f"exporting {folder}, the newest checkpoint under {path} that verifies", highlight=False)
     _out.print(f"exported {folder} ({cfg.backend.name}) -> {written}", highlight=False)
 
 

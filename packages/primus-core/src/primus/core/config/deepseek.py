@@ -68,6 +68,15 @@ def attention_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
 WHOLE_UNDER_TP = ("q_a", "kv_a")
 
 
+def rank_attention_linears(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
+    """Role -> one tensor-parallel rank's (in_features, out_features) of each MLA linear, on both engines: the down
+    projections whole (:data:`WHOLE_UNDER_TP`), o split by its input, the others by their output."""
+    return {
+        role: (i, o) if role in WHOLE_UNDER_TP else (i // tp, o) if role == "o" else (i, o // tp)
+        for role, (i, o) in attention_linears(m).items()
+    }
+
+
 def attention_params(m: ModelConfig) -> tuple[int, int]:
     """(MLA parameters of one layer, of them the RMSNorm weights)."""
     shapes = attention_shapes(m)

@@ -244,26 +244,19 @@ def import_checkpoint(
 
 def export_checkpoint(
     cfg: PrimusConfig,
-    checkpoint: str | Path,
+    folder: str | Path,
     out: str | Path,
     *,
     max_shard_bytes: int = 5 * 2**30,
     registry: Registry | None = None,
-    verified: bool = False,
 ) -> Path:
-    """The engine checkpoint ``checkpoint`` (a committed checkpoint that verifies, or a folder of them: its newest
-    that verifies) -> a HF folder ``out`` that ``from_pretrained`` loads.
-
-    ``registry``: as in :func:`import_checkpoint`. ``verified``: ``checkpoint`` is what
-    :func:`primus.core.run.checkpoints.readable` returned (its files are not read twice)."""
+    """The engine checkpoint ``folder`` -> a HF folder ``out`` that ``from_pretrained`` loads. ``folder`` is one the
+    caller has verified (:func:`primus.core.run.checkpoints.readable` returns it for a checkpoint or a folder of
+    them; the run room sits above this one). ``registry``: as in :func:`import_checkpoint`."""
     from primus.core.hf.config import hf_config
     from primus.core.hf.safetensors_io import write_hf
-    from primus.core.run.checkpoints import readable
 
-    # refuses a broken or uncommitted one, naming the file or the folder
-    folder = Path(checkpoint) if verified else readable(Path(checkpoint))
-    if folder != Path(checkpoint):
-        log.info("exporting %s, the newest checkpoint under %s that verifies", folder, checkpoint)
+    folder = Path(folder)
     tensors = interop(cfg, registry or _registry()).export_hf(cfg, folder)
     expected = hf_names(cfg.model)
     if sorted(tensors) != sorted(expected):

@@ -270,11 +270,11 @@ class KernelTerms:
             q, kv = model.num_attention_heads * model.kv_channels, 2 * model.num_kv_heads * model.kv_channels
             attention = [(d, q // tp, True), (d, kv // tp, True), (q // tp, d, True)]
         else:  # latent attention (primus.core.config.deepseek); its down projections stay whole, and bf16, under TP
-            from primus.core.config.deepseek import WHOLE_UNDER_TP, attention_linears
+            from primus.core.config.deepseek import WHOLE_UNDER_TP, rank_attention_linears
 
             attention = [
-                (i, o, tp == 1) if role in WHOLE_UNDER_TP else (i // tp, o, True) if role == "o" else (i, o // tp, True)
-                for role, (i, o) in attention_linears(model).items()
+                (i, o, tp == 1 or role not in WHOLE_UNDER_TP)
+                for role, (i, o) in rank_attention_linears(model, tp).items()
             ]
 
         def weights(linears: list[tuple[int, int, bool]], fp8_only: bool = False) -> float:
