@@ -54,6 +54,22 @@ def test_run_writes_metrics_and_calls_hooks(tmp_path):
     assert seen.events == [("start", 0, True), ("end", "ok")]
 
 
+def test_the_first_step_says_it_is_done_when_it_logs_no_row(tmp_path, caplog):
+    """With logging.interval past step 1 the first step's own line says it finished (a GPU run's first step holds the
+    build and the first kernels: seconds with nothing said); with interval 1 its metrics row is that line."""
+    base = ["backend.name=stand-in", "train.steps=4", "logging.tensorboard=false"]
+    for interval, said in ((3, True), (1, False)):
+        caplog.clear()
+        out = tmp_path / str(interval)
+        res = resolve("tiny-llama", [*base, f"logging.interval={interval}", f"logging.output_dir={out}"], world_size=1,
+                      registry=testing.registry())  # fmt: skip
+        with caplog.at_level("INFO", logger="primus"):
+            run_rank(res)
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 1/4 done")]
+        assert bool(lines) is said, lines
+        assert not said or "metrics every 3 steps (logging.interval)" in lines[0]
+
+
 def test_failure_is_recorded_and_reraised(tmp_path):
     seen = Seen()
     seen.events = []

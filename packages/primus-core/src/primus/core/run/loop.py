@@ -46,6 +46,7 @@ over evaluation samples), ``save`` / ``load`` (its state into / from a folder co
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -239,6 +240,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
     if cfg.checkpoint.enabled and not ctx.resume:
         checkpoints.refuse_earlier_run()
     eval_data = ctx.eval_samples if cfg.eval.interval else None
+    began = time.perf_counter()
     engine: Engine = spec.load_engine()(cfg, ctx)
     try:
         offers = check_engine(engine, spec.name)
@@ -306,6 +308,12 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
                 if row:
                     last = row
                     ctx.step_end(step, row)
+                elif step == start + 1:  # the first step's line would wait for the first logging step
+                    log.info(
+                        "step %d/%d done %.1f s after the engine build began (the build and the first kernels); "
+                        "metrics every %d steps (logging.interval)",
+                        step, t.steps, time.perf_counter() - began, cfg.logging.interval,
+                    )  # fmt: skip
                 if _due(cfg, step) or (stopped and cfg.checkpoint.enabled):
                     checkpoints.save(step, applied)
                     meter.reset()  # the save's time is not training throughput
