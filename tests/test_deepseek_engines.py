@@ -4,8 +4,9 @@ a random tiny HF model of the tiny-deepseek preset's shape (its routing bias ran
 imported (as ``primus checkpoint import`` does), the engine's forward pass gives HF's logits, the export holds the
 same tensors bit for bit; a run starts from the HF folder (``train.init_from``); both engines train the same curve
 from core's canonical weights, and EP 2, TP 2 and PP 2 (both; megatron's TP with SP), FSDP 2 (TorchTitan) the
-one-rank curve; FP8 on MLA's projections tracks the fp32 curve; the planner's layouts for DeepSeek-V3 on 32×8 H200
-pass TorchTitan's validation.
+one-rank curve; FP8 on MLA's projections tracks the fp32 curve; multi-token prediction trains on megatron (TP 2 its
+one-rank curve) and its weights round-trip; the planner's layouts for DeepSeek-V3 on 32×8 H200 pass TorchTitan's
+validation.
 
 Measured (fp32, CPU): logits within 4.8e-7 (torchtitan) and 4.2e-7 (megatron) of transformers'; the exports are
 bit-equal; over 6 steps (4 layers) TorchTitan's losses within 1.3e-7 relative of megatron's, grad norms 5.1e-6; the
@@ -99,6 +100,7 @@ def test_init_from_hf_folder(tmp_path, hf_folder, backend):
             "model.rope_scaling.mscale",
         ),
         ("torchtitan", {"moe": {"balancing": "aux_loss"}}, "model.moe.balancing"),
+        ("torchtitan", {"mtp": {"layers": 1}}, "model.mtp"),
     ],
 )
 def test_engine_refuses_what_it_cannot_build(backend, override, key):
@@ -155,6 +157,9 @@ RUNS = {
 # rule on a CPU): every linear forced, bf16 weights, against the engine's fp32 curve
 FP8 = ["train.precision=bf16", "kernels.fp8=rowwise", "kernels.fp8_recipe.linears=all"]
 RUNS |= {"megatron+fp8": ("megatron", 1, FP8), "torchtitan+fp8": ("torchtitan", 1, FP8)}
+# multi-token prediction (megatron only): one depth, on one rank and under TP 2 + SP
+MTP = ["model.mtp.layers=1"]
+RUNS |= {"megatron+mtp": ("megatron", 1, MTP), "megatron+mtp-tp2": ("megatron", 2, [*MTP, *RUNS["megatron-tp2"][2]])}
 LOGS: dict[str, str] = {}
 
 
@@ -235,3 +240,69 @@ def test_two_ranks_train_the_one_rank_curve(curves, name):
     ref, rows = curves[name.split("-")[0]], curves[name]
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=LOSS_RTOL)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)
+
+
+def test_multi_token_prediction_trains_beside_the_main_loss(curves):
+    """model.mtp on megatron: the main loss of step 1 is the run without MTP's (the same forward), its gradient is
+    not (MTP's loss, scaled by model.mtp.loss_scale, joins it), and ``mtp_loss`` (predicting the token after next)
+    is logged every step, falling."""
+    plain, mtp = curves["megatron"], curves["megatron+mtp"]
+    assert mtp[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
+    assert mtp[0]["grad_norm"] != pytest.approx(plain[0]["grad_norm"], rel=1e-4)
+    losses = [r["mtp_loss"] for r in mtp]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.3, losses
+    assert losses != [r["loss"] for r in mtp]  # another prediction than the main model's
+    assert "mtp_loss" not in plain[0]
+
+
+def test_multi_token_prediction_weights_round_trip_on_megatron(tmp_path, hf_folder):
+    """A DeepSeek-V3 folder with a multi-token-prediction depth (config.json num_nextn_predict_layers 1; layer
+    num_layers's block and its enorm, hnorm, eh_proj and shared_head.norm, random here: transformers builds none)
+    imports into megatron (model.mtp from config.json) and exports every tensor bit for bit; without the depth's
+    weights model.mtp is left off (as transformers writes the key), and a run may leave them unread
+    (model.mtp=null)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from primus.core.hf.config import model_config_from_hf
+    from primus.core.hf.contract import mtp_names
+    from primus.core.run import init
+
+    folder = tmp_path / "hf_mtp"
+    shutil.copytree(hf_folder, folder)
+    config = json.loads((folder / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (folder / "config.json").write_text(json.dumps(config))
+    m = model_config_from_hf(config)
+    save_file({n: init.tensor(n, m, 7) for n in mtp_names(m, 0).values()}, folder / "mtp.safetensors")
+    run = run_config(tmp_path / "run.yaml", "megatron")
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom primus.core.cli.checkpoint import config_with_hf_model\n"
+        "from primus.core.hf.contract import export_checkpoint, import_checkpoint\n"
+        "from primus.core.run.checkpoints import readable\n"
+        "run, hf, ckpt, out, *overrides = sys.argv[1:]\ncfg = config_with_hf_model(run, overrides, hf)\n"
+        "print('mtp', cfg.model.mtp)\nexport_checkpoint(cfg, readable(import_checkpoint(cfg, hf, Path(ckpt))), out)\n"
+    )
+
+    def roundtrip(hf, name, *overrides):
+        out = tmp_path / name
+        args = [sys.executable, "-c", code, str(run), str(hf), str(tmp_path / f"{name}_ckpt"), str(out), *overrides]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out, proc.stdout
+
+    exported, said = roundtrip(folder, "exported")
+    assert "mtp layers=1" in said, said
+    original, written = hf_tensors(folder), hf_tensors(exported)
+    assert sorted(written) == sorted(original) and f"model.layers.{m.num_layers}.eh_proj.weight" in written
+    for name, t in original.items():
+        assert torch.equal(written[name], t), name
+    assert json.loads((exported / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    # the run's own model.mtp=null: the depth left unread; transformers' folder (key 1, no weights): no model.mtp
+    dropped, said = roundtrip(folder, "dropped", "model.mtp=null")
+    assert "mtp None" in said and sorted(hf_tensors(dropped)) == sorted(hf_tensors(hf_folder))
+    (folder / "mtp.safetensors").unlink()
+    _, said = roundtrip(folder, "no_weights")
+    assert "mtp None" in said

@@ -144,7 +144,13 @@ def test_config_json_round_trips(hf_tiny):
     check_matches(m, hf, "here")
     from primus.core.hf.config import HFConfigError
 
-    for key, value in (("num_nextn_predict_layers", 1), ("scoring_func", "softmax"), ("moe_layer_freq", 2)):
+    # DeepSeek-V3's multi-token-prediction depth is model.mtp, and written back
+    with_mtp = model_config_from_hf(hf | {"num_nextn_predict_layers": 1})
+    assert with_mtp.mtp is not None and with_mtp.mtp.layers == 1 and with_mtp.mtp.loss_scale == 0.1
+    from primus.core.hf.config import hf_config
+
+    assert hf_config(with_mtp)["num_nextn_predict_layers"] == 1 and hf["num_nextn_predict_layers"] == 0
+    for key, value in (("scoring_func", "softmax"), ("moe_layer_freq", 2)):
         with pytest.raises(HFConfigError, match=f"config.json {key} "):
             model_config_from_hf(hf | {key: value})
     with pytest.raises(HFConfigError, match="'expert_groups': 2"):
@@ -177,3 +183,61 @@ def test_one_tensor_parallel_ranks_latent_attention_linears(registry):
     assert rank["q_b"] == (1536, 128 * 192 // 8) and rank["kv_b"] == (512, 128 * 256 // 8)
     assert rank["o"] == (128 * 128 // 8, 7168)
     assert rank_attention_linears(m, 1) == whole
+
+
+def test_multi_token_prediction_names_shapes_and_counts(registry):
+    """model.mtp: depth k is layer num_layers + k of a DeepSeek-V3 folder (its block's tensors, enorm, hnorm,
+    eh_proj [h, 2h], shared_head.norm), drawn by the canonical init like the others; the planner counts them in the
+    total and active parameters, and their head GEMM and attention in the FLOPs; another family is refused."""
+    from primus.core.hf.contract import hf_names
+    from primus.core.run import init
+
+    m = model_config("tiny-deepseek", registry)
+    d, layers = m.hidden_size, m.num_layers
+    with_mtp = m.model_copy(update={"mtp": {"layers": 1}})
+    with_mtp = type(m).model_validate(with_mtp.model_dump())
+    extra = [n for n in hf_names(with_mtp) if n not in hf_names(m)]
+    p = f"model.layers.{layers}."
+    assert {p + s for s in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")} <= set(extra)
+    assert p + "mlp.experts.0.down_proj.weight" in extra and p + "self_attn.kv_a_proj_with_mqa.weight" in extra
+    shapes = init.shapes(with_mtp)
+    assert set(shapes) == set(hf_names(with_mtp))
+    assert shapes[p + "eh_proj.weight"] == ((d, 2 * d), "normal") and shapes[p + "enorm.weight"] == ((d,), "ones")
+    base, more = count_params(m), count_params(with_mtp)
+    layer = more.moe_layer  # the depth's block is an MoE one, as layer num_layers would be
+    assert more.total - base.total == layer + 2 * d * d + 3 * d
+    assert more.active - base.active == more.moe_layer_active + 2 * d * d + 3 * d
+    assert matmul_params(with_mtp) - matmul_params(m) == more.active - base.active + m.vocab_size * d
+    assert flops_per_token(with_mtp, 64) > flops_per_token(m, 64) + 6 * m.vocab_size * d
+    with pytest.raises(ConfigError, match="model.mtp"):
+        validate_config({"model": {"name": "x", "mtp": {"layers": 1}}}, world_size=1)
+
+
+def test_latent_attention_with_context_parallelism_is_refused(registry):
+    """parallel.cp with MLA: the ring attention takes one head width for q, k and v (both engines reached it and
+    raised at the first step)."""
+    data = model_config("tiny-deepseek", registry).model_dump(mode="json")
+    with pytest.raises(ConfigError, match="parallel.cp.*v_head_dim"):
+        validate_config({"model": data, "parallel": {"cp": 2}}, world_size=2, registry=registry)
+
+
+def test_a_folders_prediction_depths_are_read_only_by_a_model_with_them(registry):
+    """The tensors of layers past the model's (DeepSeek-V3's multi-token-prediction depth, and its embedding and head
+    copies) are left unread by a model without model.mtp, as transformers leaves them; a model with model.mtp whose
+    folder lacks them is told to set model.mtp=null."""
+    from primus.core.hf.contract import hf_names, mtp_names, tensor_problem, unmapped
+
+    m = model_config("tiny-deepseek", registry)
+    with_mtp = type(m).model_validate(m.model_dump() | {"mtp": {"layers": 1}})
+    depth = list(mtp_names(with_mtp, 0).values()) + [f"model.layers.{m.num_layers}.embed_tokens.weight"]
+    assert unmapped(hf_names(m) + depth, m) == []
+    assert unmapped(hf_names(m) + ["model.layers.1.mlp.bogus.weight"], m) == ["model.layers.1.mlp.bogus.weight"]
+
+    class Reader:
+        weight_map = dict.fromkeys(hf_names(m))
+
+        def __contains__(self, name):
+            return name in self.weight_map
+
+    assert "set model.mtp=null" in tensor_problem(with_mtp, Reader())
+    assert tensor_problem(m, Reader()) is None

@@ -119,3 +119,18 @@ def test_latent_attention_under_tp_needs_sequence_parallel():
     assert "parallel.sequence_parallel" in str(info.value) and "RoPE key" in str(info.value), str(info.value)
     sp = ["backend.name=megatron", "parallel.tp=2", "parallel.sequence_parallel=true"]
     assert resolve("tiny-deepseek", sp, world_size=2).config.parallel.tp == 2
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "key", "needle"),
+    [
+        (["model.mtp.layers=1", "parallel.pp=2"], 2, "parallel.pp", "last pipeline stage"),
+        (["model.mtp.layers=1", "data.document_mask=true"], 1, "data.document_mask", "rolls the tokens"),
+    ],
+)
+def test_multi_token_prediction_refusals(overrides, world, key, needle):
+    """model.mtp on megatron: pipeline parallelism (megatron's last-stage embedding copy is not tied here) and
+    document masks (the tokens roll, the document ids do not) are refused by name."""
+    with pytest.raises(ConfigError) as info:
+        resolve("tiny-deepseek", ["backend.name=megatron", *overrides], world_size=world)
+    assert key in str(info.value) and needle in str(info.value), str(info.value)

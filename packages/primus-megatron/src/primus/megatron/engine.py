@@ -192,6 +192,7 @@ class MegatronEngine:
         self.layout = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "world": world}
         self.faults = FaultInjection.from_extra(cfg.backend.extra)
         self._count_router_calls()
+        self._mtp_steps = 0  # training steps since the last interval_metrics (their MTP losses are tracked)
 
         if t.init == "canonical":  # core's initial weights, the same on every layout and engine
             from primus.megatron.hf import init_canonical
@@ -253,17 +254,24 @@ class MegatronEngine:
         if cp > 1:
             from megatron.core.utils import get_batch_on_this_cp_rank
 
+        mtp = self.cfg.model.mtp is not None
+
         def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
             tokens, labels = next(data_iterator)
+            # multi-token prediction rolls the positions with the tokens (megatron's MTP layers); RoPE needs none
+            positions = (
+                torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous() if mtp else None
+            )
             if cp > 1:  # this rank's chunks r and 2·cp-1-r of 2·cp: causal work balanced over the ranks
-                batch = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels})
-                tokens, labels = batch["tokens"], batch["labels"]
+                batch = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "positions": positions})
+                tokens, labels, positions = batch["tokens"], batch["labels"], batch["positions"]
             mask = labels != IGNORE_INDEX if masked else None
             target = labels if mask is None else torch.where(mask, labels, torch.zeros_like(labels))
             # data.document_mask: each position's document rides in megatron's attention_mask slot, which hands it
             # unchanged to the core attention (KernelCoreAttention); every pipeline stage reads its own tokens
             documents = None if eos is None else document_ids(tokens, eos)
-            losses = model_chunk(tokens, None, documents, labels=target)
+            # (multi-token prediction's losses skip the masked labels too)
+            losses = model_chunk(tokens, positions, documents, labels=target, **({"loss_mask": mask} if mtp else {}))
 
             def loss_func(output: torch.Tensor) -> tuple:
                 if mask is not None:
@@ -305,6 +313,30 @@ class MegatronEngine:
         ]
 
     def interval_metrics(self) -> dict[str, float]:
+        return {**self._aux_loss_metrics(), **self._mtp_metrics()}
+
+    def _mtp_metrics(self) -> dict[str, float]:
+        """``mtp_loss``: multi-token prediction's cross-entropy (before model.mtp.loss_scale), mean over its depths and
+        the interval's micro-batches, from megatron's record of it (each training forward adds its micro-batch mean
+        per depth on the last pipeline stage; tensor-parallel ranks hold the same, data- and context-parallel ranks
+        their own)."""
+        if self.cfg.model.mtp is None:
+            return {}
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        values = MTPLossLoggingHelper.tracker.get("values")
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.reports_loss and values is not None:
+            sums[0] = values.double().mean()
+            sums[1] = self._mtp_steps * self.num_micro
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        if values is not None:
+            MTPLossLoggingHelper.clean_loss_in_tracker()
+        self._mtp_steps = 0
+        return {"mtp_loss": float(sums[0] / sums[1])} if sums[1] > 0 else {}
+
+    def _aux_loss_metrics(self) -> dict[str, float]:
         """``moe_aux_loss`` and ``moe_seq_aux_loss`` (core's definitions, primus.core.run.expert_load.METRICS) from
         megatron's own record of them (its routers add each micro-batch's load-balancing loss per layer to a
         tracker), per routed batch: the routers' training forwards are counted here (a recomputed forward logs, and
@@ -346,7 +378,8 @@ class MegatronEngine:
         self._aux_losses = dict(balancing_losses(e)) if e is not None else {}
         if not any(self._aux_losses.values()):
             return
-        self._router_calls = calls = [0] * self.cfg.model.num_layers
+        m = self.cfg.model  # (megatron's tracker has a row for each multi-token-prediction depth's router too)
+        self._router_calls = calls = [0] * (m.num_layers + (m.mtp.layers if m.mtp is not None else 0))
 
         def count(layer: int, module: Any, _args: Any, _out: Any) -> None:
             if module.training and torch.is_grad_enabled():  # evaluation logs no aux loss
@@ -365,6 +398,7 @@ class MegatronEngine:
         loss = global_token_loss(self._loss_sums(reduced))
         # with the loss and (inside the optimizer step) the grad norm known, before the update
         applied, grad_norm = self.mc.optimizer_step(self.optimizer, lambda norm: gate(loss, norm))
+        self._mtp_steps += 1
         return StepResult(loss=loss, grad_norm=float(grad_norm) if grad_norm is not None else None, applied=applied)
 
     def _schedule(self, micro_batches: Any, step: int, forward_only: bool) -> list[dict[str, torch.Tensor]]:

@@ -32,12 +32,18 @@ from typing import Any
 import torch
 
 from primus.core.config.schema import ModelConfig, PrimusConfig
-from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, expert_role, layer_names
+from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, expert_role, layer_names, mtp_names
 
 log = logging.getLogger("primus.megatron.hf")
 
 _LAYER = "decoder.layers."
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")  # a per-layer key (models with experts)
+# multi-token prediction depth k (megatron's MultiTokenPredictionBlock): its block's tensors are a decoder layer's
+# (layer num_layers + k), its own are core's MTP roles (primus.core.hf.contract.MTP_ROLES)
+_MTP_KEY = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP = "mtp."
+_MTP_ROLES = {"enorm.weight": "enorm", "hnorm.weight": "hnorm", "eh_proj.weight": "eh_proj"}
+_MTP_ROLES |= {"final_layernorm.weight": "mtp_norm"}
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) -> torch.Tensor:
@@ -119,6 +125,8 @@ def megatron_tensor(
         return get(_GLOBAL[key])
     if key == "output_layer.weight":
         return get(EMBED if m.tie_word_embeddings else LM_HEAD)
+    if key.startswith(_MTP):
+        return get(mtp_names(m, layer - m.num_layers)[_MTP_ROLES[key.removeprefix(_MTP)]])
     suffix = key.removeprefix(_LAYER)
     if suffix not in (_EXPERT_ROLES if expert is not None else _layer_roles(m)) or layer is None:
         raise KeyError(f"no HF counterpart of megatron tensor {key!r}")
@@ -137,6 +145,8 @@ def hf_tensors(
         return {_GLOBAL[key]: full}
     if key == "output_layer.weight":
         return {} if m.tie_word_embeddings else {LM_HEAD: full}
+    if key.startswith(_MTP):
+        return {mtp_names(m, layer - m.num_layers)[_MTP_ROLES[key.removeprefix(_MTP)]]: full.clone()}
     suffix = key.removeprefix(_LAYER)
     names = layer_names(m, layer)
     roles = _roles(suffix, expert, m)
@@ -169,14 +179,19 @@ def _sharded_tensors(chunk: Any) -> Iterator[Any]:
         yield from walk(value)
 
 
-def _place(st: Any) -> tuple[str, int | None, int | None, tuple[slice, ...]]:
+def _place(st: Any, m: ModelConfig) -> tuple[str, int | None, int | None, tuple[slice, ...]]:
     """(key without a layer number, global layer, global expert, slices of the whole per-layer / per-expert tensor)
     that a ShardedTensor's local data covers. Its prepended axes are the layer's (unless the key names the layer)
-    and then the expert's."""
+    and then the expert's. A multi-token-prediction depth k is layer ``num_layers + k``: its block's keys become a
+    decoder layer's, its own ``mtp.<name>``."""
     n = st.prepend_axis_num
     axes = [int(o) for o in st.global_offset[:n]]
     key, layer = st.key, None
-    if match := _LAYER_KEY.match(key):
+    if match := _MTP_KEY.match(key):
+        rest, layer = match.group(2), m.num_layers + int(match.group(1))
+        inner = rest.removeprefix("transformer_layer.")
+        key = _LAYER + inner if inner != rest else _MTP + rest
+    elif match := _LAYER_KEY.match(key):
         key, layer = _LAYER + match.group(2), int(match.group(1))
     elif axes:
         layer = axes.pop(0)
@@ -192,7 +207,7 @@ def fill_from_hf(chunks: list[Any], get: Callable[[str], torch.Tensor], m: Model
     filled = 0
     for chunk in chunks:
         for st in _sharded_tensors(chunk):
-            key, layer, expert, where = _place(st)
+            key, layer, expert, where = _place(st, m)
             if _skipped(key.removeprefix(_LAYER), m):
                 continue
             if (key, layer, expert) not in cache:
@@ -211,7 +226,7 @@ def gather_to_hf(chunks: list[Any], m: ModelConfig) -> dict[str, torch.Tensor]:
     whole: dict[tuple[str, int | None, int | None], torch.Tensor] = {}
     for chunk in chunks:
         for st in _sharded_tensors(chunk):
-            key, layer, expert, where = _place(st)
+            key, layer, expert, where = _place(st, m)
             if _skipped(key.removeprefix(_LAYER), m):
                 continue
             shape = st.global_shape[st.prepend_axis_num :]

@@ -328,6 +328,31 @@ def block_spec(
     )
 
 
+def mtp_block_spec(config: Any, block: TransformerBlockSubmodules, kernels: dict[str, KernelProvider],
+                   vp_stage: int | None) -> Any:  # fmt: skip
+    """Multi-token prediction's depths (``config.mtp_num_layers``) on the chunk that holds them (megatron: the last
+    pipeline stage), None elsewhere: megatron's MultiTokenPredictionLayer with this model's last block, the kernel
+    norms (both inputs' and the output's) and a column-parallel ``eh_proj``, as megatron's local spec builds it."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+        get_mtp_num_layers_to_build,
+    )
+
+    if not config.mtp_num_layers or get_mtp_num_layers_to_build(config, vp_stage=vp_stage) == 0:
+        return None
+    norm = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
+    depth = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, transformer_layer=block.layer_specs[-1],
+            layer_norm=norm,
+        ),
+    )  # fmt: skip
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[depth] * config.mtp_num_layers)
+
+
 def _layer_specs(
     config: Any,
     kernels: dict[str, KernelProvider],

@@ -17,7 +17,7 @@ from primus.megatron import compat
 from primus.megatron.dist import stage
 from primus.megatron.experts import experts_apart
 from primus.megatron.gpt import fuse_loss, fused_loss
-from primus.megatron.layer_spec import block_spec
+from primus.megatron.layer_spec import block_spec, mtp_block_spec
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -94,6 +94,8 @@ def transformer_config(cfg: PrimusConfig) -> TransformerConfig:
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
         calculate_per_token_loss=cfg.train.objective == "sft",  # masked labels: megatron's per-token mode
+        mtp_num_layers=m.mtp.layers if m.mtp is not None else None,
+        mtp_loss_scaling_factor=m.mtp.loss_scale if m.mtp is not None else 0.1,
         **moe_fields(cfg),
         **{compat.PLUGGABLE_ACTIVATION_FLAG: True},
         **UNFUSED,
@@ -154,6 +156,7 @@ def gpt_model(
     rope_theta: float,
     rope_scaling: Any,
     vp_stage: int | None,
+    mtp: Any = None,
 ) -> GPTModel:
     """GPTModel with RoPE; Llama-3 scaling through megatron's own ``rope_scaling`` arguments (0.16
     exposes only the factor; the other three llama3 constants are re-applied when they differ:
@@ -175,6 +178,7 @@ def gpt_model(
         rope_scaling_factor=rope_scaling.factor if llama3 else 8.0,
         seq_len_interpolation_factor=rope_scaling.factor if linear else None,
         vp_stage=vp_stage,
+        mtp_block_spec=mtp,
     )
     if llama3:
         compat.llama3_rope_constants(model, config.kv_channels, rope_theta, rope_scaling)
@@ -190,23 +194,25 @@ def build_chunks(
     chunks = []
     for vp in range(cfg.parallel.vpp):
         vp_stage = vp if cfg.parallel.vpp > 1 else None
+        block = block_spec(
+            config,
+            kernels,
+            qk_norm=m.qk_norm,
+            vp_stage=vp_stage,
+            fp8=cfg.kernels,
+            mla=m if m.mla else None,
+            tokens=gemm_tokens(cfg),
+        )
         model = gpt_model(
             config,
-            block_spec(
-                config,
-                kernels,
-                qk_norm=m.qk_norm,
-                vp_stage=vp_stage,
-                fp8=cfg.kernels,
-                mla=m if m.mla else None,
-                tokens=gemm_tokens(cfg),
-            ),
+            block,
             vocab_size=m.vocab_size,
             max_seq=max(cfg.train.seq_len, 1),
             tied=m.tie_word_embeddings,
             rope_theta=m.rope_theta,
             rope_scaling=m.rope_scaling,
             vp_stage=vp_stage,
+            mtp=mtp_block_spec(config, block, kernels, vp_stage),
         )
         if fused is not None:
             fuse_loss(model, fused)

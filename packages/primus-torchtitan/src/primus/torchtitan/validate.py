@@ -161,6 +161,12 @@ def _deepseek_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if m.family == "deepseek" and m.moe is None:
         why = "torchtitan's deepseek_v3 model makes every layer after the first dense ones a mixture-of-experts layer"
         out.append(ConfigIssue("model.moe", why, value=None, allowed="a mixture-of-experts section"))
+    if m.mtp is not None:
+        why = (
+            "torchtitan 0.2.2's deepseek_v3 model has no multi-token prediction (megatron trains it; model.mtp: null "
+            "trains without, a folder's multi-token-prediction weights left unread)"
+        )
+        out.append(ConfigIssue("model.mtp", why, value=m.mtp.layers, allowed="null"))
     rs = m.rope_scaling
     if m.family == "deepseek" and rs is not None and rs.mscale != rs.mscale_all_dim:
         why = "torchtitan's YaRN scales the softmax only (no attention factor on the rotary dims): mscale must equal it"

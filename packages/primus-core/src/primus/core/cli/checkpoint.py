@@ -34,6 +34,7 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
 
     from primus.core.config.validate import resolve_parallel, validate_config
     from primus.core.hf.config import model_fields_from_hf
+    from primus.core.hf.safetensors_io import HFReader
     from primus.core.launch.train import resolve
     from primus.core.run.init_from import takes_model_tokenizer
 
@@ -48,6 +49,13 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
     changed = [k for k, v in fields.items() if data["model"].get(k) != v and k != "name"]
     if changed:
         log.info("model from %s: %s", hf_json, ", ".join(f"{k}={fields[k]!r}" for k in changed))
+    if fields.get("mtp") and any(k.split(".")[:2] == ["model", "mtp"] for k in res.layers.sources):
+        fields.pop("mtp")  # the run's own model.mtp (null: the folder's multi-token-prediction depths left unread)
+    elif fields.get("mtp") and f"model.layers.{fields['num_layers']}.eh_proj.weight" not in HFReader(hf_dir):
+        log.info(
+            "%s: num_nextn_predict_layers without their weights (as transformers writes it): no model.mtp", hf_json
+        )
+        fields["mtp"] = None
     if isinstance(fields.get("moe"), dict) and isinstance(data["model"].get("moe"), dict):
         fields["moe"] = {**data["model"]["moe"], **fields["moe"]}  # the run's balancing / capacity stay
     data["model"] = {**data["model"], **fields}

@@ -126,6 +126,9 @@ def issues(m: ModelConfig) -> list[ConfigIssue]:
         rs = m.rope_scaling
         if rs is not None and rs.type != "yarn":
             out.append(ConfigIssue("model.rope_scaling.type", "DeepSeek's long context is YaRN", rs.type, "yarn"))
+    if m.mtp is not None and m.family != "deepseek":
+        why = "multi-token prediction is DeepSeek-V3's (its layers have DeepSeek's Hugging Face names)"
+        out.append(ConfigIssue("model.mtp", why, value=m.mtp.layers, allowed="null, or model.family: deepseek"))
     e = m.moe
     if e is not None and (e.expert_groups > 1 or e.groups_per_token > 1):
         if e.num_experts % e.expert_groups or e.num_experts // e.expert_groups < 2:

@@ -113,6 +113,16 @@ class MLAConfig(Section):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+class MTPConfig(Section):
+    """Multi-token prediction (DeepSeek-V3): ``layers`` more blocks after the model's, depth k predicting the token k + 1
+    ahead from depth k - 1's hidden states and the next token's embedding (the model's embedding and output head,
+    shared). Their cross-entropy, times ``loss_scale`` / ``layers``, is added to the training loss; ``loss`` stays the
+    main model's, ``mtp_loss`` is logged beside it."""
+
+    layers: int = Field(1, gt=0, description="prediction depths (DeepSeek-V3: 1)")
+    loss_scale: float = Field(0.1, gt=0, description="weight of their loss (DeepSeek-V3: 0.3, then 0.1)")
+
+
 class ModelConfig(Section):
     name: str = Field("tiny-llama", description="preset name or a label for this architecture")
     family: Literal["llama", "qwen2", "qwen3", "mistral", "deepseek"] = Field(
@@ -135,6 +145,7 @@ class ModelConfig(Section):
     init_std: float = Field(0.02, gt=0, description="std of the normal weight init")
     moe: MoEConfig | None = Field(None, description="mixture-of-experts MLPs (null: a dense model)")
     mla: MLAConfig | None = Field(None, description="multi-head latent attention (family deepseek; null: GQA)")
+    mtp: MTPConfig | None = Field(None, description="multi-token prediction (family deepseek; null: none)")
 
     @property
     def kv_channels(self) -> int:

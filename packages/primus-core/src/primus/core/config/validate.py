@@ -88,6 +88,12 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     from primus.core.config import deepseek
 
     out.extend(deepseek.issues(m))
+    if m.mla is not None and p.cp > 1:  # (both engines reached primus-turbo's ring attention and raised there)
+        why = (
+            "the context-parallel attention (primus-turbo's ring attention) takes one head width for queries, keys "
+            "and values; multi-head latent attention's values are narrower (model.mla.v_head_dim)"
+        )
+        out.append(ConfigIssue("parallel.cp", why, value=p.cp, allowed="1"))
     if m.moe is not None:
         out.extend(_moe_issues(m))
         if t.init_from and m.moe.shared_experts and m.family != "deepseek":

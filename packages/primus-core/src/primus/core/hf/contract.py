@@ -93,14 +93,32 @@ def layer_names(m: ModelConfig, i: int) -> dict[str, str]:
     return names
 
 
+# a multi-token-prediction depth's own tensors beside its block's, as DeepSeek-V3's folders name them
+MTP_ROLES = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": "eh_proj.weight"}
+MTP_ROLES |= {"mtp_norm": "shared_head.norm.weight"}
+
+
+def mtp_names(m: ModelConfig, k: int) -> dict[str, str]:
+    """Role -> HF name of multi-token-prediction depth ``k``'s tensors (``model.mtp``), layer ``num_layers + k`` of a
+    DeepSeek-V3 folder: its block's (:func:`layer_names`), the norms of the embedding and of the hidden states
+    (``enorm``, ``hnorm``), their projection (``eh_proj``, ``[h, 2h]``: the embedding's half first) and the norm
+    before the shared output head. (Folders also hold copies of the embedding and the head there,
+    ``embed_tokens`` and ``shared_head.head``: not read, not written.)"""
+    i = m.num_layers + k
+    return layer_names(m, i) | {role: f"model.layers.{i}.{suffix}" for role, suffix in MTP_ROLES.items()}
+
+
 def hf_names(m: ModelConfig) -> list[str]:
-    """Every tensor name of the HF model (``lm_head`` only when the head is not tied)."""
+    """Every tensor name of the HF model (``lm_head`` only when the head is not tied; multi-token prediction's
+    last)."""
     names = [EMBED]
     for i in range(m.num_layers):
         names += list(layer_names(m, i).values())
     names.append(FINAL_NORM)
     if not m.tie_word_embeddings:
         names.append(LM_HEAD)
+    for k in range(m.mtp.layers if m.mtp is not None else 0):
+        names += list(mtp_names(m, k).values())
     return names
 
 
@@ -181,11 +199,19 @@ def tokenizer_source(cfg: PrimusConfig, checkpoint: Path | None = None) -> Path 
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
 def unmapped(names: Iterable[str], m: ModelConfig) -> list[str]:
     """The tensors of a HF folder (``names``) that are none of the model's (:func:`hf_names`), sorted; the ones
-    ``transformers`` itself ignores are allowed."""
+    ``transformers`` itself ignores are allowed: for DeepSeek-V3, the layers past the model's (multi-token-prediction
+    depths a run without ``model.mtp`` leaves unread, and the embedding / head copies those depths carry)."""
     known = set(hf_names(m)) | ({LM_HEAD} if m.tie_word_embeddings else set())
-    return sorted(n for n in names if n not in known and not _IGNORED.match(n))
+
+    def past_the_model(n: str) -> bool:
+        return m.family == "deepseek" and (i := _LAYER_INDEX.match(n)) is not None and int(i.group(1)) >= m.num_layers
+
+    return sorted(n for n in names if n not in known and not _IGNORED.match(n) and not past_the_model(n))
 
 
 def tensor_problem(m: ModelConfig, reader: HFReader) -> str | None:
@@ -195,6 +221,11 @@ def tensor_problem(m: ModelConfig, reader: HFReader) -> str | None:
     from primus.core.hf.safetensors_io import missing
 
     if lacking := missing(reader, hf_names(m)):
+        if m.mtp is not None and set(lacking) <= {n for k in range(m.mtp.layers) for n in mtp_names(m, k).values()}:
+            return (
+                f"the folder holds no weights of model.mtp's {m.mtp.layers} multi-token-prediction depth(s), e.g. "
+                f"{lacking[:2]} (transformers writes num_nextn_predict_layers without them): set model.mtp=null"
+            )
         return f"the folder lacks {len(lacking)} tensor(s) of the model, e.g. {lacking[:3]}"
     if extra := unmapped(reader.weight_map, m):
         return (

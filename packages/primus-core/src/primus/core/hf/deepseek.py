@@ -1,6 +1,6 @@
 """HF ``config.json`` of ``DeepseekV3ForCausalLM`` <-> a Primus model of family ``deepseek`` (``model.mla`` and
-DeepSeek's ``model.moe``). Every field that changes the weights or the forward pass is mapped or refused by name;
-the multi-token-prediction layers a folder may carry (``num_nextn_predict_layers``) are refused with the reason."""
+DeepSeek's ``model.moe``, its multi-token-prediction depths ``num_nextn_predict_layers`` as ``model.mtp``). Every
+field that changes the weights or the forward pass is mapped or refused by name."""
 
 from __future__ import annotations
 
@@ -19,15 +19,13 @@ def deepseek_fields(
         "hidden_act": ("silu", hf.get("hidden_act", "silu")),
         "attention_bias": (False, bool(hf.get("attention_bias", False))),
         "moe_layer_freq": (1, int(hf.get("moe_layer_freq", 1))),
-        "num_nextn_predict_layers": (0, int(hf.get("num_nextn_predict_layers") or 0)),
         "topk_method": ("noaux_tc", hf.get("topk_method", "noaux_tc")),
         "scoring_func": ("sigmoid", hf.get("scoring_func", "sigmoid")),
         "rope_interleave": (True, bool(hf.get("rope_interleave", True))),
     }
     for key, (allowed, value) in refused.items():
         if value != allowed:
-            why = " (multi-token prediction is not trained by Primus)" if key == "num_nextn_predict_layers" else ""
-            raise error(f"config.json {key} {value!r} is not supported{why}; allowed: {allowed!r}")
+            raise error(f"config.json {key} {value!r} is not supported; allowed: {allowed!r}")
     theta, scaling = rope
     if scaling is not None and scaling["type"] != "yarn":
         raise error(f"config.json rope_scaling type {scaling['type']!r} is not supported for DeepSeek; allowed: yarn")
@@ -35,6 +33,7 @@ def deepseek_fields(
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     if kv_heads != heads:
         raise error(f"config.json num_key_value_heads {kv_heads} is not supported (MLA); allowed: {heads}")
+    mtp = int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0)
     return {
         "name": name or hf.get("_name_or_path") or "deepseek_v3",
         "family": "deepseek",
@@ -70,6 +69,7 @@ def deepseek_fields(
             "normalize_topk": bool(hf.get("norm_topk_prob", True)),
             "balancing": "loss_free",
         },
+        "mtp": {"layers": mtp} if mtp else None,
     }
 
 
@@ -119,8 +119,8 @@ def deepseek_config(m: ModelConfig, dtype: str, error: type[Exception]) -> dict[
         "initializer_range": m.init_std,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "num_nextn_predict_layers": 0,
-        "num_mtp_layers": 0,
+        "num_nextn_predict_layers": m.mtp.layers if m.mtp is not None else 0,
+        "num_mtp_layers": m.mtp.layers if m.mtp is not None else 0,
         "torch_dtype": dtype,
         "dtype": dtype,
         "use_cache": True,

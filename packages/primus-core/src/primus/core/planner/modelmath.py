@@ -14,6 +14,10 @@ discount, as PaLM/TorchTitan/Megatron count it). MFU = achieved FLOP/s ÷ peak F
 Mixture of experts (``model.moe``, E experts of width e, top-k, S shared): an MoE layer's MLP is E·3·d·e + S·3·d·e
 + d·E (the router) instead of 3·d·f; a token runs k·3·d·e + S·3·d·e + d·E of it, so the *active* parameters (what
 the FLOPs and MFU count) are the total less the (E − k) unused experts of every MoE layer.
+
+Multi-token prediction (``model.mtp``, D depths): each depth is one more block (MoE where layer L + k would be) plus
+its two input norms, ``eh_proj`` (2·d·d) and its output norm, counted in the total and the active parameters; its
+logits run the shared output head again (V·d more GEMM weights a depth) and its attention over the sequence.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ class ParamCount:
     moe_layers: int = 0  # how many layers have routed experts
     moe_layer: int = 0  # one MoE layer (attention + norms + router + all experts)
     moe_layer_active: int = 0  # of it, what one token runs (attention + norms + router + its top-k and shared experts)
+    mtp: int = 0  # multi-token prediction's depths, all of them (their blocks, norms and eh_proj)
+    mtp_active: int = 0  # of them, what one token runs
 
     @property
     def total(self) -> int:
-        return self.embedding + self.layers + self.final_norm + self.output_head
+        return self.embedding + self.layers + self.final_norm + self.output_head + self.mtp
 
     @property
     def non_embedding(self) -> int:
@@ -46,7 +52,7 @@ class ParamCount:
     @property
     def active(self) -> int:
         """Parameters one token runs through (the total for a dense model)."""
-        return self.total - self.moe_layers * (self.moe_layer - self.moe_layer_active)
+        return self.total - self.moe_layers * (self.moe_layer - self.moe_layer_active) - (self.mtp - self.mtp_active)
 
 
 def count_params(m: ModelConfig) -> ParamCount:
@@ -69,6 +75,12 @@ def count_params(m: ModelConfig) -> ParamCount:
         expert, always = 3 * d * e.expert_ffn_hidden_size, attn + layer_norms + d * e.num_experts  # + router
         always += e.shared_experts * expert + (e.num_experts if m.family == "deepseek" else 0)  # + its bias
         moe_layer, moe_active = always + e.num_experts * expert, always + e.experts_per_token * expert
+    mtp = mtp_active = 0
+    for k in range(m.mtp.layers if m.mtp is not None else 0):
+        own = 2 * d * d + 3 * d  # eh_proj, enorm, hnorm, the norm before the head
+        moe = m.moe is not None and m.moe.is_moe_layer(m.num_layers + k)
+        mtp += own + (moe_layer if moe else per_layer)
+        mtp_active += own + (moe_active if moe else per_layer)
     return ParamCount(
         embedding=emb,
         per_layer=per_layer,
@@ -79,6 +91,8 @@ def count_params(m: ModelConfig) -> ParamCount:
         moe_layers=moe_n,
         moe_layer=moe_layer,
         moe_layer_active=moe_active,
+        mtp=mtp,
+        mtp_active=mtp_active,
     )
 
 
@@ -86,16 +100,18 @@ def matmul_params(m: ModelConfig) -> int:
     """Weights that take part in a GEMM per token (the output head counted even when tied; of the experts, those a
     token is routed to)."""
     p = count_params(m)
-    return p.active - p.embedding + (p.embedding if m.tie_word_embeddings else 0)
+    heads = 1 + (m.mtp.layers if m.mtp is not None else 0)  # the output head's GEMM, once more a prediction depth
+    return p.active - p.embedding - p.output_head + heads * p.embedding
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training (fwd + bwd) FLOPs per token; see the module docstring for the formula."""
+    blocks = m.num_layers + (m.mtp.layers if m.mtp is not None else 0)  # multi-token prediction's attend too
     if m.mla is not None:
         from primus.core.config.deepseek import attention_flops_per_token
 
-        return 6.0 * matmul_params(m) + attention_flops_per_token(m, seq_len)
-    return 6.0 * matmul_params(m) + 12.0 * m.num_layers * m.num_attention_heads * m.kv_channels * seq_len
+        return 6.0 * matmul_params(m) + attention_flops_per_token(m, seq_len) * blocks / m.num_layers
+    return 6.0 * matmul_params(m) + 12.0 * blocks * m.num_attention_heads * m.kv_channels * seq_len
 
 
 def human(n: float) -> str:

@@ -21,7 +21,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, layer_names
+from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, layer_names, mtp_names
 
 if TYPE_CHECKING:
     import torch
@@ -63,9 +63,11 @@ def shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
         from primus.core.config.deepseek import attention_shapes
 
         role_shape |= attention_shapes(m)
+    role_shape |= {"enorm": (h,), "hnorm": (h,), "eh_proj": (h, 2 * h), "mtp_norm": (h,)}  # multi-token prediction
+    mtp = [mtp_names(m, k) for k in range(m.mtp.layers if m.mtp is not None else 0)]
     out = {EMBED: ((v, h), "normal")}
-    for i in range(m.num_layers):
-        for role, name in layer_names(m, i).items():
+    for names in [layer_names(m, i) for i in range(m.num_layers)] + mtp:
+        for role, name in names.items():
             kind = "ones" if role.endswith("norm") else "zeros" if role.endswith("bias") else "normal"
             base = role.rsplit(".", 1)[-1]  # experts.{j}.down -> down
             shape = role_shape["expert." + base] if role.startswith("experts.") else role_shape[role]

@@ -86,6 +86,11 @@ METRICS = {
     "loss_spikes": "loss spikes the health check has reported so far",
     # and for mixture-of-experts models, primus.core.run.expert_load.METRICS
 }
+# What an engine that trains multi-token prediction (model.mtp) reports beside them (Engine.interval_metrics)
+MTP_METRICS = {
+    "mtp_loss": "multi-token prediction: its cross-entropy before model.mtp.loss_scale, mean over its depths and the "
+    "interval's micro-batches (loss stays the main model's)",
+}
 
 
 def _due(cfg: PrimusConfig, step: int) -> bool:
@@ -345,9 +350,8 @@ def _expert_load(cfg: PrimusConfig, engine: Any, device: str) -> Any:
 
     e = cfg.model.moe
     top_k = e.experts_per_token if e.capacity_factor is not None else None  # tokens dropped: moe_dropped
-    return ExpertLoad(
-        engine.expert_routers(), cfg.model.num_layers, e.num_experts, "cuda" if device != "cpu" else "cpu", top_k
-    )
+    layers = cfg.model.num_layers + (cfg.model.mtp.layers if cfg.model.mtp is not None else 0)  # MTP's blocks after
+    return ExpertLoad(engine.expert_routers(), layers, e.num_experts, "cuda" if device != "cpu" else "cpu", top_k)
 
 
 def _saved(checkpoints: _Checkpoints) -> str:
