@@ -1,8 +1,9 @@
-"""FP8 on a DeepSeek-V3-architecture model (multi-head latent attention, sigmoid router, shared experts): the GPU
+"""FP8 and multi-token prediction on a DeepSeek-V3-architecture model (multi-head latent attention, sigmoid router, shared experts): the GPU
 suite's deepseek runs (4 blocks of Moonlight-16B-A3B, seq 4096, turbo) in bf16, with ``kernels.fp8=rowwise`` as a user
 leaves it (core's rule: eager, the linears of at least 4096 x 4096; experts bf16 where FP8 grouped GEMMs are not
 measured faster) and with every linear forced into FP8 (``fp8_recipe.linears: all``: MLA's projections too), on
-each engine: tokens/s, the ratio to bf16 and the losses' mean relative gap.
+each engine: tokens/s, the ratio to bf16 and the losses' mean relative gap. ``--cases bf16,mtp --engines megatron``:
+one multi-token-prediction depth (``model.mtp.layers=1``, megatron only) against bf16 without.
 
     python3 benchmarks/deepseek_fp8.py --out DIR            # on one H100 / H200, ~4 minutes
     python3 benchmarks/deepseek_fp8.py --out DIR --smoke    # tiny-deepseek on CPU
@@ -24,6 +25,7 @@ CASES = {
     "bf16": [],
     "fp8_auto": ["kernels.fp8=rowwise"],
     "fp8_all": ["kernels.fp8=rowwise", "kernels.fp8_recipe.linears=all"],
+    "mtp": ["model.mtp.layers=1"],
 }
 
 

@@ -53,6 +53,9 @@ def test_import_forward_export(tmp_path, backend, case):
     assert sorted(written) == sorted(original)
     for name, t in original.items():
         assert torch.equal(written[name], t), name
+    # the import is a weights-only checkpoint, marked as train.save_initial's are (core's weights_only record)
+    manifest = next((tmp_path / "engine_ckpt").rglob("manifest.json"))
+    assert json.loads(manifest.read_text())["weights_only"]["init_from"] == str(hf)
     index = json.loads((exported / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(original)
     assert (exported / "tokenizer.json").is_file()  # the run's (bundled) tokenizer goes along

@@ -229,8 +229,9 @@ def write_weights(folder: Path, chunks: list[Any]) -> None:
 
 
 def save_seed(path: Path, chunks: list[Any], rank: int, man: dict[str, Any]) -> None:
-    """The model alone, committed with its manifest by this process (``primus checkpoint import``)."""
-    core.atomic_save(path, {**man, "seed": True}, rank, lambda tmp: write_weights(tmp, chunks), _barrier)
+    """The model alone, committed with its manifest (``weights_only``: core's record) by this process (``primus
+    checkpoint import``)."""
+    core.atomic_save(path, man, rank, lambda tmp: write_weights(tmp, chunks), _barrier)
     log.info("saved seed checkpoint %s", path)
 
 

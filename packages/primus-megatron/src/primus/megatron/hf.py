@@ -340,7 +340,11 @@ class MegatronHF:
         try:
             n = fill_from_hf(engine.chunks, HFReader(hf_dir).get, engine.cfg.model)
             log.info("filled %d tensors from %s (layout %s)", n, hf_dir, engine.layout)
-            ckpt.save_seed(out, engine.chunks, engine.rank, ckpt.manifest(engine.cfg, 0, engine.layout))
+            man = {
+                **ckpt.manifest(engine.cfg, 0, engine.layout),
+                "weights_only": ckpt.core.weights_only(cfg, str(hf_dir)),
+            }
+            ckpt.save_seed(out, engine.chunks, engine.rank, man)
             if engine.rank == 0:
                 (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         finally:

@@ -33,10 +33,7 @@ BACKEND = "primus-torchtitan"
 
 
 def manifest(cfg: PrimusConfig, step: int, layout: dict[str, int]) -> dict[str, Any]:
-    man = core.manifest(cfg, step, layout, DISTRIBUTIONS)
-    if step == 0:
-        man["seed"] = True  # the initial weights only
-    return man
+    return core.manifest(cfg, step, layout, DISTRIBUTIONS)
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -60,13 +57,15 @@ def layout(cfg: PrimusConfig, world_size: int) -> dict[str, int]:
     }
 
 
-def save_one_process(target: Path, cfg: PrimusConfig, write: Callable[[Path], None]) -> None:
-    """A checkpoint written by one process outside training (``primus checkpoint import``), committed like
-    every other (``write(tmp)``, manifest, rename), so ``--resume`` and the shape check take it."""
+def save_one_process(target: Path, cfg: PrimusConfig, write: Callable[[Path], None], source: str) -> None:
+    """The weights alone, written by one process outside training (``primus checkpoint import`` of ``source``),
+    committed like every checkpoint (``write(tmp)``, the manifest with core's ``weights_only`` record, rename), so
+    ``train.init_from`` and the shape check take it."""
     step = NAMING.step_of(target.name)
     if step is None:
         raise ValueError(f"{target}: a checkpoint folder is named step-N")
-    core.atomic_save(target, manifest(cfg, step, layout(cfg, 1)), 0, write, lambda: None)
+    man = {**manifest(cfg, step, layout(cfg, 1)), "weights_only": core.weights_only(cfg, source)}
+    core.atomic_save(target, man, 0, write, lambda: None)
 
 
 def write(checkpointer: CheckpointManager, folder: Path) -> None:

@@ -228,7 +228,7 @@ class TorchtitanHF:
             raise RuntimeError(f"HF -> torchtitan names differ from the model's: {sorted(set(sd) ^ expected)[:6]}")
         target = NAMING.folder(out, 0)
         state = {k: v.contiguous() for k, v in sd.items()}
-        save_one_process(target, cfg, lambda tmp: dcp.save(state, checkpoint_id=str(tmp), no_dist=True))
+        save_one_process(target, cfg, lambda tmp: dcp.save(state, checkpoint_id=str(tmp), no_dist=True), str(hf_dir))
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
         log.info("wrote %d tensors to %s", len(sd), target)
         return target

@@ -106,6 +106,13 @@ def manifest(cfg: PrimusConfig, step: int, layout: dict[str, int], distributions
     }
 
 
+def weights_only(cfg: PrimusConfig, init_from: str | None = None) -> dict[str, Any]:
+    """The ``weights_only`` record of a checkpoint holding a model's weights alone (``train.save_initial``, ``primus
+    checkpoint import``): what decided them (the shape, the seed and init, the folder they came from)."""
+    t = cfg.train
+    return {"model_shape": model_shape(cfg), "seed": t.seed, "init": t.init, "init_from": init_from or t.init_from}
+
+
 def read_manifest(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads((path / MANIFEST).read_text())

@@ -130,8 +130,7 @@ class _Checkpoints:
         """``train.save_initial``: the weights the run starts from, committed like a checkpoint (files recorded, the
         manifest last, ``weights_only``: what decided the weights). The same weights already there are kept (a run
         restarted before its first checkpoint); anything else there is refused, before it is touched."""
-        t = self.cfg.train
-        origin = {"model_shape": ckpt.model_shape(self.cfg), "seed": t.seed, "init": t.init, "init_from": t.init_from}
+        origin = ckpt.weights_only(self.cfg)
         man = ckpt.read_manifest(folder)
         if man is not None and man.get("weights_only") == origin:
             log.info("train.save_initial: %s already holds this run's initial weights", folder)
