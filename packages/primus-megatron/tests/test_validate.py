@@ -129,7 +129,7 @@ def test_latent_attention_under_tp_needs_sequence_parallel():
     ],
 )
 def test_multi_token_prediction_refusals(overrides, world, key, needle):
-    """model.mtp on megatron: pipeline parallelism (megatron's last-stage embedding copy is not tied here) and
+    """model.mtp on megatron: pipeline parallelism (a 2-stage run hung at its first step) and
     document masks (the tokens roll, the document ids do not) are refused by name."""
     with pytest.raises(ConfigError) as info:
         resolve("tiny-deepseek", ["backend.name=megatron", *overrides], world_size=world)

@@ -129,7 +129,7 @@ def issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if m.mtp is not None and cfg.parallel.pp > 1:
         why = (
             "megatron-core 0.16's multi-token prediction runs on the last pipeline stage with its own copy of the "
-            "embedding, which this backend does not tie to the first stage's (a run hangs at its first step)"
+            "embedding; with this backend a 2-stage run hung at its first step (not diagnosed)"
         )
         out.append(ConfigIssue("parallel.pp", why, value=cfg.parallel.pp, allowed="1, or model.mtp: null"))
     if m.mtp is not None and cfg.data.document_mask:
