@@ -129,7 +129,8 @@ def test_latent_attention_under_tp_needs_sequence_parallel():
     ],
 )
 def test_multi_token_prediction_refusals(overrides, world, key, needle):
-    """model.mtp on megatron: pipeline parallelism (a 2-stage run hung at its first step) and
+    """model.mtp on megatron: pipeline parallelism (the MTP stage's embedding copy: its sharded state needs metadata
+    this backend does not pass) and
     document masks (the tokens roll, the document ids do not) are refused by name."""
     with pytest.raises(ConfigError) as info:
         resolve("tiny-deepseek", ["backend.name=megatron", *overrides], world_size=world)

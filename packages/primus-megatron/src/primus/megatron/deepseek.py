@@ -129,7 +129,8 @@ def issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if m.mtp is not None and cfg.parallel.pp > 1:
         why = (
             "megatron-core 0.16's multi-token prediction runs on the last pipeline stage with its own copy of the "
-            "embedding; with this backend a 2-stage run hung at its first step (not diagnosed)"
+            "embedding, whose sharded state (what canonical init, checkpoints and Hugging Face interop read) needs "
+            "sharding metadata this backend does not pass"
         )
         out.append(ConfigIssue("parallel.pp", why, value=cfg.parallel.pp, allowed="1, or model.mtp: null"))
     if m.mtp is not None and cfg.data.document_mask:

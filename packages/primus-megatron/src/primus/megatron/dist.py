@@ -95,11 +95,14 @@ def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def teardown() -> None:
-    """The end of a megatron process's run: parallel state, then the process group (after every rank is here)."""
+def teardown(*, failed: bool = False) -> None:
+    """The end of a megatron process's run: parallel state, then the process group (after every rank is here; not
+    when this rank ``failed``: the others may be inside a collective this rank will never join, and its error, raised
+    next, is what stops the job)."""
     destroy_parallel()
     if dist.is_initialized():
-        dist.barrier()
+        if not failed:
+            dist.barrier()
         dist.destroy_process_group()
 
 

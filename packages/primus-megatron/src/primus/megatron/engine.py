@@ -136,8 +136,14 @@ class MegatronEngine:
         self.cfg = cfg
         try:
             self._build(cfg, ctx, timeout.total_seconds(), world)
-        except BaseException:
-            teardown()
+        except BaseException as exc:
+            # said first: leaving the process group makes the other ranks fail too, and the launcher may stop this
+            # one before its traceback is printed
+            if not isinstance(exc, KeyboardInterrupt):
+                log.exception("rank %d: building the megatron engine failed", self.rank)
+            # no barrier: a rank whose build failed would wait there for ranks blocked in the build's collectives
+            # (the optimizer's all-gather) until the collective timeout, and say nothing until then
+            teardown(failed=True)
             raise
 
     def _build(self, cfg: PrimusConfig, ctx: RunContext, timeout_s: float, world: int) -> None:
