@@ -46,6 +46,11 @@ _MTP_ROLES = {"enorm.weight": "enorm", "hnorm.weight": "hnorm", "eh_proj.weight"
 _MTP_ROLES |= {"final_layernorm.weight": "mtp_norm"}
 
 
+def _mtp_name(key: str, layer: int, m: ModelConfig) -> str:
+    """The HF name of a multi-token-prediction depth's own tensor ``mtp.<name>`` (its layer: ``num_layers + k``)."""
+    return mtp_names(m, layer - m.num_layers)[_MTP_ROLES[key.removeprefix(_MTP)]]
+
+
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) -> torch.Tensor:
     """HF q [nq·d, ...], k/v [ng·d, ...] -> megatron's grouped ``[q heads of g, k_g, v_g]`` per KV group."""
     ng, d = m.num_kv_heads, m.kv_channels
@@ -126,7 +131,7 @@ def megatron_tensor(
     if key == "output_layer.weight":
         return get(EMBED if m.tie_word_embeddings else LM_HEAD)
     if key.startswith(_MTP):
-        return get(mtp_names(m, layer - m.num_layers)[_MTP_ROLES[key.removeprefix(_MTP)]])
+        return get(_mtp_name(key, layer, m))
     suffix = key.removeprefix(_LAYER)
     if suffix not in (_EXPERT_ROLES if expert is not None else _layer_roles(m)) or layer is None:
         raise KeyError(f"no HF counterpart of megatron tensor {key!r}")
@@ -146,7 +151,7 @@ def hf_tensors(
     if key == "output_layer.weight":
         return {} if m.tie_word_embeddings else {LM_HEAD: full}
     if key.startswith(_MTP):
-        return {mtp_names(m, layer - m.num_layers)[_MTP_ROLES[key.removeprefix(_MTP)]]: full.clone()}
+        return {_mtp_name(key, layer, m): full.clone()}
     suffix = key.removeprefix(_LAYER)
     names = layer_names(m, layer)
     roles = _roles(suffix, expert, m)
@@ -334,16 +339,14 @@ class MegatronHF:
         import yaml
 
         from primus.core.hf.safetensors_io import HFReader
+        from primus.core.run.checkpoints import weights_only
         from primus.megatron import checkpoint as ckpt
 
         engine = _Engine(cfg, single=False)
         try:
             n = fill_from_hf(engine.chunks, HFReader(hf_dir).get, engine.cfg.model)
             log.info("filled %d tensors from %s (layout %s)", n, hf_dir, engine.layout)
-            man = {
-                **ckpt.manifest(engine.cfg, 0, engine.layout),
-                "weights_only": ckpt.core.weights_only(cfg, str(hf_dir)),
-            }
+            man = {**ckpt.manifest(engine.cfg, 0, engine.layout), "weights_only": weights_only(cfg, str(hf_dir))}
             ckpt.save_seed(out, engine.chunks, engine.rank, man)
             if engine.rank == 0:
                 (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
