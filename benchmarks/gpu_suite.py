@@ -17,7 +17,7 @@ Parts (``--only`` / ``--skip``), each run as ``primus`` processes or the benchma
 - ``moe``: a Qwen3-30B-A3B-shaped model (``--moe-layers`` of its layers) on both engines: turbo's MoE kernels vs
   TorchTitan's, FP8 as ``auto`` decides it and with the experts forced onto FP8, losses against bf16's;
 - ``deepseek``: a DeepSeek-V3-architecture model (4 blocks of Moonlight-16B-A3B: latent attention, sigmoid router)
-  on both engines;
+  on both engines, and on megatron with one multi-token-prediction depth (its cost, its ``mtp_loss``);
 - ``document_mask``: ``data.document_mask`` (FlexAttention) vs causal attention on the bundled documents;
 - ``gemm_tuning``: ``kernels.gemm_tuning`` off vs offline (the committed H200 tuning file);
 - ``eval_resume``: evaluation on, SIGTERM mid-run -> exit 75 with a checkpoint -> the same command resumes;
@@ -342,7 +342,16 @@ def part_deepseek(s: Suite) -> list[dict]:
     seq, micro, steps = (64, 2, 2) if s.smoke else (4096, 1, 12)
     common = [*run_overrides("", seq, micro, steps)[:-1], "train.precision=bf16"]
     common += [] if s.smoke else ["model.num_layers=4"]
-    return [s.train(f"deepseek/{engine}", preset, [*common, f"backend.name={engine}"], warmup=4) for engine in ENGINES]
+    rows = [s.train(f"deepseek/{engine}", preset, [*common, f"backend.name={engine}"], warmup=4) for engine in ENGINES]
+    # one multi-token-prediction depth (megatron only): its cost against the same model without, and its loss logged
+    mtp = s.train("deepseek/megatron_mtp", preset, [*common, "backend.name=megatron", "model.mtp.layers=1"], warmup=4)
+    if mtp["status"] == "passed":
+        mtp_losses = [r["mtp_loss"] for r in metrics(s.work / mtp["row"]) if "mtp_loss" in r]
+        if mtp_losses:
+            mtp["mtp_losses"] = mtp_losses
+        else:
+            mtp |= {"status": "failed", "reason": "no mtp_loss in the run's metrics"}
+    return [*rows, speed_pair(mtp, rows[-1], 0.0, "MTP")]
 
 
 def train_argv(command: str) -> tuple[str, list[str]]:

@@ -213,6 +213,31 @@ def test_multi_token_prediction_names_shapes_and_counts(registry):
         validate_config({"model": {"name": "x", "mtp": {"layers": 1}}}, world_size=1)
 
 
+def test_multi_token_prediction_memory(registry):
+    """The planner's memory with model.mtp: the depth's parameters (its experts split over EP like the others'), one
+    more block's activations, and a head's logits again; an engine that keeps its own loss under MTP (profile
+    ``fused_loss_refused["mtp"]``) holds every logit, which the fused loss would not."""
+    from primus.core.planner import calibration as cal
+    from primus.core.planner.memory import KernelTerms, Layout, estimate, routed_expert_params
+    from primus.core.planner.profile import EngineProfile
+
+    m = model_config("tiny-deepseek", registry)
+    with_mtp = type(m).model_validate(m.model_dump() | {"mtp": {"layers": 1}})
+    keeps_own = EngineProfile(name="own-under-mtp", fused_loss_refused={"mtp": "its own loss"})
+    fused = KernelTerms(fused_loss=True)
+    for ep in (1, 2):
+        lay = Layout("own-under-mtp", "ddp", 2, ep=ep, profile=keeps_own)
+        base, more = estimate(m, lay, 256, kernels=fused).parts, estimate(with_mtp, lay, 256, kernels=fused).parts
+        depth = count_params(with_mtp).mtp
+        on_device = depth - routed_expert_params(m) + routed_expert_params(m) / ep
+        assert more["weights"] - base["weights"] == pytest.approx(on_device * keeps_own.weight_bytes)
+        assert more["activations"] > base["activations"]
+        # no fused loss under MTP: both heads' logits, their fp32 loss copies kept for the backward
+        logits = 256 * m.vocab_size * (2 + cal.LOGITS_EXTRA_BYTES + cal.LOSS_COPY_BYTES)
+        assert more["logits"] == pytest.approx(logits) and base["logits"] < logits / 4
+    assert keeps_own.fused_loss_refusal(tp=1, mtp=True) == "its own loss" and not keeps_own.fused_loss_refusal(tp=1)
+
+
 def test_latent_attention_with_context_parallelism_is_refused(registry):
     """parallel.cp with MLA: the ring attention takes one head width for q, k and v (both engines reached it and
     raised at the first step)."""

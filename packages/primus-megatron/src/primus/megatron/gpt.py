@@ -30,12 +30,7 @@ class FusedLossGPTModel(GPTModel):
     linear_cross_entropy: Callable[..., torch.Tensor]
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, **kwargs: Any):
-        plain = (
-            labels is None
-            or not self.post_process
-            or self.config.mtp_num_layers is not None
-            or kwargs.get("inference_context") is not None
-        )
+        plain = labels is None or not self.post_process or kwargs.get("inference_context") is not None
         if plain:
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, **kwargs)
         if self.share_embeddings_and_output_weights:
@@ -47,14 +42,17 @@ class FusedLossGPTModel(GPTModel):
         return mean.expand(labels.shape)
 
 
-def fused_loss(kernels: dict[str, KernelProvider], tp: int) -> tuple[Callable[..., torch.Tensor] | None, str]:
-    """The provider's fused linear + cross-entropy for this run (None: megatron's output layer + loss), and why."""
+def fused_loss(
+    kernels: dict[str, KernelProvider], tp: int, *, mtp: bool = False
+) -> tuple[Callable[..., torch.Tensor] | None, str]:
+    """The provider's fused linear + cross-entropy for this run (None: megatron's output layer + loss), and why.
+    ``mtp``: the model has multi-token-prediction depths."""
     prov = kernels.get("cross_entropy")
     fn = getattr(prov.load(), "linear_cross_entropy", None) if prov is not None else None
     if fn is None:
         name = prov.name if prov is not None else "none"
         return None, f"cross_entropy provider {name!r} offers no fused linear + cross-entropy: megatron's own"
-    if why := fused_loss_refusal("megatron", tp=tp):
+    if why := fused_loss_refusal("megatron", tp=tp, mtp=mtp):
         return None, f"{why}: megatron's vocab-parallel loss"
     return fn, f"{prov.name} fused linear + cross-entropy"
 

@@ -51,7 +51,10 @@ PROFILE = EngineProfile(
     # without
     selective_kept=1.0,
     # the fused loss replaces the output layer + loss of the last stage's forward (under PP too) and sees CP's
-    # labels there: only TP (and an FP8 head) keep megatron's own, which is core's rule for every engine
+    # labels there: only TP (and an FP8 head) keep megatron's own, which is core's rule for every engine, and
+    # multi-token prediction, whose depths' losses megatron computes inside the same post-process
     fused_loss=True,
-    fused_loss_refused={},
+    fused_loss_refused={
+        "mtp": "multi-token prediction's depths run megatron's output layer and loss inside its post-process"
+    },
 )

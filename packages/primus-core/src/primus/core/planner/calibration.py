@@ -23,6 +23,9 @@ WORKSPACE_BYTES = 0.5 * GIB
 FRAGMENTATION = 0.05
 # Bytes per logit besides the logits themselves: the fp32 copy the loss works on and its gradient.
 LOGITS_EXTRA_BYTES = 8
+# Of them, the fp32 copy a loss keeps for its backward: held once per output head in use (multi-token prediction's
+# depths run the head again), the rest (the gradient) one head at a time.
+LOSS_COPY_BYTES = 4
 # A fused linear + cross-entropy (primus-turbo) holds one chunk of logits at a time (its CHUNK_BUDGET_BYTES).
 FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
 # What is particular to an engine (its state bytes per parameter, the share of activations its selective recompute

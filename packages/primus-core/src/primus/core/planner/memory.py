@@ -27,7 +27,10 @@ to some layers. Pipelines hold min(pp, micro-batches) micro-batches on the first
 Megatron's interleaving penalty 1 + (pp − 1)/(pp · vpp). The last stage also holds the logits:
 s·b·V/t elements at a (logits) + 4 (fp32 loss) + 4 (their gradient) bytes, or with a fused linear +
 cross-entropy (where the engine's profile says it uses one) one chunk of them plus the output weight's and hidden
-states' gradients. An engine whose profile trains fp32 weights under autocast (``autocast``) without FSDP keeps
+states' gradients. Multi-token prediction (``model.mtp``, D depths, on the last stage): each depth adds a block (its
+parameters and activations), its eh_proj input (2d) and a head's logits again (the fp32 loss copy of every head is
+held until the backward, 4 more bytes a logit a depth; megatron keeps its own loss there, see
+``EngineProfile.fused_loss_refused``); measured within 3% on an H100 (benchmarks/README.md, 2026-12-07). An engine whose profile trains fp32 weights under autocast (``autocast``) without FSDP keeps
 its layer input and residual in fp32 (4 bytes), the rest bf16.
 With FP8 GEMMs (``fp8`` not off) the "fp8" part is what FP8 adds and takes off, and is mostly negative: an e4m3
 copy of the FP8 layers' weights (tensorwise) replaces autocast's bf16 one, and their linears keep their inputs in
@@ -160,8 +163,11 @@ def stage_params(model: ModelConfig, layout: Layout, expert_split: int | None = 
     emb = pc.embedding / layout.tp
     head = (pc.output_head or (pc.embedding if layout.pp > 1 else 0)) / layout.tp  # tied: a copy on the last stage
     body = layers_per_stage(model, layout) * layer
-    first = body + emb + (head + pc.final_norm if layout.pp == 1 else 0)
-    last = body + head + pc.final_norm
+    split = layout.ep if expert_split is None else expert_split
+    mtp_experts = pc.mtp_moe_blocks * routed_expert_params(model)
+    mtp = (pc.mtp - mtp_experts) / layout.tp + mtp_experts / split  # multi-token prediction: on the last stage
+    first = body + emb + (head + pc.final_norm + mtp if layout.pp == 1 else 0)
+    last = body + head + pc.final_norm + mtp
     return max(first, last), layer
 
 
@@ -337,21 +343,30 @@ def estimate(
         kept = nl * per_layer[layout.recompute]
     if layout.recompute in ("full", "partial"):
         kept += per_layer["working"]
-    parts["activations"] = kept * in_flight_micro_batches(layout) * engine.activation_scale
     s = seq_len / layout.cp
+    depths = model.mtp.layers if model.mtp is not None else 0
+    # a multi-token-prediction depth (last stage, one micro-batch in flight there): one more block's activations and
+    # its eh_proj input (the two normed hidden states side by side)
+    mtp = depths * (
+        per_layer[layout.recompute if layout.recompute != "partial" else "none"]
+        + a * s * 2 * model.hidden_size * layout.micro_batch
+    )
+    parts["activations"] = (kept * in_flight_micro_batches(layout) + mtp) * engine.activation_scale
+    heads = 1 + depths  # each depth's logits again, through the shared output head
     # where the engine uses it (the rule the backends apply)
     if kernels.fused_loss and not fused_loss_refusal(
-        engine, tp=layout.tp, pp=layout.pp, cp=layout.cp, fp8_head=kernels.fp8_head
+        engine, tp=layout.tp, pp=layout.pp, cp=layout.cp, fp8_head=kernels.fp8_head, mtp=depths > 0
     ):
         # one chunk of logits (no more than all of them), the output weight's gradient and the hidden states'
         # (made in the forward)
         parts["logits"] = (
             min(cal.FUSED_LOSS_CHUNK_BYTES, a * s * layout.micro_batch * model.vocab_size)
             + a * model.vocab_size * model.hidden_size
-            + a * s * layout.micro_batch * model.hidden_size
+            + heads * a * s * layout.micro_batch * model.hidden_size
         )
     else:
-        parts["logits"] = s * layout.micro_batch * model.vocab_size / layout.tp * (a + cal.LOGITS_EXTRA_BYTES)
+        per_logit = a + cal.LOGITS_EXTRA_BYTES + (heads - 1) * cal.LOSS_COPY_BYTES
+        parts["logits"] = s * layout.micro_batch * model.vocab_size / layout.tp * per_logit
     parts["buffers"] = buffers
     if kernels.fp8 != "off":
         parts["fp8"] = fp8_bytes(model, layout, seq_len, kernels, autocast)

@@ -40,6 +40,7 @@ class ParamCount:
     moe_layer_active: int = 0  # of it, what one token runs (attention + norms + router + its top-k and shared experts)
     mtp: int = 0  # multi-token prediction's depths, all of them (their blocks, norms and eh_proj)
     mtp_active: int = 0  # of them, what one token runs
+    mtp_moe_blocks: int = 0  # of the depths, those whose block is an MoE layer
 
     @property
     def total(self) -> int:
@@ -75,12 +76,13 @@ def count_params(m: ModelConfig) -> ParamCount:
         expert, always = 3 * d * e.expert_ffn_hidden_size, attn + layer_norms + d * e.num_experts  # + router
         always += e.shared_experts * expert + (e.num_experts if m.family == "deepseek" else 0)  # + its bias
         moe_layer, moe_active = always + e.num_experts * expert, always + e.experts_per_token * expert
-    mtp = mtp_active = 0
+    mtp = mtp_active = mtp_moe = 0
     for k in range(m.mtp.layers if m.mtp is not None else 0):
         own = 2 * d * d + 3 * d  # eh_proj, enorm, hnorm, the norm before the head
         moe = m.moe is not None and m.moe.is_moe_layer(m.num_layers + k)
         mtp += own + (moe_layer if moe else per_layer)
         mtp_active += own + (moe_active if moe else per_layer)
+        mtp_moe += moe
     return ParamCount(
         embedding=emb,
         per_layer=per_layer,
@@ -93,6 +95,7 @@ def count_params(m: ModelConfig) -> ParamCount:
         moe_layer_active=moe_active,
         mtp=mtp,
         mtp_active=mtp_active,
+        mtp_moe_blocks=mtp_moe,
     )
 
 

@@ -107,7 +107,8 @@ class EngineProfile:
     # whether it uses a cross_entropy provider's fused linear + cross-entropy (KernelProvider feature
     # "linear_cross_entropy") in place of its output layer + loss where the layout allows
     fused_loss: bool = True
-    # parallel dimensions ("pp", "cp") under which it keeps its own output layer + loss all the same, each with why
+    # what makes it keep its own output layer + loss all the same, each with why: parallel dimensions ("pp", "cp")
+    # and "mtp" (multi-token prediction's depths, which run the output head again)
     fused_loss_refused: Mapping[str, str] = field(
         default_factory=lambda: MappingProxyType(
             {
@@ -117,7 +118,9 @@ class EngineProfile:
         )
     )
 
-    def fused_loss_refusal(self, *, tp: int, pp: int = 1, cp: int = 1, fp8_head: bool = False) -> str:
+    def fused_loss_refusal(
+        self, *, tp: int, pp: int = 1, cp: int = 1, fp8_head: bool = False, mtp: bool = False
+    ) -> str:
         """Why this engine keeps its own output layer + loss instead of a provider's ``linear_cross_entropy`` in
         this layout ("" where it fuses them). ``fp8_head``: the output head is an FP8 linear
         (:func:`~primus.core.kernels.fp8_recipe.fp8_output_head`), which the bf16 fused kernel would bypass."""
@@ -127,8 +130,8 @@ class EngineProfile:
             return "the output head is an FP8 linear (kernels.fp8_recipe.bf16_output_head: false)"
         if tp > 1:
             return "the output projection is vocab-sharded under tensor parallelism"
-        for dim, size in (("pp", pp), ("cp", cp)):
-            if size > 1 and dim in self.fused_loss_refused:
+        for dim, on in (("pp", pp > 1), ("cp", cp > 1), ("mtp", mtp)):
+            if on and dim in self.fused_loss_refused:
                 return self.fused_loss_refused[dim]
         return ""
 
@@ -184,6 +187,7 @@ def fused_loss_refusal(
     pp: int = 1,
     cp: int = 1,
     fp8_head: bool = False,
+    mtp: bool = False,
     registry: Registry | None = None,
 ) -> str:
     """Why ``engine`` (a backend's name, or its planner profile) keeps its own output layer + loss instead of a
@@ -191,5 +195,5 @@ def fused_loss_refusal(
     planner's memory model: :meth:`EngineProfile.fused_loss_refusal <primus.core.planner.profile.EngineProfile>`
     with the engine's facts (``fused_loss``, ``fused_loss_refused``: what it cannot fuse under PP or CP).
     ``fp8_head``: the output head is an FP8 linear (:func:`~primus.core.kernels.fp8_recipe.fp8_output_head`), which
-    the bf16 fused kernel would bypass."""
-    return profile_of(engine, registry).fused_loss_refusal(tp=tp, pp=pp, cp=cp, fp8_head=fp8_head)
+    the bf16 fused kernel would bypass; ``mtp``: the model has multi-token-prediction depths."""
+    return profile_of(engine, registry).fused_loss_refusal(tp=tp, pp=pp, cp=cp, fp8_head=fp8_head, mtp=mtp)
