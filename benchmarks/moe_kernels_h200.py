@@ -54,10 +54,11 @@ def router_step(impl, logits, k, grad):
     return probs
 
 
-def timed(fn, iters: int) -> float:
-    """Milliseconds per call: CUDA events on a GPU; wall time on the CPU (--smoke: Triton's interpreter, no speed)."""
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    """Milliseconds per call after ``warmup`` calls: CUDA events on a GPU; wall time on the CPU (--smoke: Triton's
+    interpreter, no speed)."""
     times = []
-    for i in range(iters + 3):
+    for i in range(iters + warmup):
         if torch.cuda.is_available():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -69,7 +70,7 @@ def timed(fn, iters: int) -> float:
             t0 = time.perf_counter()
             fn()
             ms = (time.perf_counter() - t0) * 1e3
-        if i >= 3:
+        if i >= warmup:
             times.append(ms)
     return statistics.median(times)
 
@@ -92,6 +93,7 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = {"smoke": (64, 128, 8, 2, 64)} if args.smoke else SHAPES
     args.iters = 1 if args.smoke else args.iters
+    warmup = 0 if args.smoke else 3  # the interpreter takes seconds a call, and --smoke measures no speed
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "versions": versions(), "shapes": []}
     result["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     # the fp8 quantizers: Triton on a GPU (what "auto" picks there), and in --smoke on CPU (the interpreter)
@@ -111,7 +113,7 @@ def main() -> None:
             out = step(impl, x, order, probs, k, grad)
             outs[label] = (out.detach().float(), x.grad.float(), probs.grad.float())
             x, probs = base.clone().requires_grad_(), probs0.clone().requires_grad_()
-            row[f"{label}_ms"] = round(timed(lambda: step(impl, x, order, probs, k, grad), args.iters), 4)  # noqa: B023
+            row[f"{label}_ms"] = round(timed(lambda: step(impl, x, order, probs, k, grad), args.iters, warmup), 4)  # noqa: B023
         row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 3)
         for i, what in enumerate(("out", "dx", "dprobs")):
             row[f"max_diff_{what}"] = float((outs["torch"][i] - outs["triton"][i]).abs().max())
@@ -127,7 +129,7 @@ def main() -> None:
             probs = router_step(impl, logits, k, rgrad)
             outs[label] = (probs.detach().sort(dim=1).values, logits.grad.float())
             logits = logits0.clone().requires_grad_()
-            row[f"{label}_ms"] = round(timed(lambda: router_step(impl, logits, k, rgrad), args.iters), 4)  # noqa: B023
+            row[f"{label}_ms"] = round(timed(lambda: router_step(impl, logits, k, rgrad), args.iters, warmup), 4)  # noqa: B023
         row["speedup"] = round(row["torch_ms"] / row["triton_ms"], 3)
         row["max_diff_probs"] = float((outs["torch"][0] - outs["triton"][0]).abs().max())
         row["max_diff_dlogits"] = float((outs["torch"][1] - outs["triton"][1]).abs().max())
@@ -150,7 +152,7 @@ def main() -> None:
             if label != "fp32" or args.smoke:
                 x, w = x0.to(cast).clone().requires_grad_(), w0.to(cast).clone().requires_grad_()
                 fn = lambda: gemm_step(impl, x, w, offs, ggrad.to(cast))  # noqa: B023, E731
-                row[f"{label}_ms"] = round(timed(fn, args.iters), 4)
+                row[f"{label}_ms"] = round(timed(fn, args.iters, warmup), 4)
         row["speedup_fp8"] = round(row["bf16_ms"] / row["fp8_ms"], 3)
         for label in ("bf16", "fp8"):
             for i, what in enumerate(("y", "dx", "dw")):

@@ -56,3 +56,29 @@ def test_compile_is_deferred_to_the_first_call_and_gives_torch_compiles_result()
     assert lines["equal"] == "True True"
     assert lines["compiled"] == "True"  # the first call compiled with torch.compile
     assert lines["inlined"] == "True"
+
+
+EAGER = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from primus.core.run.lazy_compile import defer_torch_compile
+
+    defer_torch_compile(eager=True)
+
+    @torch.compile(fullgraph=True)
+    def scaled(x):
+        return x * 2
+
+    x = torch.randn(4)
+    print(torch.equal(scaled(x), x * 2), "torch._dynamo.eval_frame" in sys.modules)
+    """
+)
+
+
+def test_on_a_cpu_compiled_functions_run_as_written():
+    """defer_torch_compile(eager=True), what a CPU run installs: a compiled function's calls run it as written,
+    TorchDynamo never imported for it."""
+    out = subprocess.run([sys.executable, "-c", EAGER], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]

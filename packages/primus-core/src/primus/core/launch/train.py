@@ -154,7 +154,8 @@ def rank_context(
     device = detect_device()
     from primus.core.run.lazy_compile import defer_torch_compile
 
-    defer_torch_compile()  # before the engine's import: its compiled functions cost nothing until they run
+    # before the engine's import: its compiled functions cost nothing until they run, and on a CPU they run eager
+    defer_torch_compile(eager=device == "cpu")
     device_name = None
     if device != "cpu":
         from primus.core.planner.auto import check_fits

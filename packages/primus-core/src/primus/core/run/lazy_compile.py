@@ -6,6 +6,11 @@ call), but its first use imports TorchDynamo and Inductor: 2-3 s of every rank's
 function ever runs (a CPU run calls none of them). Deferred, the import happens on the first call of a compiled
 function, and the result of each call is torch.compile's own. Modules (``torch.compile(model)``) are not deferred:
 callers keep the ``OptimizedModule`` they expect.
+
+On a machine without an accelerator (``eager=True``) such functions are not compiled at all: Inductor's C++ build of
+one small fusion (megatron's router expert-bias update, the first time DeepSeek's router runs) took 3.5 s of an
+8.3 s one-rank CPU run, and a CPU run is too small for a fusion to pay back; the eager function is the reference
+the compiled one approximates.
 """
 
 from __future__ import annotations
@@ -18,19 +23,20 @@ from typing import Any
 _installed = threading.Lock()
 
 
-def defer_torch_compile() -> None:
+def defer_torch_compile(*, eager: bool = False) -> None:
     """Make ``torch.compile(fn, ...)`` of a plain function (also as a decorator) return a wrapper that compiles
-    ``fn`` with the real ``torch.compile`` and the same arguments on its first call. Idempotent; call it before the
-    engine's modules are imported (a module imported earlier keeps what it compiled then)."""
+    ``fn`` with the real ``torch.compile`` and the same arguments on its first call (``eager``: that runs ``fn`` as
+    written, never compiled). Idempotent (the first call's ``eager`` stays); call it before the engine's modules are
+    imported (a module imported earlier keeps what it compiled then)."""
     import torch
 
     with _installed:
         if getattr(torch.compile, "_primus_deferred", False):
             return
-        torch.compile = _deferring(torch.compile)
+        torch.compile = _deferring(torch.compile, eager)
 
 
-def _deferring(compile_: Callable[..., Any]) -> Callable[..., Any]:
+def _deferring(compile_: Callable[..., Any], eager: bool) -> Callable[..., Any]:
     @functools.wraps(compile_)
     def compile(model: Any = None, **kwargs: Any) -> Any:
         import torch
@@ -39,7 +45,7 @@ def _deferring(compile_: Callable[..., Any]) -> Callable[..., Any]:
             return lambda fn: compile(fn, **kwargs)
         if isinstance(model, torch.nn.Module) or not callable(model):
             return compile_(model, **kwargs)
-        return _deferred(compile_, model, kwargs)
+        return _deferred((lambda fn, **_: fn) if eager else compile_, model, kwargs)
 
     compile._primus_deferred = True  # type: ignore[attr-defined]
     return compile
