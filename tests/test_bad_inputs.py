@@ -76,7 +76,7 @@ CONFIG_CASES = [
     ),
     ("mg-cp-whole-sequence-attention", None, [MG, "parallel.cp=2", "kernels.attention=sdpa"], 2, ["kernels.attention"]),
     ("mg-fp16", None, [MG, "train.precision=fp16"], 1, ["train.precision"]),
-    ("recipe-for-other-engine", None, ["qwen2.5-7b-ddp", TT], 8, ["parallel.distributed_optimizer"]),
+    ("recipe-for-other-engine", None, ["qwen2.5-7b-megatron-ddp", TT], 8, ["parallel.distributed_optimizer"]),
 ]
 
 

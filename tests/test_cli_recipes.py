@@ -17,19 +17,19 @@ def wide(monkeypatch):
 
 
 def test_validate_reads_the_recipes_cluster():
-    run = primus("config", "validate", "llama3.1-405b-tp-pp-vpp")  # cluster 14 × 8 MI325X
+    run = primus("config", "validate", "llama3.1-405b-megatron-tp-pp-vpp")  # cluster 14 × 8 MI325X
     assert "world size 112" in run.stdout
-    small = primus("config", "validate", "llama3.1-405b-tp-pp-vpp", "--world-size", "8", check=False)
+    small = primus("config", "validate", "llama3.1-405b-megatron-tp-pp-vpp", "--world-size", "8", check=False)
     assert small.returncode == 2 and "does not divide the world size 8" in small.stderr
 
 
 def test_plan_reads_the_recipes_cluster_and_marks_its_layout():
-    run = primus("plan", "llama3.1-8b-fsdp")  # cluster 1 × 8 H100; FSDP 8, selective recompute
+    run = primus("plan", "llama3.1-8b-torchtitan-fsdp")  # cluster 1 × 8 H100; FSDP 8, selective recompute
     head = " ".join(run.stdout.split())
     assert "llama3.1-8b on 1×8 H100" in head and "seq 8192" in head
     marked = [ln for ln in run.stdout.splitlines() if "(the config's)" in ln]
     assert len(marked) == 1 and "FSDP 8, selective recompute" in marked[0]
-    other = primus("plan", "llama3.1-8b-fsdp", "--device", "H200", "--gpus", "4")  # the options still win
+    other = primus("plan", "llama3.1-8b-torchtitan-fsdp", "--device", "H200", "--gpus", "4")  # the options still win
     assert "llama3.1-8b on 1×4 H200" in " ".join(other.stdout.split())
     preset = primus("plan", "llama3.2-1b", "--gpus", "1")  # a model preset sets no seq_len: a training length
     assert "seq 8192" in " ".join(preset.stdout.split()) and "planned at 8192" in preset.stderr

@@ -78,11 +78,11 @@ def test_megatron_fsdp_layouts_are_fsdp2():
     distributed optimizer (whole weights and gradients on every replica: a layout that did not fit). With FSDP2 under
     megatron (parallel.fsdp: true) 70B fits one 8-GPU node, and the FSDP it recommends is the FSDP the config asks for."""
     _engine("megatron")
-    one = _plan("llama3.1-70b-fsdp-recompute", "--engine", "megatron", "--device", "MI300X")
+    one = _plan("llama3.1-70b-torchtitan-fsdp", "--engine", "megatron", "--device", "MI300X")
     assert one.exit_code == 0, one.output
     assert _recommended(one.output).startswith("FSDP ") and "full recompute" in _recommended(one.output)
     registry = get_registry()
-    res, _ = resolve_on("llama3.1-70b-fsdp-recompute", ["backend.name=megatron"], 8, registry)
+    res, _ = resolve_on("llama3.1-70b-torchtitan-fsdp", ["backend.name=megatron"], 8, registry)
     cluster = Cluster(device("MI300X"), 1, 8, HEADROOM)
     best = next(c for c in rank(res.config, cluster, "megatron", registry, searched_micro_batches(res)) if c.runnable)
     assert best.layout.describe() == _recommended(one.output)
@@ -91,24 +91,24 @@ def test_megatron_fsdp_layouts_are_fsdp2():
 
 def test_the_405b_recipe_is_planned_on_the_cluster():
     _engine("megatron")
-    seven = _plan("llama3.1-405b-tp-pp-vpp", "--device", "MI300X", "--gpus", "8", "--nodes", "7")
+    seven = _plan("llama3.1-405b-megatron-tp-pp-vpp", "--device", "MI300X", "--gpus", "8", "--nodes", "7")
     assert seven.exit_code == 0, seven.output
     assert "note: the config's own layout" not in seven.output and "PP 7" in _recommended(seven.output)
     assert "DDP 1, TP 8+SP, PP 7" in seven.output  # the recipe's own layout, ranked below FSDP2 ones
     # 64 devices: its own layout (56) does not tile them, every layout is planned; megatron splits the 126 layers
     # evenly only (the pipelines of 4, 8 and 16 chunks are left out, named) and shards the rest with FSDP2
-    eight = _plan("llama3.1-405b-tp-pp-vpp", "--device", "MI300X", "--gpus", "8", "--nodes", "8")
+    eight = _plan("llama3.1-405b-megatron-tp-pp-vpp", "--device", "MI300X", "--gpus", "8", "--nodes", "8")
     assert "world size 1" not in eight.output and "56 does not divide the world size 64" in eight.output
     assert eight.exit_code == 0 and "megatron refuses them: model.num_layers" in eight.output
     assert _recommended(eight.output).startswith("FSDP 4, TP 8+SP, PP 2")
 
 
 def test_a_layout_inside_the_error_band_is_not_recommended():
-    """llama3.1-8b-fsdp on 1×8 MI300X recommended DDP at 169.4 of 173 usable GiB, inside the ±10% the estimate is
+    """llama3.1-8b-torchtitan-fsdp on 1×8 MI300X recommended DDP at 169.4 of 173 usable GiB, inside the ±10% the estimate is
     held to; with the headroom it takes a layout with that much free, and the micro-batch it is fastest with."""
     _engine("torchtitan")
-    run = _plan("llama3.1-8b-fsdp", "--device", "MI300X")
+    run = _plan("llama3.1-8b-torchtitan-fsdp", "--device", "MI300X")
     assert run.exit_code == 0, run.output
     assert "≤ 156 with 10% headroom" in run.output and _recommended(run.output) != "DDP 8, no recompute"
-    tight = _plan("llama3.1-8b-fsdp", "--device", "MI300X", "--headroom", "0", "train.micro_batch_size=1")
+    tight = _plan("llama3.1-8b-torchtitan-fsdp", "--device", "MI300X", "--headroom", "0", "train.micro_batch_size=1")
     assert _recommended(tight.output) == "DDP 8, no recompute"  # what it was: the layout the headroom leaves out

@@ -41,5 +41,5 @@ def test_plugin_config_changes_are_attributed_with_every_package_installed(tmp_p
 
 
 def test_tuned_recipe_passes_the_real_backends_checks():
-    out = primus("config", "validate", "llama3.2-1b-h200", "--world-size", "8").stdout
+    out = primus("config", "validate", "llama3.2-1b-torchtitan-fsdp-h200-1x1", "--world-size", "8").stdout
     assert "ok: llama3.2-1b on backend torchtitan, world size 8" in out

@@ -4,8 +4,9 @@ planner's memory model; the single-node 70B one is the layout the planner itself
 Cross-package: the recipes are primus-tune's, the memory and the ranking the facts of the engine each recipe names
 (primus-torchtitan's and primus-megatron's planner profiles), so these run where all of them are installed.
 
-A recipe's file name says its target: ``<model>-<gpu>-<nodes>x<gpus per node>.yaml`` (``llama3.2-1b-h200`` is one
-GPU, measured on the H200)."""
+A recipe's file name says what it is and where it runs: ``<model>[-<context>]-<backend>-<layout>-<gpu>-<nodes>x<gpus
+per node>.yaml`` (``llama3.2-1b-torchtitan-fsdp-h200-1x1``: one GPU, measured on the H200), and the name agrees with
+the recipe's model, sequence length, backend and cluster."""
 
 from __future__ import annotations
 
@@ -23,16 +24,29 @@ from primus.core.planner.strategies import estimate_memory, fused_loss
 from primus.tune.plugin import PRESETS_DIR
 
 RECIPES = PRESETS_DIR / "recipes"  # the installed primus-tune's
-TARGET = re.compile(r"-(?P<gpu>h200|mi300x|mi325x|mi355x)(?:-(?P<nodes>\d+)x(?P<gpn>\d+))?$")
+NAME = re.compile(
+    r"^(?P<model>.+?)(?:-(?P<context>\d+)k)?-(?P<backend>megatron|torchtitan)-(?P<layout>[a-z]+(?:-[a-z]+)*)"
+    r"-(?P<gpu>h100|h200|mi300x|mi325x|mi355x)-(?P<nodes>\d+)x(?P<gpn>\d+)$"
+)
 
 
 def targets() -> list[tuple[str, str, int, int]]:
     out = []
     for path in sorted(RECIPES.glob("*.yaml")):
-        m = TARGET.search(path.stem)
-        assert m, f"{path.name}: name does not say its target GPU"
-        out.append((path.stem, m["gpu"].upper(), int(m["nodes"] or 1), int(m["gpn"] or 1)))
+        m = NAME.match(path.stem)
+        assert m, f"{path.name}: not <model>[-<context>]-<backend>-<layout>-<gpu>-<nodes>x<gpus>"
+        out.append((path.stem, m["gpu"].upper(), int(m["nodes"]), int(m["gpn"])))
     return out
+
+
+@pytest.mark.parametrize(("name", "gpu", "nodes", "gpn"), targets())
+def test_recipe_name_says_what_it_holds(name, gpu, nodes, gpn):
+    m = NAME.match(name)
+    cfg = resolve(name, [], world_size=nodes * gpn, check_plugins=False).config
+    c = cfg.cluster
+    assert (cfg.model.name, cfg.backend.name) == (m["model"], m["backend"])
+    assert (c.device, c.nodes, c.gpus_per_node) == (gpu, nodes, gpn)
+    assert m["context"] is None or cfg.train.seq_len == int(m["context"]) * 1024
 
 
 @pytest.mark.parametrize(("name", "gpu", "nodes", "gpn"), targets())
@@ -44,7 +58,7 @@ def test_recipe_is_valid_and_fits_its_gpu(name, gpu, nodes, gpn):
 
 
 def test_single_node_70b_recipe_is_the_planners_pick():
-    cfg = resolve("llama3.1-70b-mi300x-1x8", [], world_size=8, check_plugins=False).config
+    cfg = resolve("llama3.1-70b-torchtitan-fsdp-mi300x-1x8", [], world_size=8, check_plugins=False).config
     t = cfg.train
     cands = candidates(
         cfg.model,
@@ -64,8 +78,8 @@ def test_single_node_70b_recipe_is_the_planners_pick():
 # recipes that are the planner's pick on their target: the long-context ones (context parallelism searched for long
 # sequences) and the single-node Megatron FSDP2 ones with partial recompute
 PICKS = {
-    "llama3.1-8b-128k-cp-h200-1x8": ("H200", 1),
-    "llama3.1-70b-64k-cp-mi300x-8x8": ("MI300X", 8),
+    "llama3.1-8b-128k-megatron-cp-h200-1x8": ("H200", 1),
+    "llama3.1-70b-64k-torchtitan-fsdp-tp-cp-mi300x-8x8": ("MI300X", 8),
     "llama3.1-70b-megatron-fsdp-mi325x-1x8": ("MI325X", 1),
     "llama3.1-70b-megatron-fsdp-mi355x-1x8": ("MI355X", 1),
 }

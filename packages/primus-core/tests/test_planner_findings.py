@@ -24,7 +24,7 @@ from primus.core.planner.auto import layout_config
 from primus.core.planner.memory import GIB
 from primus.core.planner.perf import step_time
 
-RECIPE_405B = "llama3.1-405b-tp-pp-vpp"  # tp 8 × pp 7 = 56 devices a replica, global batch 252
+RECIPE_405B = "llama3.1-405b-megatron-tp-pp-vpp"  # tp 8 × pp 7 = 56 devices a replica, global batch 252
 
 
 def _plan(*args: str):
@@ -142,7 +142,7 @@ def test_the_plan_says_what_the_backend_refuses(strict):
     assert all("TP" not in row["layout"] and "PP" not in row["layout"] for row in _rows(run.output))
     assert re.search(r"note: \d+ layouts that fit are left out, strict refuses them: parallel\.(tp|pp)", run.output)
     # where it refuses every layout that fits: an error with its reasons, no recommendation
-    none = _plan("llama3.1-8b-fsdp", "--engine", "strict", "--device", "H200")
+    none = _plan("llama3.1-8b-torchtitan-fsdp", "--engine", "strict", "--device", "H200")
     assert none.exit_code == 4 and "recommended" not in none.output
     assert "strict refuses every layout that fits: train.compile: this engine does not compile" in none.output
 
@@ -288,7 +288,7 @@ def test_compile_speedup_as_measured(registry, name, measured):
 
 
 def test_plan_of_a_compiled_recipe(cli_registry):
-    args = ["llama3.1-8b-fsdp", "train.micro_batch_size=1", "--engine", "fake", "--device", "MI300X"]
+    args = ["llama3.1-8b-torchtitan-fsdp", "train.micro_batch_size=1", "--engine", "fake", "--device", "MI300X"]
     compiled, eager = _plan(*args), _plan(*args, "train.compile=false")
     assert ", compiled" in compiled.output and ", compiled" not in eager.output
     fast = {row["layout"]: float(row["step"]) for row in _rows(compiled.output)}

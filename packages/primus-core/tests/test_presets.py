@@ -156,3 +156,29 @@ def test_family_specific_shapes(registry):
     assert q25.qkv_bias and not q25.qk_norm
     assert q3.qk_norm and not q3.qkv_bias and q3.kv_channels == 128 and q3.hidden_size == 1024  # 16·128 ≠ 1024
     assert llama.tie_word_embeddings and llama.rope_scaling is not None and llama.rope_scaling.factor == 32.0
+
+
+def test_recipe_names_and_renamed_ones(registry, caplog):
+    """A seed recipe is named <model>-<backend>-<layout> after what it holds (the demos excepted); a renamed one
+    (renamed.yaml) still resolves to its new file, warns once naming the new name, and is not listed."""
+    import logging
+
+    from primus.core.config import presets
+    from primus.core.config.presets import find, renamed
+
+    presets._warned.discard("llama3.1-8b-fsdp")  # once a process: another test may have met it
+    cat = catalog(registry)
+    for name, p in cat.items():
+        if p.kind != "recipe" or p.dist != "primus-core" or name in ("tiny-demo", "tiny-demo-megatron", "sft"):
+            continue
+        data = load_layers(str(p.path), resolve_preset=resolver(registry)).data
+        assert name.startswith(f"{data['model']['name']}-{data['backend']['name']}-"), name
+    old = renamed(registry)
+    assert old["llama3.1-8b-fsdp"] == "llama3.1-8b-torchtitan-fsdp"
+    assert set(old.values()) <= set(cat) and not set(old) & set(cat)
+    with caplog.at_level(logging.WARNING, logger="primus.presets"):
+        assert find("llama3.1-8b-fsdp", registry) == cat["llama3.1-8b-torchtitan-fsdp"]
+        assert resolver(registry)("llama3.1-8b-fsdp") == cat["llama3.1-8b-torchtitan-fsdp"].path
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["preset llama3.1-8b-fsdp is now called llama3.1-8b-torchtitan-fsdp: the old name will be removed"]
+    assert find("llama3.1-8b-nothing", registry) is None

@@ -118,11 +118,11 @@ def test_refused_with_reason(overrides, world_size, key, why):
         (TINY, 2),
         ("tiny-qwen3", 1),
         ("tiny-mistral", 1),
-        ("llama3.1-8b-fsdp", 8),
-        ("llama3.1-70b-fsdp-recompute", 8),
+        ("llama3.1-8b-torchtitan-fsdp", 8),
+        ("llama3.1-70b-torchtitan-fsdp", 8),
         ("tiny-qwen2", 2),
         (str(CONFIGS / "tiny_moe.yaml"), 2),
-        ("llama3.2-1b-h200", 8),  # primus-tune's recipe, when installed
+        ("llama3.2-1b-torchtitan-fsdp-h200-1x1", 8),  # primus-tune's recipe, when installed
     ],
 )
 def test_runnable_presets_pass(config, world_size):
@@ -150,7 +150,7 @@ def test_kernel_providers_and_profiling_pass(overrides, world_size):
 
 
 def test_megatron_recipe_is_refused_naming_the_distributed_optimizer():
-    text = issues("qwen2.5-7b-ddp", "backend.name=torchtitan", world_size=8)
+    text = issues("qwen2.5-7b-megatron-ddp", "backend.name=torchtitan", world_size=8)
     assert "parallel.distributed_optimizer" in text and "no distributed optimizer" in text
 
 

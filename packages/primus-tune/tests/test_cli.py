@@ -43,13 +43,16 @@ def test_a_file_named_in_the_config_wins(registry, cache_home, tmp_path):
 def test_tuned_recipe_is_listed_and_resolves(registry):
     res = runner.invoke(cli.app, ["presets", "list"])
     assert res.exit_code == 0, res.output
-    row = _rows(res.output)["llama3.2-1b-h200"]
+    row = _rows(res.output)["llama3.2-1b-torchtitan-fsdp-h200-1x1"]
     assert "llama3.2-1b" in row and "torchtitan" in row and "primus-tune" in row
 
-    res = runner.invoke(cli.app, ["config", "show", "llama3.2-1b-h200", "--world-size", "8"])
+    res = runner.invoke(cli.app, ["config", "show", "llama3.2-1b-torchtitan-fsdp-h200-1x1", "--world-size", "8"])
     assert res.exit_code == 0, res.output
     rows = _rows(res.output)
-    assert "preset recipes/llama3.2-1b-h200" in rows["train.seq_len"] and "8192" in rows["train.seq_len"]
+    assert (
+        "preset recipes/llama3.2-1b-torchtitan-fsdp-h200-1x1" in rows["train.seq_len"]
+        and "8192" in rows["train.seq_len"]
+    )
     assert "preset models/llama3.2-1b" in rows["model.hidden_size"] and "2048" in rows["model.hidden_size"]
     assert "8" in rows["parallel.dp_shard"]
 

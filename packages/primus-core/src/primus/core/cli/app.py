@@ -214,18 +214,18 @@ def presets_show(name: Annotated[str, typer.Argument(help="preset name")]) -> No
     import yaml
 
     from primus.core.config.loader import load_layers
-    from primus.core.config.presets import catalog, resolver
+    from primus.core.config.presets import catalog, find, resolver
     from primus.core.contracts.plugins import get_registry
 
     reg = get_registry()
-    preset = catalog(reg).get(name)
+    preset = find(name, reg)
     if preset is None:
         from primus.core.config.fields import suggest
 
         hint = suggest(name, list(catalog(reg)))
         raise _fail(ValueError(f"no preset named {name!r}" + (f"; did you mean {hint!r}?" if hint else "")))
     layers = load_layers(str(preset.path), resolve_preset=resolver(reg))
-    out.print(f"# {preset.kind} preset {name} ({preset.dist}): {preset.path}", highlight=False)
+    out.print(f"# {preset.kind} preset {preset.name} ({preset.dist}): {preset.path}", highlight=False)
     out.print(yaml.safe_dump(layers.data, sort_keys=False), end="", highlight=False)
 
 
