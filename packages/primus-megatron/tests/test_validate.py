@@ -123,15 +123,10 @@ def test_latent_attention_under_tp_needs_sequence_parallel():
 
 @pytest.mark.parametrize(
     ("overrides", "world", "key", "needle"),
-    [
-        (["model.mtp.layers=1", "parallel.pp=2"], 2, "parallel.pp", "last pipeline stage"),
-        (["model.mtp.layers=1", "data.document_mask=true"], 1, "data.document_mask", "rolls the tokens"),
-    ],
+    [(["model.mtp.layers=1", "data.document_mask=true"], 1, "data.document_mask", "rolls the tokens")],
 )
 def test_multi_token_prediction_refusals(overrides, world, key, needle):
-    """model.mtp on megatron: pipeline parallelism (the MTP stage's embedding copy: its sharded state needs metadata
-    this backend does not pass) and
-    document masks (the tokens roll, the document ids do not) are refused by name."""
+    """model.mtp on megatron: document masks (the tokens roll, the document ids do not) are refused by name."""
     with pytest.raises(ConfigError) as info:
         resolve("tiny-deepseek", ["backend.name=megatron", *overrides], world_size=world)
     assert key in str(info.value) and needle in str(info.value), str(info.value)

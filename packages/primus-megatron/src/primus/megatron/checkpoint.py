@@ -38,8 +38,17 @@ def manifest(cfg: PrimusConfig, step: int, layout: dict[str, int]) -> dict[str, 
     return core.manifest(cfg, step, layout, DISTRIBUTIONS)
 
 
+def chunk_sharded_state_dict(chunk: Any) -> dict:
+    """megatron's sharded state dict of one model chunk, given the data-parallel group as its metadata: on the
+    multi-token-prediction stage of a pipeline megatron-core 0.16's GPTModel reads ``metadata['dp_cp_group']`` for
+    its copy of the embedding and fills it in only for the modules below (None raised a TypeError there)."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    return chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+
+
 def model_sharded_state_dict(chunk: Any) -> dict:
-    sd = chunk.sharded_state_dict()
+    sd = chunk_sharded_state_dict(chunk)
     if _fsdp2(chunk):
         _fsdp2_swiglu(sd)
     return sd

@@ -126,13 +126,6 @@ def issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if e is not None and e.router == "sigmoid" and not e.normalize_topk and e.experts_per_token > 1:
         why = "megatron-core's sigmoid router always renormalises its top-k scores"
         out.append(ConfigIssue("model.moe.normalize_topk", why, value=False, allowed="true"))
-    if m.mtp is not None and cfg.parallel.pp > 1:
-        why = (
-            "megatron-core 0.16's multi-token prediction runs on the last pipeline stage with its own copy of the "
-            "embedding, whose sharded state (what canonical init, checkpoints and Hugging Face interop read) needs "
-            "sharding metadata this backend does not pass"
-        )
-        out.append(ConfigIssue("parallel.pp", why, value=cfg.parallel.pp, allowed="1, or model.mtp: null"))
     if m.mtp is not None and cfg.data.document_mask:
         why = "multi-token prediction rolls the tokens one place per depth, not the document ids the attention masks by"
         out.append(ConfigIssue("data.document_mask", why, value=True, allowed="false, or model.mtp: null"))

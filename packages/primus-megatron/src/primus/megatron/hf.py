@@ -170,6 +170,8 @@ def _sharded_tensors(chunk: Any) -> Iterator[Any]:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    from primus.megatron.checkpoint import chunk_sharded_state_dict
+
     def walk(obj: Any) -> Iterator[Any]:
         if isinstance(obj, ShardedTensor):
             yield obj
@@ -180,7 +182,7 @@ def _sharded_tensors(chunk: Any) -> Iterator[Any]:
             for item in obj:
                 yield from walk(item)
 
-    for value in nested_values(chunk.sharded_state_dict()):
+    for value in nested_values(chunk_sharded_state_dict(chunk)):
         yield from walk(value)
 
 
