@@ -2,7 +2,9 @@
 
     python3 benchmarks/gpu_suite.py --out DIR                 # on one H100 / H200, ~8.5 minutes (503 s on an H100)
     python3 benchmarks/gpu_suite.py --out DIR --only moe,fp8_dense
-    python3 benchmarks/gpu_suite.py --out DIR --smoke         # the same code on CPU with the tiny presets (nox)
+    python3 benchmarks/gpu_suite.py --out DIR --smoke         # the same code on CPU with the tiny presets (nox);
+                                                              # where a part's two engine rows differ only by
+                                                              # backend.name, one trains, the other is validated
 
 On the lent GPU machine, installing is one line before it (the wheels the image lacks, fetched here by
 ``../shared/gpu/get-wheels.sh``): ``source .whl/install.sh && python3 benchmarks/gpu_suite.py --out $OUT``.
@@ -58,6 +60,8 @@ GIB = 2**30
 TOLERANCE = 0.01  # FP8 losses within 1% of bf16's (mean over the run: fp8_loss_check), as the CPU FP8 tests
 OFFLINE_GEMM_FILE = HERE / "results" / "llama3.2-1b-gemm-h200.json"
 ENGINES = ("torchtitan", "megatron")
+# --smoke: the engine whose rows a part trains; the other's commands are validated (the same code, another backend)
+SMOKE_TRAINS = {"fp8_dense": "torchtitan", "deepseek": "megatron", "sft_hf": "torchtitan"}
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -157,13 +161,24 @@ class Suite:
             "rows": self.rows,
         }
 
+    def trains(self, part: str, engine: str) -> bool:
+        """Whether this call trains ``part``'s ``engine`` row: always on a GPU; in --smoke one engine a part where
+        the other's row is the same code with another backend.name (that row's command is validated instead)."""
+        return not self.smoke or SMOKE_TRAINS.get(part, engine) == engine
+
     # a Primus training run, its metrics and the planner's memory for it
-    def train(self, name: str, preset: str, overrides: list[str], *, warmup: int, timeout: float = 240) -> dict:
+    def train(
+        self, name: str, preset: str, overrides: list[str], *, warmup: int, timeout: float = 240, check_only=False
+    ) -> dict:
+        """``check_only``: the command is validated (``primus config validate``), not run (--smoke)."""
         out = self.work / name
         ov = [*overrides, f"logging.output_dir={out}"]
         t0, started = time.monotonic(), time.time()
-        proc = primus("train", preset, *ov, timeout=timeout)
         row: dict[str, Any] = {"row": name, "command": shlex.join(["primus", "train", preset, *ov])}
+        proc = primus("config", "validate", preset, *ov, timeout=60) if check_only else None
+        if check_only and proc.returncode == 0:
+            return {**row, "status": "passed", "smoke": True, "note": "validated, not trained (smoke)"}
+        proc = proc or primus("train", preset, *ov, timeout=timeout)
         row["wall_s"] = round(time.monotonic() - t0, 1)
         if proc.returncode != 0:
             return {**row, "status": "failed", "reason": f"exit {proc.returncode}: {tail(proc)}"}
@@ -260,11 +275,15 @@ def part_fp8_dense(s: Suite) -> list[dict]:
     for engine in ENGINES:
         common = [*run_overrides("", seq, micro, steps)[:-1], f"backend.name={engine}", "train.precision=bf16"]
         common += ["kernels.fp8_recipe.linears=all"] if s.smoke else ["model.num_layers=4"]
-        bf16 = s.train(f"fp8_dense/{engine}/bf16", preset, common, warmup=4)
-        fp8 = s.train(f"fp8_dense/{engine}/fp8_rowwise", preset, [*common, "kernels.fp8=rowwise"], warmup=4)
+        check = not s.trains("fp8_dense", engine)
+        bf16 = s.train(f"fp8_dense/{engine}/bf16", preset, common, warmup=4, check_only=check)
+        fp8 = s.train(
+            f"fp8_dense/{engine}/fp8_rowwise", preset, [*common, "kernels.fp8=rowwise"], warmup=4, check_only=check
+        )
         fp8["smoke"] = s.smoke
-        speed_pair(fp8, bf16, 1.0 - NOISE, "FP8 slower than bf16")
-        fp8_loss_check(fp8, bf16)
+        if not check:
+            speed_pair(fp8, bf16, 1.0 - NOISE, "FP8 slower than bf16")
+            fp8_loss_check(fp8, bf16)
         rows += [bf16, fp8]
     return rows
 
@@ -342,7 +361,12 @@ def part_deepseek(s: Suite) -> list[dict]:
     seq, micro, steps = (64, 2, 2) if s.smoke else (4096, 1, 12)
     common = [*run_overrides("", seq, micro, steps)[:-1], "train.precision=bf16"]
     common += [] if s.smoke else ["model.num_layers=4"]
-    rows = [s.train(f"deepseek/{engine}", preset, [*common, f"backend.name={engine}"], warmup=4) for engine in ENGINES]
+    rows = [
+        s.train(
+            f"deepseek/{e}", preset, [*common, f"backend.name={e}"], warmup=4, check_only=not s.trains("deepseek", e)
+        )
+        for e in ENGINES
+    ]
     # one multi-token-prediction depth (megatron only): its cost against the same model without, and its loss logged
     mtp = s.train("deepseek/megatron_mtp", preset, [*common, "backend.name=megatron", "model.mtp.layers=1"], warmup=4)
     if mtp["status"] == "passed":
@@ -497,8 +521,9 @@ def part_sft_hf(s: Suite) -> list[dict]:
     common += ["logging.interval=1", "logging.tensorboard=false", "logging.progress=false"]
 
     def one(engine: str) -> dict:
-        row = s.train(f"sft_hf/{engine}", "sft", [*common, f"backend.name={engine}"], warmup=1)
-        if row["status"] == "passed":
+        check = not s.trains("sft_hf", engine)
+        row = s.train(f"sft_hf/{engine}", "sft", [*common, f"backend.name={engine}"], warmup=1, check_only=check)
+        if row["status"] == "passed" and not check:
             exported = root / f"export_{engine}"
             proc = primus(
                 "checkpoint",

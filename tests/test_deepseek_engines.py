@@ -81,13 +81,22 @@ def test_import_forward_export(tmp_path, hf_folder, backend):
 @pytest.mark.parametrize("backend", ["torchtitan", "megatron"])
 def test_init_from_hf_folder(tmp_path, hf_folder, backend):
     """A run of the tiny-deepseek preset starts from the HF folder (checked to match, filled layer by layer): its
-    first loss is not the canonical-init run's."""
+    first loss is transformers' loss on the same batch."""
+    import torch.nn.functional as F
+
+    from primus.core.launch.train import resolve
+    from primus.megatron.data import Batches, primus_dataset
+
     config = tmp_path / "run.yaml"
     run_config(config, backend, train={"steps": 2})
     config.write_text(config.read_text().replace("tiny-llama", "tiny-deepseek"))
     from_hf = train(config, tmp_path / "hf_run", f"train.init_from={hf_folder}")
-    canonical = train(config, tmp_path / "canonical_run")
-    assert len(from_hf) == 2 and abs(from_hf[0]["loss"] - canonical[0]["loss"]) > 1e-3
+    cfg = resolve(str(tmp_path / "hf_run" / "config.yaml"), ["train.init_from=null"]).config
+    micro = Batches(primus_dataset(cfg), cfg, 0, 1, "cpu").micro_batches(0)  # core's order: the same on both engines
+    tokens, labels = torch.cat([t for t, _ in micro]), torch.cat([y for _, y in micro])
+    logits = hf_logits(hf_folder, tokens)
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
+    assert len(from_hf) == 2 and from_hf[0]["loss"] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -157,9 +166,11 @@ RUNS = {
 # rule on a CPU): every linear forced, bf16 weights, against the engine's fp32 curve
 FP8 = ["train.precision=bf16", "kernels.fp8=rowwise", "kernels.fp8_recipe.linears=all"]
 RUNS |= {"megatron+fp8": ("megatron", 1, FP8), "torchtitan+fp8": ("torchtitan", 1, FP8)}
-# multi-token prediction (megatron only): one depth, on one rank and under TP 2 + SP
+# multi-token prediction (megatron only): one depth, on one rank, under TP 2 + SP and under PP 2 (the depth on the
+# last stage with its own copy of the embedding)
 MTP = ["model.mtp.layers=1"]
 RUNS |= {"megatron+mtp": ("megatron", 1, MTP), "megatron+mtp-tp2": ("megatron", 2, [*MTP, *RUNS["megatron-tp2"][2]])}
+RUNS |= {"megatron+mtp-pp2": ("megatron", 2, [*MTP, "parallel.pp=2"])}
 LOGS: dict[str, str] = {}
 
 
@@ -235,11 +246,14 @@ def test_fp8_on_latent_attention_tracks_the_fp32_curve(curves, engine):
 def test_two_ranks_train_the_one_rank_curve(curves, name):
     """EP 2 (experts split over 2 gloo ranks, all-to-all dispatch), TP 2 (MLA's up and output projections split, its
     down projections whole; TorchTitan splits the experts, megatron keeps them whole on each rank and routes each
-    rank's sequence-parallel half of the tokens), PP 2 (the dense layer and an MoE one a stage) and TorchTitan's FSDP 2 (every weight, the
-    experts' too, sharded over the 2 ranks): the single-rank curve of the engine."""
+    rank's sequence-parallel half of the tokens), PP 2 (the dense layer and an MoE one a stage) and TorchTitan's FSDP 2
+    (every weight, the experts' too, sharded over the 2 ranks): the single-rank curve of the engine; with multi-token
+    prediction its loss too."""
     ref, rows = curves[name.split("-")[0]], curves[name]
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=LOSS_RTOL)
     assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=GNORM_RTOL)
+    if "mtp_loss" in ref[0]:
+        assert [r["mtp_loss"] for r in rows] == pytest.approx([r["mtp_loss"] for r in ref], rel=LOSS_RTOL)
 
 
 def test_multi_token_prediction_trains_beside_the_main_loss(curves):

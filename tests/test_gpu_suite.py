@@ -40,6 +40,15 @@ def test_smoke_runs_every_part_and_every_row_passes(smoke):
     assert resumed["steps"] == list(range(1, gpu_suite.RESUME_END + 1)) and resumed["eval_loss"]
     assert 3 <= resumed["stopped_at"] < gpu_suite.RESUME_END - 1
     assert f"{len(result['rows'])} passed, 0 failed, 0 not run" in table
+    # one engine a part trains where the other's row is the same code (its command validated instead)
+    validated = {r["row"] for r in result["rows"] if r.get("note") == "validated, not trained (smoke)"}
+    assert validated == {
+        "fp8_dense/megatron/bf16",
+        "fp8_dense/megatron/fp8_rowwise",
+        "deepseek/torchtitan",
+        "sft_hf/megatron",
+    }
+    assert next(r for r in result["rows"] if r["row"] == "deepseek/megatron_mtp")["mtp_losses"]
 
 
 def test_a_speed_feature_slower_than_its_baseline_fails_its_row():

@@ -1,6 +1,6 @@
 """Fixtures of the megatron backend tests (helpers live in megatron_helpers, a unique module name)."""
 
-from megatron_helpers import dp2_straight, reference  # noqa: F401  (session fixtures)
+from megatron_helpers import bf16_run, dp2_straight, reference  # noqa: F401  (session fixtures)
 
 from primus.megatron.dist import OPTIONAL_KERNEL_WARNINGS
 

@@ -11,9 +11,12 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from primus.core.data.cache import build_once
 
 CONFIGS = Path(__file__).parent / "configs"
 TINY = str(CONFIGS / "tiny.yaml")
@@ -70,15 +73,36 @@ def losses(rows: list[dict]) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """``build(folder)`` once for the whole pytest run (each pytest-xdist worker has its own session: a session
+    fixture two workers use was built twice); tests copy what they change."""
+    base = tmp_path_factory.getbasetemp()
+    return build_once((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name, build)
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """World size 1 on the tiny config; writes the seed checkpoint every other layout loads and a
     full checkpoint at step 3 (for the resume tests)."""
-    root = tmp_path_factory.mktemp("megatron_ref")
-    seed = root / "seed"
-    out = root / "ws1"
-    rows = train(TINY, out, 1, f"train.save_initial={seed}", "checkpoint.enabled=true", "checkpoint.interval=3")
-    return {"seed": seed, "out": out, "rows": rows, "losses": losses(rows)}
+
+    def build(root: Path) -> None:
+        train(TINY, root / "ws1", 1, f"train.save_initial={root / 'seed'}", "checkpoint.enabled=true",
+              "checkpoint.interval=3")  # fmt: skip
+
+    root = built_once(tmp_path_factory, "megatron_ref", build)
+    rows = read_metrics(root / "ws1")
+    return {"seed": root / "seed", "out": root / "ws1", "rows": rows, "losses": losses(rows)}
+
+
+# bf16 compute (fp32 master weights) from core's canonical weights, the reference's too; the FP8 recipe's keys are
+# inert with kernels.fp8 off, and FP8's runs take the same ones
+BF16 = ("train.precision=bf16", "kernels.fp8_recipe.bf16_last_layers=1", "kernels.fp8_recipe.linears=all")
+
+
+@pytest.fixture(scope="session")
+def bf16_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One bf16 run for the tests that compare with one (bf16 against fp32, FP8 against bf16)."""
+    return read_metrics(built_once(tmp_path_factory, "megatron_bf16", lambda out: train(TINY, out, 1, *BF16)))
 
 
 # 2 ranks, default split (dp_shard = 2: the distributed optimizer), parameter all-gathers overlapping
@@ -94,7 +118,7 @@ DP2_CKPT = [
 @pytest.fixture(scope="session")
 def dp2_straight(reference: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """An uninterrupted 6-step run on 2 ranks from the reference's seed weights (keep_last 2)."""
-    out = tmp_path_factory.mktemp("megatron_dp2") / "straight"
     overrides = [f"train.init_from={reference['seed']}", *DP2_CKPT]
-    rows = train(TINY, out, 2, *overrides)
-    return {"out": out, "rows": rows, "losses": losses(rows), "overrides": overrides}
+    out = built_once(tmp_path_factory, "megatron_dp2", lambda root: train(TINY, root / "straight", 2, *overrides))
+    rows = read_metrics(out / "straight")
+    return {"out": out / "straight", "rows": rows, "losses": losses(rows), "overrides": overrides}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from megatron_helpers import CONFIGS, TINY, losses, primus, read_metrics, train
+from megatron_helpers import BF16, CONFIGS, TINY, losses, primus, read_metrics, train
 
 from primus.core.config.schema import KernelsConfig, PrimusConfig
 from primus.megatron.fp8 import fp8_layer_numbers, issues
@@ -37,16 +37,10 @@ def test_refusals_name_the_reason():
     assert any("hidden_size" in i.message and "136" in i.message for i in issues(odd))
 
 
-BF16 = ("train.precision=bf16", "kernels.fp8_recipe.bf16_last_layers=1", "kernels.fp8_recipe.linears=all")
-
-
 @pytest.fixture(scope="module")
-def bf16_losses(tmp_path_factory):
-    """The bf16 run both FP8 modes are compared with (one run for the two)."""
-    out = tmp_path_factory.mktemp("fp8_ref") / "bf16"
-    ref = primus("train", TINY, out, 1, *BF16)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    return losses(read_metrics(out))
+def bf16_losses(bf16_run):
+    """The bf16 run both FP8 modes are compared with (megatron_helpers.bf16_run)."""
+    return losses(bf16_run)
 
 
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])

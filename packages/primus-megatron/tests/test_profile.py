@@ -1,7 +1,7 @@
 """Profiling (issue #6): core's StepProfiler wraps the megatron training loop.
 
-``primus profile`` (one process) traces a few steps and writes the step-time report; on 2 ranks with
-``profile.ranks=[0,1]`` it writes one trace per rank and reports both.
+``primus profile`` traces a few steps and writes the step-time report; on 2 ranks with ``profile.ranks=[0,1]`` it
+writes one trace per rank and reports both (one process: the same code, run by TorchTitan's and the CLI's tests).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ FEW_STEPS = ["train.steps=2", "profile.wait=0", "profile.warmup=1", "profile.act
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "run"
-    proc = primus("profile", TINY, out, 1, *FEW_STEPS)
+    proc = primus("profile", TINY, out, 2, *FEW_STEPS, "profile.ranks=[0,1]")
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out
 
@@ -50,10 +50,8 @@ def test_report_counts_gemm_time(profiled):
     assert _category_shares((profiled / "profile" / "report.md").read_text())["gemm"] > 0
 
 
-def test_two_ranks_each_write_a_trace(tmp_path):
-    out = tmp_path / "run"
-    proc = primus("profile", TINY, out, 2, *FEW_STEPS, "profile.ranks=[0,1]")
-    assert proc.returncode == 0, proc.stderr[-6000:]
+def test_two_ranks_each_write_a_trace(profiled):
+    out = profiled
     report = (out / "profile" / "report.md").read_text()
     assert "| 0 |" in report and "| 1 |" in report
     for rank in (0, 1):

@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from primus.core.data.cache import build_once
 from primus.torchtitan import compat
 
 compat.import_torchtitan()  # before any test module imports torchtitan (CPU adaptations)
@@ -107,18 +110,26 @@ def losses(out: Path) -> list[float]:
     return [row["loss"] for row in metrics(out)]
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """``build(folder)`` once for the pytest run, whichever xdist worker asks first (core's data-cache lock)."""
+    base = tmp_path_factory.getbasetemp()
+    return build_once((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name, build)
+
+
+def _key(overrides: tuple[str, ...]) -> str:
+    return hashlib.sha1(repr(overrides).encode()).hexdigest()[:10]
+
+
 @pytest.fixture(scope="session")
 def seed_checkpoint(tmp_path_factory) -> callable:
     """One seed checkpoint per model config (core's ``train.save_initial`` of a one-step run at world size 1),
     loaded by every layout (``train.init_from``) so they all start from the same weights."""
-    made: dict[tuple[str, ...], str] = {}
 
     def get(*overrides: str) -> str:
-        if overrides not in made:
-            out = tmp_path_factory.mktemp("seed")
+        def build(out: Path) -> None:
             primus_train(TINY, out / "run", *overrides, f"train.save_initial={out / 'seed'}", "train.steps=1")
-            made[overrides] = str(out / "seed")
-        return made[overrides]
+
+        return str(built_once(tmp_path_factory, f"seed-{_key(overrides)}", build) / "seed")
 
     return get
 
@@ -126,14 +137,11 @@ def seed_checkpoint(tmp_path_factory) -> callable:
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, seed_checkpoint):
     """World size 1 from the seed checkpoint, per model (8 steps)."""
-    runs = {}
 
-    def get(model: tuple[str, ...]):
-        if model not in runs:
-            out = tmp_path_factory.mktemp("ws1")
-            primus_train(TINY, out, *model, f"train.init_from={seed_checkpoint(*model)}")
-            runs[model] = out
-        return runs[model]
+    def get(model: tuple[str, ...]) -> Path:
+        seed = seed_checkpoint(*model)
+        build = lambda out: primus_train(TINY, out, *model, f"train.init_from={seed}")  # noqa: E731
+        return built_once(tmp_path_factory, f"ws1-{_key(model)}", build)
 
     return get
 
@@ -141,12 +149,12 @@ def reference(tmp_path_factory, seed_checkpoint):
 @pytest.fixture(scope="session")
 def fsdp2_straight(tmp_path_factory, seed_checkpoint):
     """2 ranks (FSDP dp_shard 2) from the seed checkpoint, 8 steps uninterrupted, a checkpoint every 2 steps
-    (all kept): the reference of the resume and crash-safety tests."""
-    out = tmp_path_factory.mktemp("fsdp2")
+    (all kept): the reference of the resume and crash-safety tests, and the FSDP 2 layout's run (test_train)."""
     overrides = (
         f"train.init_from={seed_checkpoint()}",
         "parallel.dp_shard=2",
         "checkpoint.interval=2",
     )
-    primus_train(TINY, out, *overrides, "checkpoint.keep_last=4", nproc=2)
+    build = lambda out: primus_train(TINY, out, *overrides, "checkpoint.keep_last=4", nproc=2)  # noqa: E731
+    out = built_once(tmp_path_factory, "fsdp2", build)
     return {"out": out, "overrides": overrides, "losses": losses(out), "rows": metrics(out)}

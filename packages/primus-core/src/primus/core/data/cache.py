@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,6 +43,17 @@ def file_lock(path: Path) -> Iterator[None]:
         finally:
             if locked:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_once(folder: Path, build: Callable[[Path], object]) -> Path:
+    """``build(folder)`` unless a finished build is there, under :func:`file_lock`: of several processes the first
+    builds and the others wait, then read it; a build that died part way (no ``.built`` mark) is cleared and redone."""
+    with file_lock(folder):
+        if not (folder / ".built").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            build(folder)
+            (folder / ".built").touch()
+    return folder
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
