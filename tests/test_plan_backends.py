@@ -104,8 +104,9 @@ def test_the_405b_recipe_is_planned_on_the_cluster():
 
 
 def test_a_layout_inside_the_error_band_is_not_recommended():
-    """llama3.1-8b-torchtitan-fsdp on 1×8 MI300X recommended DDP at 169.4 of 173 usable GiB, inside the ±10% the estimate is
-    held to; with the headroom it takes a layout with that much free, and the micro-batch it is fastest with."""
+    """llama3.1-8b-torchtitan-fsdp on 1×8 MI300X recommended DDP at 169.4 of 173 usable GiB, inside the ±10% the
+    estimate is held to; with the headroom it takes a layout with that much free, and the micro-batch it is fastest
+    with."""
     _engine("torchtitan")
     run = _plan("llama3.1-8b-torchtitan-fsdp", "--device", "MI300X")
     assert run.exit_code == 0, run.output

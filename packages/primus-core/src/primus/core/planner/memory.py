@@ -30,8 +30,9 @@ cross-entropy (where the engine's profile says it uses one) one chunk of them pl
 states' gradients. Multi-token prediction (``model.mtp``, D depths, on the last stage): each depth adds a block (its
 parameters and activations), its eh_proj input (2d) and a head's logits again (the fp32 loss copy of every head is
 held until the backward, 4 more bytes a logit a depth; megatron keeps its own loss there, see
-``EngineProfile.fused_loss_refused``); measured within 3% on an H100 (benchmarks/README.md, 2026-12-07). An engine whose profile trains fp32 weights under autocast (``autocast``) without FSDP keeps
-its layer input and residual in fp32 (4 bytes), the rest bf16.
+``EngineProfile.fused_loss_refused``); measured within 3% on an H100 (benchmarks/README.md, 2026-12-07). An
+engine whose profile trains fp32 weights under autocast (``autocast``) without FSDP keeps its layer input and
+residual in fp32 (4 bytes), the rest bf16.
 With FP8 GEMMs (``fp8`` not off) the "fp8" part is what FP8 adds and takes off, and is mostly negative: an e4m3
 copy of the FP8 layers' weights (tensorwise) replaces autocast's bf16 one, and their linears keep their inputs in
 fewer bytes (:func:`fp8_bytes`).
