@@ -175,10 +175,12 @@ class Suite:
         ov = [*overrides, f"logging.output_dir={out}"]
         t0, started = time.monotonic(), time.time()
         row: dict[str, Any] = {"row": name, "command": shlex.join(["primus", "train", preset, *ov])}
-        proc = primus("config", "validate", preset, *ov, timeout=60) if check_only else None
-        if check_only and proc.returncode == 0:
-            return {**row, "status": "passed", "smoke": True, "note": "validated, not trained (smoke)"}
-        proc = proc or primus("train", preset, *ov, timeout=timeout)
+        if check_only:
+            proc = primus("config", "validate", preset, *ov, timeout=60)
+            if proc.returncode == 0:
+                return {**row, "status": "passed", "smoke": True, "note": "validated, not trained (smoke)"}
+        else:
+            proc = primus("train", preset, *ov, timeout=timeout)
         row["wall_s"] = round(time.monotonic() - t0, 1)
         if proc.returncode != 0:
             return {**row, "status": "failed", "reason": f"exit {proc.returncode}: {tail(proc)}"}

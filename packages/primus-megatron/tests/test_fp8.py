@@ -37,18 +37,12 @@ def test_refusals_name_the_reason():
     assert any("hidden_size" in i.message and "136" in i.message for i in issues(odd))
 
 
-@pytest.fixture(scope="module")
-def bf16_losses(bf16_run):
-    """The bf16 run both FP8 modes are compared with (megatron_helpers.bf16_run)."""
-    return losses(bf16_run)
-
-
 @pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
-def test_tiny_run_fp8_tracks_bf16(mode, tmp_path, bf16_losses):
+def test_tiny_run_fp8_tracks_bf16(mode, tmp_path, bf16_run):
     fp8 = primus("train", TINY, tmp_path / "fp8", 1, *BF16, f"kernels.fp8={mode}")
     assert fp8.returncode == 0, fp8.stderr[-3000:]
     assert f"fp8 ({mode}): FP8 linears in blocks [0, 1, 2] of 0-3" in " ".join(fp8.stderr.split())
-    a, b = losses(read_metrics(tmp_path / "fp8")), bf16_losses
+    a, b = losses(read_metrics(tmp_path / "fp8")), losses(bf16_run)  # megatron_helpers.bf16_run
     assert a[-1] < a[0] - 0.15
     assert max(abs(x - y) / y for x, y in zip(a, b, strict=True)) < 0.01
     assert a != b  # FP8 really ran

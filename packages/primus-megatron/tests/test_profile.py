@@ -51,11 +51,10 @@ def test_report_counts_gemm_time(profiled):
 
 
 def test_two_ranks_each_write_a_trace(profiled):
-    out = profiled
-    report = (out / "profile" / "report.md").read_text()
+    report = (profiled / "profile" / "report.md").read_text()
     assert "| 0 |" in report and "| 1 |" in report
     for rank in (0, 1):
-        trace = json.loads((out / "traces" / f"rank{rank}.json").read_text())
+        trace = json.loads((profiled / "traces" / f"rank{rank}.json").read_text())
         names = {e.get("name", "") for e in trace["traceEvents"]}
         assert any(n.startswith("LinearWithGradAccumulation") for n in names), rank
         assert any("gloo" in n or "all_reduce" in n.lower() for n in names), rank  # the DP gradient reduce

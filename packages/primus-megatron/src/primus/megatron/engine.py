@@ -169,10 +169,7 @@ class MegatronEngine:
         init_parallel(p.tp, p.pp, p.vpp, p.cp, _optimizer_instances(cfg), timeout_s, ep=p.ep)
         seed(t.seed)
         # what RoPE and the output layer + loss run (megatron's own, or a provider's), with the reason
-        swapped = {
-            "rope": rope_impl(ctx.kernels)[1],
-            "output_loss": fused_loss(ctx.kernels, p.tp, mtp=cfg.model.mtp is not None)[1],
-        }
+        swapped = {"rope": rope_impl(ctx.kernels)[1], "output_loss": fused_loss(ctx.kernels, cfg)[1]}
         if self.rank == 0:
             log.info(
                 "megatron layer spec: attention=%s, rms_norm=%s, swiglu=%s from the kernel providers; rope: %s; "

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from primus.core.config.schema import PrimusConfig
 from primus.core.contracts.protocols import KernelProvider
 from primus.core.planner.profile import fused_loss_refusal
 
@@ -42,17 +43,15 @@ class FusedLossGPTModel(GPTModel):
         return mean.expand(labels.shape)
 
 
-def fused_loss(
-    kernels: dict[str, KernelProvider], tp: int, *, mtp: bool = False
-) -> tuple[Callable[..., torch.Tensor] | None, str]:
-    """The provider's fused linear + cross-entropy for this run (None: megatron's output layer + loss), and why.
-    ``mtp``: the model has multi-token-prediction depths."""
+def fused_loss(kernels: dict[str, KernelProvider], cfg: PrimusConfig) -> tuple[Callable[..., torch.Tensor] | None, str]:
+    """The provider's fused linear + cross-entropy for this run (None: megatron's output layer + loss), and why: its
+    tensor parallelism and multi-token prediction decide (core's rule, ``fused_loss_refusal``)."""
     prov = kernels.get("cross_entropy")
     fn = getattr(prov.load(), "linear_cross_entropy", None) if prov is not None else None
     if fn is None:
         name = prov.name if prov is not None else "none"
         return None, f"cross_entropy provider {name!r} offers no fused linear + cross-entropy: megatron's own"
-    if why := fused_loss_refusal("megatron", tp=tp, mtp=mtp):
+    if why := fused_loss_refusal("megatron", tp=cfg.parallel.tp, mtp=cfg.model.mtp is not None):
         return None, f"{why}: megatron's vocab-parallel loss"
     return fn, f"{prov.name} fused linear + cross-entropy"
 

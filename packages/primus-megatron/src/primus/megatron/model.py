@@ -190,7 +190,7 @@ def build_chunks(
 ) -> list[torch.nn.Module]:
     """This rank's model chunks (vpp of them), unwrapped, on the current device."""
     m = cfg.model
-    fused, _ = fused_loss(kernels, cfg.parallel.tp, mtp=m.mtp is not None)
+    fused, _ = fused_loss(kernels, cfg)
     chunks = []
     for vp in range(cfg.parallel.vpp):
         vp_stage = vp if cfg.parallel.vpp > 1 else None

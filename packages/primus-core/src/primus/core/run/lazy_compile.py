@@ -25,8 +25,8 @@ _installed = threading.Lock()
 
 def defer_torch_compile(*, eager: bool = False) -> None:
     """Make ``torch.compile(fn, ...)`` of a plain function (also as a decorator) return a wrapper that compiles
-    ``fn`` with the real ``torch.compile`` and the same arguments on its first call (``eager``: that runs ``fn`` as
-    written, never compiled). Idempotent (the first call's ``eager`` stays); call it before the engine's modules are
+    ``fn`` with the real ``torch.compile`` and the same arguments on its first call (``eager``: ``fn`` itself, never
+    compiled). Idempotent (the first call's ``eager`` stays); call it before the engine's modules are
     imported (a module imported earlier keeps what it compiled then)."""
     import torch
 
@@ -45,7 +45,7 @@ def _deferring(compile_: Callable[..., Any], eager: bool) -> Callable[..., Any]:
             return lambda fn: compile(fn, **kwargs)
         if isinstance(model, torch.nn.Module) or not callable(model):
             return compile_(model, **kwargs)
-        return _deferred((lambda fn, **_: fn) if eager else compile_, model, kwargs)
+        return model if eager else _deferred(compile_, model, kwargs)
 
     compile._primus_deferred = True  # type: ignore[attr-defined]
     return compile
