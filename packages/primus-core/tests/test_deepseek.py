@@ -175,14 +175,15 @@ def test_planner_counts_mla_widths_and_latents(registry):
 def test_one_tensor_parallel_ranks_latent_attention_linears(registry):
     """Both engines' per-rank MLA shapes under TP: the down projections whole, o split by its input, q_b and kv_b by
     their output (DeepSeek-V3: 7168 -> 1536 whole; 1536 -> 128 × 192 / 8; 128 × 128 / 8 -> 7168)."""
-    from primus.core.config.deepseek import attention_linears, rank_attention_linears
+    from primus.core.config.deepseek import attention_linears
+    from primus.core.kernels.linears import attention_linears as rank_linears
 
     m = model_config("deepseek-v3", registry)
-    whole, rank = attention_linears(m), rank_attention_linears(m, 8)
+    whole, rank = attention_linears(m), {role: linear.shape for role, linear in rank_linears(m, 8).items()}
     assert rank["q_a"] == whole["q_a"] == (7168, 1536) and rank["kv_a"] == whole["kv_a"] == (7168, 576)
     assert rank["q_b"] == (1536, 128 * 192 // 8) and rank["kv_b"] == (512, 128 * 256 // 8)
     assert rank["o"] == (128 * 128 // 8, 7168)
-    assert rank_attention_linears(m, 1) == whole
+    assert {role: linear.shape for role, linear in rank_linears(m, 1).items()} == whole
 
 
 def test_multi_token_prediction_names_shapes_and_counts(registry):

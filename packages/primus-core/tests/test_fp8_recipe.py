@@ -93,7 +93,8 @@ def test_the_linears_rule_follows_the_measured_bound():
 
 def test_the_planner_counts_only_the_linears_the_rule_puts_in_fp8():
     """Eager with ``linears: auto``: Llama 1B's MLP in FP8 (2048 x 8192 reaches 4096²), not its attention, and under
-    TP 2 none (each rank's share is under the bound); Llama 70B's every linear, and under TP 8 its MLP alone;
+    TP 2 none (each rank's share is under the bound); Llama 70B's every linear but k and v (8192 x 1024 each), which
+    an engine that runs q, k, v as one GEMM (megatron's qkv) puts in FP8 too, and under TP 8 its MLP alone;
     compiled, every one."""
     from primus.core.config.loader import load_layers
     from primus.core.config.presets import resolver
@@ -104,12 +105,17 @@ def test_the_planner_counts_only_the_linears_the_rule_puts_in_fp8():
     def model_of(preset: str) -> ModelConfig:  # the preset's model section alone (core's tests run with no engine)
         return ModelConfig.model_validate(load_layers(preset, [], resolver(get_registry())).data["model"])
 
-    def share(preset: str, tp: int = 1, **terms) -> float:
-        return KernelTerms(fp8="rowwise", fp8_linears="auto", **terms).fp8_share(model_of(preset), tp)
+    def share(preset: str, tp: int = 1, groups: dict | None = None, **terms) -> float:
+        return KernelTerms(fp8="rowwise", fp8_linears="auto", **terms).fp8_share(
+            model_of(preset), tp, 1, None, groups or {}
+        )
+
+    one_gemm = {"qkv": ("q", "k", "v"), "fc1": ("gate", "up")}  # an engine's GEMM groups (megatron's)
 
     assert 0.8 < share("llama3.2-1b") < 0.9 and share("llama3.2-1b", tp=2) == 0.0
     assert share("llama3.2-1b", compiled=True) == 1.0
-    assert share("llama3.1-70b") == 1.0 and 0.8 < share("llama3.1-70b", tp=8) < 0.9
+    assert 0.97 < share("llama3.1-70b") < 1.0 and share("llama3.1-70b", groups=one_gemm) == 1.0
+    assert 0.8 < share("llama3.1-70b", tp=8) < 0.9 and 0.8 < share("llama3.1-70b", tp=8, groups=one_gemm) < 0.9
     assert KernelTerms(fp8="rowwise").fp8_share(model_of("llama3.2-1b")) == 1.0
     # a mixture of experts: eager auto leaves Qwen3-30B-A3B's attention (q 2048 x 4096) bf16 and core's experts rule
     # its routed experts (no device measures FP8 grouped GEMMs faster), so nothing is FP8, as its GPU runs show;

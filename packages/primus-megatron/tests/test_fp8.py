@@ -13,12 +13,14 @@ import pytest
 from megatron_helpers import BF16, CONFIGS, TINY, losses, primus, read_metrics, train
 
 from primus.core.config.schema import KernelsConfig, PrimusConfig
-from primus.megatron.fp8 import fp8_layer_numbers, issues
+from primus.megatron.fp8 import issues, plan
 
 
 def test_block_selection_counts_global_layers():
-    k = KernelsConfig(fp8="rowwise", fp8_recipe={"bf16_first_layers": 1, "bf16_last_layers": 2})
-    assert fp8_layer_numbers(k, 8) == {1, 2, 3, 4, 5}
+    k = {"fp8": "rowwise", "fp8_recipe": {"bf16_first_layers": 1, "bf16_last_layers": 2}}
+    c = PrimusConfig.model_validate({"model": {"num_layers": 8}, "train": {"precision": "bf16"}, "kernels": k})
+    assert plan(c, {"fp8": None}).blocks == {1, 2, 3, 4, 5}
+    assert plan(c.model_copy(update={"kernels": KernelsConfig()}), {}) is None
 
 
 def test_refusals_name_the_reason():
@@ -88,9 +90,15 @@ def test_moe_block_spec_in_fp8():
     kernels = {"swiglu": SimpleNamespace(impl="primus.core.kernels.reference:swiglu"), "fp8": fp8,
                "grouped_gemm": SimpleNamespace(name="grouped_mm", impl="primus.turbo.grouped_gemm:grouped_gemm",
                                                load=lambda: None)}  # fmt: skip
-    small = SimpleNamespace(tensor_model_parallel_size=1, hidden_size=64, moe_shared_expert_intermediate_size=128,
-                            gated_linear_unit=True)  # fmt: skip
-    spec = moe_spec(kernels, shared=True, fp8=k, config=small).submodules
+
+    def run(kernels_config: KernelsConfig, hidden: int = 64, shared: int = 128, tp: int = 1) -> PrimusConfig:
+        model = {"hidden_size": hidden, "num_attention_heads": 32, "num_kv_heads": 8,
+                 "moe": {"num_experts": 4, "shared_experts": 1, "expert_ffn_hidden_size": shared}}  # fmt: skip
+        train = {"precision": "bf16", "seq_len": 4096, "micro_batch_size": 2}  # 8192 tokens a micro-batch
+        c = {"model": model, "train": train, "parallel": {"tp": tp}, "kernels": kernels_config.model_dump()}
+        return PrimusConfig.model_validate(c)
+
+    spec = moe_spec(kernels, shared=True, fp8=plan(run(k), kernels)).submodules
     assert spec.experts.module is StackedExperts
     gemm = spec.experts.params["gemm"]
     assert gemm.func is fp8_grouped_gemm and gemm.keywords["recipe"].mode == "rowwise"
@@ -98,17 +106,18 @@ def test_moe_block_spec_in_fp8():
     plain = moe_spec(kernels, shared=True).submodules
     assert plain.experts.params["gemm"] == kernels["grouped_gemm"].impl
     # core's rules: bf16 experts (not measured faster), and shared linears in FP8 only where FP8 was measured faster
-    auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise"), config=small).submodules
+    auto_k = KernelsConfig(fp8="rowwise")
+    auto = moe_spec(kernels, shared=True, fp8=plan(run(auto_k), kernels)).submodules
     assert auto.experts.params["gemm"] == kernels["grouped_gemm"].impl
     assert auto.shared_experts.submodules.linear_fc1 is ColumnParallelLinear  # 64 x 256: bf16
     # 4096 x 2·4096 fc1 in FP8 (megatron runs eager: from 4096²), 4096 x 4096 fc2 too; under TP 2 a rank's fc2 is
     # 2048 x 4096
-    big = SimpleNamespace(**{**vars(small), "hidden_size": 4096, "moe_shared_expert_intermediate_size": 4096})
-    auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise"), config=big).submodules.shared_experts
+    big = plan(run(auto_k, hidden=4096, shared=4096), kernels)
+    auto = moe_spec(kernels, shared=True, fp8=big).submodules.shared_experts
     assert auto.submodules.linear_fc1.module is linear_classes(fp8)[0]
     assert auto.submodules.linear_fc2.module is linear_classes(fp8)[1]
-    tp2 = SimpleNamespace(**{**vars(big), "tensor_model_parallel_size": 2})
-    auto = moe_spec(kernels, shared=True, fp8=KernelsConfig(fp8="rowwise"), config=tp2).submodules.shared_experts
+    tp2 = plan(run(auto_k, hidden=4096, shared=4096, tp=2), kernels)
+    auto = moe_spec(kernels, shared=True, fp8=tp2).submodules.shared_experts
     assert auto.submodules.linear_fc1.module is linear_classes(fp8)[0]  # 4096 x 4096 a rank
     assert auto.submodules.linear_fc2 is RowParallelLinear
     assert plain.shared_experts.submodules.linear_fc1 is ColumnParallelLinear

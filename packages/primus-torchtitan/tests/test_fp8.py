@@ -24,39 +24,61 @@ def test_skip_rules_pick_the_right_linears():
     assert keeps_bf16("output", num_layers=6, recipe=Fp8Recipe())  # the head stays bf16 by default
 
 
+def meta_linears(c: PrimusConfig) -> dict:
+    """The model torchtitan builds for ``c`` (on the meta device): its linears by name."""
+    import torch
+
+    from primus.torchtitan.models import base_train_spec, model_args
+
+    with torch.device("meta"):
+        model = base_train_spec(c.model).model_cls(model_args(c.model, c.train.seq_len))
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def preset_model(name: str) -> dict:
+    from primus.core.config.presets import model_config
+    from primus.core.contracts.plugins import get_registry
+
+    return model_config(name, get_registry()).model_dump()
+
+
+def run_config(model: dict | str, tp: int = 1, linears: str = "auto", **train) -> PrimusConfig:
+    train = {"precision": "bf16", "seq_len": 4096, "micro_batch_size": 2, **train}
+    return PrimusConfig.model_validate(
+        {"model": model, "train": train, "parallel": {"tp": tp}, "kernels": {"fp8": "rowwise", "fp8_recipe": {"linears": linears}}}
+    )  # fmt: skip
+
+
+# a block of 8B's attention (4096, 32 heads, 8 KV heads) with a 28,672-wide MLP
+WIDE_MLP = {"hidden_size": 4096, "num_layers": 1, "num_attention_heads": 32, "num_kv_heads": 8,
+            "ffn_hidden_size": 28672, "vocab_size": 256}  # fmt: skip
+
+
 def test_auto_keeps_the_linears_fp8_is_measured_slower_on_in_bf16():
     """``fp8_recipe.linears: auto``: eager, a block linear in FP8 only where its per-rank weight reaches core's
-    measured bound (4096² at 8192 tokens a micro-batch, this config's: 8B's q/o and MLP here, not its k/v; under TP 4
-    a rank's MLP share alone; at fewer tokens a larger weight); compiled, every one; the routed experts are core's
-    other rule."""
-    from types import SimpleNamespace
-
+    measured bound (4096² at 8192 tokens a micro-batch, this config's: q/o and the MLP here, not k/v; under TP 4
+    a rank's MLP share alone); compiled, every one; the routed experts are core's other rule. The linears are the
+    model torchtitan builds."""
     from primus.torchtitan.fp8 import skip_rule
 
-    shapes = {"attention.wq": (4096, 4096), "attention.wk": (4096, 1024), "attention.wo": (4096, 4096)}
-    shapes |= {"feed_forward.w1": (8192, 28672), "feed_forward.w2": (28672, 8192), "feed_forward.w3": (8192, 28672)}
-    modules = {f"layers.0.{k}": SimpleNamespace(in_features=i, out_features=o) for k, (i, o) in shapes.items()}
+    modules = meta_linears(run_config(WIDE_MLP))
+    block = [n.split(".", 2)[2] for n in modules if n.startswith("layers.0.")]
 
     def in_fp8(compile: bool, tp: int = 1, linears: str = "auto") -> list[str]:
-        c = PrimusConfig.model_validate(
-            {"train": {"precision": "bf16", "compile": compile, "seq_len": 4096, "micro_batch_size": 2},
-             "parallel": {"tp": tp},
-             "kernels": {"fp8": "rowwise", "fp8_recipe": {"linears": linears}}}
-        )  # fmt: skip
         kept: list[str] = []
-        skip = skip_rule(c, kept)
-        fp8 = [n.split(".", 2)[2] for n, m in modules.items() if not skip(n, m)]
-        assert sorted(fp8 + [n.split(".", 2)[2] for n in kept]) == sorted(shapes)  # each linear either way
-        return fp8
+        skip = skip_rule(run_config(WIDE_MLP, tp, linears, compile=compile), kept)
+        fp8 = [n.split(".", 2)[2] for n, m in modules.items() if n.startswith("layers.") and not skip(n, m)]
+        assert sorted(fp8 + [n.split(".", 2)[2] for n in kept]) == sorted(block)  # each linear either way
+        return sorted(fp8)
 
     mlp = ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
-    assert in_fp8(compile=False) == ["attention.wq", "attention.wo", *mlp]
-    assert in_fp8(compile=False, tp=4) == mlp  # a rank's q/o share, 4096 x 1024, is under the bound; 8192 x 7168 not
-    assert in_fp8(compile=True) == in_fp8(compile=True, tp=4) == in_fp8(compile=False, linears="all") == list(shapes)
-    half = PrimusConfig.model_validate(
-        {"train": {"precision": "bf16", "seq_len": 4096, "micro_batch_size": 1}, "kernels": {"fp8": "rowwise"}}
-    )
-    assert [n for n, m in modules.items() if not skip_rule(half, [])(n, m)] == [f"layers.0.{k}" for k in mlp]
+    assert in_fp8(compile=False) == ["attention.wo", "attention.wq", *mlp]
+    assert in_fp8(compile=False, tp=4) == mlp  # a rank's q/o share, 4096 x 1024, is under the bound; 4096 x 7168 not
+    assert in_fp8(compile=True) == in_fp8(compile=True, tp=4) == in_fp8(compile=False, linears="all") == sorted(block)
+    half = run_config(WIDE_MLP, micro_batch_size=1)
+    assert sorted(n for n, m in modules.items() if n.startswith("layers.") and not skip_rule(half, [])(n, m)) == [
+        f"layers.0.{k}" for k in mlp
+    ]
     assert not skip_rule(cfg(), [])("layers.0.moe.experts", None)  # experts: fp8_experts decides, not the shape
 
 
@@ -64,27 +86,36 @@ def test_latent_attention_linears_take_the_same_rule():
     """DeepSeek-V3's MLA linears: q_b (1536 x 24576), kv_b (512 x 32768) and wo reach the eager bound, the down
     projections wq_a (7168 x 1536) and wkv_a (7168 x 576) do not; under TP torchtitan keeps the down projections whole
     on every rank, and the FP8 linear's TP path takes sharded weights only: bf16 even with linears: all."""
-    from types import SimpleNamespace
-
     from primus.torchtitan.fp8 import skip_rule
 
-    shapes = {"wq_a": (7168, 1536), "wq_b": (1536, 24576), "wkv_a": (7168, 576), "wkv_b": (512, 32768)}
-    shapes["wo"] = (16384, 7168)
-    modules = {
-        f"layers.0.attention.{k}": SimpleNamespace(in_features=i, out_features=o) for k, (i, o) in shapes.items()
-    }
+    v3 = {**preset_model("deepseek-v3"), "num_layers": 1, "mtp": None}
+    modules = {n: m for n, m in meta_linears(run_config(v3)).items() if ".attention." in n}
+    assert [n.rsplit(".", 1)[1] for n in modules] == ["wq_a", "wq_b", "wkv_a", "wkv_b", "wo"]
 
     def in_fp8(tp: int = 1, linears: str = "auto") -> list[str]:
-        c = PrimusConfig.model_validate(
-            {"train": {"precision": "bf16", "seq_len": 4096, "micro_batch_size": 2}, "parallel": {"tp": tp},
-             "kernels": {"fp8": "rowwise", "fp8_recipe": {"linears": linears}}}
-        )  # fmt: skip
-        skip = skip_rule(c, [])
+        skip = skip_rule(run_config(v3, tp, linears), [])
         return [n.rsplit(".", 1)[1] for n, m in modules.items() if not skip(n, m)]
 
     assert in_fp8() == ["wq_b", "wkv_b", "wo"]
-    assert in_fp8(linears="all") == list(shapes)
+    assert in_fp8(linears="all") == ["wq_a", "wq_b", "wkv_a", "wkv_b", "wo"]
     assert in_fp8(tp=2, linears="all") == ["wq_b", "wkv_b", "wo"]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe", "tiny-deepseek"])
+def test_core_shape_table_is_the_model_torchtitan_builds(preset):
+    """Core's table of a block's linears (``primus.core.kernels.linears``, which the planner weighs too) names every
+    FP8-eligible linear of the model torchtitan builds, at its shape; a module of another shape is refused."""
+    from types import SimpleNamespace
+
+    from primus.torchtitan.fp8 import BLOCK_LINEAR, rank_linears, skip_rule
+
+    c = run_config(preset_model(preset), linears="all")
+    table = rank_linears(c.model, 1)
+    block = {n.split(".", 2)[2]: m for n, m in meta_linears(c).items() if BLOCK_LINEAR.match(n)}
+    assert block and all((m.in_features, m.out_features) == table[n].shape for n, m in block.items())
+    wrong = SimpleNamespace(in_features=1, out_features=1)
+    with pytest.raises(RuntimeError, match="core's shape table"):
+        skip_rule(c, [])(f"layers.{c.model.num_layers - 1}.attention.{next(iter(block)).rsplit('.', 1)[1]}", wrong)
 
 
 def cfg(**recipe) -> PrimusConfig:

@@ -73,7 +73,7 @@ def router_fields(m: ModelConfig) -> dict[str, Any]:
 def attention_spec(norm: Any, core_attention: Any, linears: dict[str, Any] | None = None) -> Any:
     """MLASelfAttention with megatron's local linears, ``norm`` (the spec of both latent RMSNorms) and
     ``core_attention`` (Primus's provider attention; both from :mod:`primus.megatron.layer_spec`); ``linears``
-    replaces some (FP8 ones: :func:`primus.megatron.fp8.linear_specs` with ``mla``)."""
+    replaces some (FP8 ones: :func:`primus.megatron.fp8.linear_specs`)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules

@@ -34,16 +34,16 @@ shared experts' linears are these FP8 linears, the router stays bf16. Megatron's
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from primus.core.contracts.protocols import ConfigIssue
-from primus.core.kernels.fp8_recipe import (
-    FP8_RULE_TOKENS,
-    config_issues,
-    fp8_blocks,
-    fp8_linear_rule,
-    fp8_linears_note,
-)
+from primus.core.contracts.protocols import ConfigIssue, KernelProvider
+from primus.core.kernels import linears
+from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear_rule, fp8_linears_note, gemm_tokens
+from primus.megatron.planner_profile import GEMM_GROUPS
+
+if TYPE_CHECKING:
+    from primus.core.config.schema import ModelConfig, PrimusConfig
 
 log = logging.getLogger("primus.megatron")
 
@@ -52,57 +52,95 @@ log = logging.getLogger("primus.megatron")
 FP8_EXPERTS_NEED = "FP8 experts run as the FP8 provider's grouped GEMM over stacked expert weights"
 
 
-def fp8_layer_numbers(kernels: Any, num_layers: int) -> set[int]:
-    """0-based global block indices whose linears run in FP8 under the recipe."""
-    r = kernels.fp8_recipe
-    return set(fp8_blocks(num_layers, r.bf16_first_layers, r.bf16_last_layers))
+@dataclass(frozen=True)
+class Fp8Linears:
+    """A run's FP8 linears in megatron's block specs, decided once from its config (:func:`plan`): the blocks in FP8
+    (global numbers, the recipe's ``bf16_*_layers`` left out) and in each the linears ``fp8_recipe.linears`` puts in
+    FP8 at one rank's shapes (:func:`linear_shapes`), by megatron's submodule name."""
+
+    kernels: Any  # the config's kernels section (its recipe)
+    provider: KernelProvider  # the run's ``fp8`` kernel choice
+    blocks: frozenset[int]
+    block: frozenset[str]  # attention's and the dense MLP's
+    shared: frozenset[str]  # the shared experts' linear_fc1 / linear_fc2
+    note: str  # the linears left in bf16, and why ("" where none)
+    linear_free: bool  # no dense linear of any block is in FP8 (only routed experts may be)
 
 
-def chunk_fp8_flags(
-    config: Any, kernels: Any, *, vp_stage: int | None, n: int, mla: Any = None, tokens: int = FP8_RULE_TOKENS
-) -> list[bool]:
-    """Per block of this model chunk (n blocks, pipeline offset from megatron): FP8 linears or not; ``mla``: core's
-    ModelConfig of a latent-attention model (its attention linears in the kernel log); ``tokens``: a micro-batch's
-    on one rank (:func:`primus.core.kernels.fp8_recipe.gemm_tokens`)."""
+def plan(cfg: PrimusConfig, kernels: dict[str, KernelProvider]) -> Fp8Linears | None:
+    """The run's :class:`Fp8Linears` (None with ``kernels.fp8: off``) on its ``fp8`` kernel choice (of ``kernels``).
+    Megatron-core's model runs eager here: core's eager shape rule at a micro-batch's tokens on one rank."""
+    k, m, tp = cfg.kernels, cfg.model, cfg.parallel.tp
+    if k.fp8 == "off":
+        return None
+    pays = fp8_linear_rule(k, compiled=False, tokens=gemm_tokens(cfg))
+    block, shared = linear_shapes(m, tp), linear_shapes(m, tp, shared=True)
+    # the linears a block of this model holds, for the note: no dense MLP where every block is MoE
+    every_moe = m.moe is not None and all(map(m.moe.is_moe_layer, range(m.num_layers)))
+    held = {n: s for n, s in block.items() if n not in DENSE_MLP or not every_moe}
+    held |= {f"shared {n}": s for n, s in shared.items()}
+    kept = [name for name, shape in held.items() if not pays(*shape)]
+    r = k.fp8_recipe
+    return Fp8Linears(
+        k,
+        kernels["fp8"],
+        frozenset(fp8_blocks(m.num_layers, r.bf16_first_layers, r.bf16_last_layers)),
+        frozenset(n for n, shape in block.items() if pays(*shape)),
+        frozenset(n for n, shape in shared.items() if pays(*shape)),
+        f"{', '.join(kept)}: {fp8_linears_note(len(kept), len(held))}" if kept else "",
+        len(kept) == len(held),
+    )
+
+
+def chunk_fp8_flags(config: Any, fp8: Fp8Linears, *, vp_stage: int | None, n: int) -> list[bool]:
+    """Per block of this model chunk (n blocks, pipeline offset from megatron): FP8 linears or not."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-    in_fp8 = fp8_layer_numbers(kernels, config.num_layers)
-    flags = [offset + i in in_fp8 for i in range(n)]
+    flags = [offset + i in fp8.blocks for i in range(n)]
     blocks = [offset + i for i, on in enumerate(flags) if on]
-    shapes = linear_shapes(config, mla=mla)
-    freq = config.moe_layer_freq  # megatron's: 1 (every block), or a list of 0 / 1 per block
-    if config.num_moe_experts and (all(freq) if isinstance(freq, list) else freq == 1):  # no dense fc1 / fc2
-        shapes = {k: v for k, v in shapes.items() if k not in ("linear_fc1", "linear_fc2")}
-    if config.moe_shared_expert_intermediate_size:
-        shapes |= {f"shared {k}": v for k, v in linear_shapes(config, shared=True).items()}
-    pays = fp8_linear_rule(kernels, compiled=False, tokens=tokens)
-    kept = [name for name, shape in shapes.items() if not pays(*shape)]
-    note = f"{', '.join(kept)}: {fp8_linears_note(len(kept), len(shapes))}" if kept else ""
-    if blocks and len(kept) == len(shapes) and not (config.num_moe_experts and kernels.fp8_recipe.experts == "fp8"):
-        log.warning("kernels.fp8=%s: no linear of this model's blocks is in FP8 (%s)", kernels.fp8, note)
+    mode = fp8.kernels.fp8
+    if blocks and fp8.linear_free and not (config.num_moe_experts and fp8.kernels.fp8_recipe.experts == "fp8"):
+        log.warning("kernels.fp8=%s: no linear of this model's blocks is in FP8 (%s)", mode, fp8.note)
     else:
-        blocks_note = f"FP8 linears in blocks {blocks} of {offset}-{offset + n - 1}" + (f"; {note}" if note else "")
-        log.info("fp8 (%s): %s", kernels.fp8, blocks_note)
+        blocks_note = f"FP8 linears in blocks {blocks} of {offset}-{offset + n - 1}" + (
+            f"; {fp8.note}" if fp8.note else ""
+        )
+        log.info("fp8 (%s): %s", mode, blocks_note)
     return flags
 
 
-def linear_shapes(config: Any, *, shared: bool = False, mla: Any = None) -> dict[str, tuple[int, int]]:
-    """One rank's (in_features, out_features) of a block's linears, from megatron's TransformerConfig: qkv and fc1
-    column-parallel (a slice of the outputs), proj and fc2 row-parallel (a slice of the inputs); ``shared``: the
-    shared experts' fc1 / fc2; ``mla`` (core's ModelConfig of a latent-attention model): its attention linears
-    (:func:`mla_linear_shapes`) for qkv and proj."""
-    tp = config.tensor_model_parallel_size
-    h = config.hidden_size
-    ffn = config.moe_shared_expert_intermediate_size if shared else config.ffn_hidden_size
-    shapes = {"linear_fc1": (h, ffn * (2 if config.gated_linear_unit else 1) // tp), "linear_fc2": (ffn // tp, h)}
-    if not shared and mla is not None:
-        shapes |= mla_linear_shapes(mla, tp)
-    elif not shared:
-        q = config.num_attention_heads * config.kv_channels
-        kv = 2 * (config.num_query_groups or config.num_attention_heads) * config.kv_channels
-        shapes |= {"linear_qkv": (h, (q + kv) // tp), "linear_proj": (q // tp, h)}
-    return shapes
+DENSE_MLP = ("linear_fc1", "linear_fc2")
+# core's linear roles (primus.core.kernels.linears) -> megatron's submodule names; linear_qkv and linear_fc1 are
+# GEMM groups (planner_profile.GEMM_GROUPS); latent attention's roles -> MLASelfAttention's submodules
+NAMES = {
+    "linear_qkv": "linear_qkv",
+    "linear_fc1": "linear_fc1",
+    "down": "linear_fc2",
+    "q": "linear_q_proj",
+    "q_a": "linear_q_down_proj",
+    "q_b": "linear_q_up_proj",
+    "kv_a": "linear_kv_down_proj",
+    "kv_b": "linear_kv_up_proj",
+    "o": "linear_proj",
+}
+ROW_PARALLEL = ("linear_proj", "linear_fc2")  # the others, latent attention's too, are column-parallel
+# megatron-core 0.16's MLASelfAttention accepts only its own classes (by identity) for the down projections: they
+# stay bf16 (at DeepSeek-V3's shapes, 7168 x 1536 and 7168 x 576, core's eager rule keeps them bf16 anyway)
+BF16_ONLY = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
+def linear_shapes(model: ModelConfig, tp: int, *, shared: bool = False) -> dict[str, tuple[int, int]]:
+    """One tensor-parallel rank's (in_features, out_features) of a block's linears that may run in FP8, by megatron's
+    submodule name: core's table (:mod:`primus.core.kernels.linears`) with megatron's GEMM groups (qkv and fc1
+    column-parallel, proj and fc2 row-parallel; latent attention's linears but :data:`BF16_ONLY`); ``shared``: the
+    shared experts' fc1 / fc2."""
+    if shared:
+        roles = linears.mlp_linears(model, linears.shared_expert_width(model), tp)
+    else:
+        roles = linears.attention_linears(model, tp) | linears.mlp_linears(model, model.ffn_hidden_size, tp)
+    named = {NAMES[name]: linear.shape for name, linear in linears.fused(roles, GEMM_GROUPS).items()}
+    return {name: shape for name, shape in named.items() if name not in BF16_ONLY}
 
 
 def linear_classes(provider: Any) -> tuple[type, type]:
@@ -177,61 +215,18 @@ def _build_classes(provider: Any) -> tuple[type, type]:
     return Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
 
-def linear_specs(
-    kernels: Any,
-    provider: Any,
-    config: Any,
-    *,
-    shared: bool = False,
-    mla: Any = None,
-    tokens: int = FP8_RULE_TOKENS,
-) -> dict[str, Any]:
-    """The spec entries for one FP8 block: its linears (:func:`linear_shapes`: linear_qkv / linear_fc1 column,
-    linear_proj / linear_fc2 row; ``shared``: the shared experts' fc1 / fc2; ``mla``: latent attention's in place of
-    qkv / proj) that ``fp8_recipe.linears`` puts in FP8 at this model's shapes; ``kernels`` the config's section,
-    ``provider`` the run's ``fp8`` kernel choice."""
+def linear_specs(fp8: Fp8Linears, *, shared: bool = False) -> dict[str, Any]:
+    """The spec entries for one FP8 block's linears in FP8 (:class:`Fp8Linears`: a block's attention and dense MLP
+    ones; ``shared``: the shared experts' fc1 / fc2), on the run's FP8 provider under the config's recipe."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from primus.core.kernels.fp8_recipe import Fp8Recipe
 
-    recipe = Fp8Recipe.from_config(kernels)
-    column, row = linear_classes(provider)
+    recipe = Fp8Recipe.from_config(fp8.kernels)
+    column, row = linear_classes(fp8.provider)
     col_spec = ModuleSpec(module=column, params={"fp8_recipe": recipe})
     row_spec = ModuleSpec(module=row, params={"fp8_recipe": recipe})
-    pays = fp8_linear_rule(kernels, compiled=False, tokens=tokens)  # megatron-core's model runs eager here
-    return {
-        name: row_spec if name in ROW_PARALLEL else col_spec
-        for name, shape in linear_shapes(config, shared=shared, mla=mla).items()
-        if pays(*shape)
-    }
-
-
-ROW_PARALLEL = ("linear_proj", "linear_fc2")  # the others, latent attention's too, are column-parallel
-
-# core's latent-attention roles (primus.core.config.deepseek.attention_linears) -> megatron's MLASelfAttention
-# submodule
-MLA_LINEARS = {
-    "q": "linear_q_proj",
-    "q_a": "linear_q_down_proj",
-    "q_b": "linear_q_up_proj",
-    "kv_a": "linear_kv_down_proj",
-    "kv_b": "linear_kv_up_proj",
-    "o": "linear_proj",
-}
-
-
-# megatron-core 0.16's MLASelfAttention accepts only its own classes (by identity) for the down projections: they
-# stay bf16 (at DeepSeek-V3's shapes, 7168 x 1536 and 7168 x 576, core's eager rule keeps them bf16 anyway)
-BF16_ONLY = ("linear_q_down_proj", "linear_kv_down_proj")
-
-
-def mla_linear_shapes(model: Any, tp: int = 1) -> dict[str, tuple[int, int]]:
-    """megatron's MLA linears of ``model`` (core's ModelConfig) that may run in FP8 (not :data:`BF16_ONLY`) -> one
-    tensor-parallel rank's (in_features, out_features) (core's rank_attention_linears)."""
-    from primus.core.config.deepseek import rank_attention_linears
-
-    linears = {MLA_LINEARS[role]: shape for role, shape in rank_attention_linears(model, tp).items()}
-    return {name: shape for name, shape in linears.items() if name not in BF16_ONLY}
+    return {name: row_spec if name in ROW_PARALLEL else col_spec for name in (fp8.shared if shared else fp8.block)}
 
 
 def issues(cfg: Any) -> list[ConfigIssue]:

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from primus.core.contracts.protocols import KernelProvider, load_ref
 from primus.core.kernels import fp8_experts, reference
-from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS
+from primus.megatron.fp8 import Fp8Linears
 from primus.megatron.rope import KernelRoPESelfAttention, rope_impl
 
 
@@ -170,7 +170,9 @@ def experts_layout(kernels: dict[str, KernelProvider]) -> str:
     return PER_EXPERT if experts_impl(kernels)[0] is None else STACKED
 
 
-def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules, fp8: Any = None) -> ModuleSpec:
+def _experts_spec(
+    kernels: dict[str, KernelProvider], submodules: MLPSubmodules, fp8: Fp8Linears | None = None
+) -> ModuleSpec:
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     gemm, _ = experts_impl(kernels)
@@ -184,32 +186,29 @@ def _experts_spec(kernels: dict[str, KernelProvider], submodules: MLPSubmodules,
         return ModuleSpec(module=SequentialMLP, submodules=submodules)
     from primus.megatron.experts import StackedExperts
 
-    if fp8 is not None and not fp8_experts(fp8, kernels["fp8"])[0]:  # core's rule: bf16 unless measured faster
+    if fp8 is not None and not fp8_experts(fp8.kernels, fp8.provider)[0]:  # core's rule: bf16 unless measured faster
         fp8 = None
-    gemm_impl = gemm.impl if fp8 is None else fp8_grouped_gemm(fp8, kernels["fp8"])
+    gemm_impl = gemm.impl if fp8 is None else fp8_grouped_gemm(fp8)
     params = {"gemm": gemm_impl, "swiglu": _impl(kernels, "swiglu")}
     return ModuleSpec(module=StackedExperts, submodules=submodules, params=params)
 
 
-def fp8_grouped_gemm(fp8: Any, provider: KernelProvider) -> Any:
+def fp8_grouped_gemm(fp8: Fp8Linears) -> Any:
     """The FP8 provider's grouped GEMM (``grouped_gemm_for``: core's selection took one with that feature for an MoE
-    model) under the config's recipe (``fp8`` the KernelsConfig)."""
+    model) under the config's recipe."""
     from primus.core.kernels.fp8_recipe import Fp8Recipe
 
-    return provider.load().grouped_gemm_for(Fp8Recipe.from_config(fp8))
+    return fp8.provider.load().grouped_gemm_for(Fp8Recipe.from_config(fp8.kernels))
 
 
-def moe_spec(
-    kernels: dict[str, KernelProvider], shared: bool, fp8: Any = None, config: Any = None, tokens: int = FP8_RULE_TOKENS
-) -> ModuleSpec:
+def moe_spec(kernels: dict[str, KernelProvider], shared: bool, fp8: Fp8Linears | None = None) -> ModuleSpec:
     """megatron-core's MoE layer (router, token dispatcher) with its routed experts as grouped GEMMs
     (:class:`~primus.megatron.experts.StackedExperts`: the ``grouped_gemm`` and ``swiglu`` providers over all local
     experts' stacked weights at once) or, with core's reference loop as the ``grouped_gemm`` provider, as megatron's
     own loop of local MLPs (SequentialMLP, which computes the same) with core's SwiGLU (:data:`EXPERT_SWIGLU`).
     Shared experts (one MLP of their summed width, when the model has them) take the ``swiglu`` provider, as a
-    dense MLP. ``fp8`` (the KernelsConfig, in an FP8 block): the stacked experts on the FP8 provider's grouped GEMM,
-    the shared experts' linears FP8 ones where ``fp8_recipe.linears`` puts them in FP8 at ``config``'s (megatron's
-    TransformerConfig) shapes; the router stays bf16."""
+    dense MLP. ``fp8`` (the run's plan, in an FP8 block): the stacked experts on the FP8 provider's grouped GEMM, the
+    shared experts' linears FP8 ones where it puts them in FP8; the router stays bf16."""
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
@@ -218,7 +217,7 @@ def moe_spec(
     if fp8 is not None:
         from primus.megatron.fp8 import linear_specs
 
-        shared_linears.update(linear_specs(fp8, kernels["fp8"], config, shared=True, tokens=tokens) if shared else {})
+        shared_linears.update(linear_specs(fp8, shared=True) if shared else {})
 
     def mlp(swiglu: Any, linears: dict[str, Any]) -> MLPSubmodules:
         return MLPSubmodules(
@@ -242,16 +241,13 @@ def layer_spec(
     kernels: dict[str, KernelProvider],
     *,
     qk_norm: bool,
-    fp8: Any = None,
+    fp8: Fp8Linears | None = None,
     moe: ModuleSpec | None = None,
-    mla: Any = None,
-    config: Any = None,
-    tokens: int = FP8_RULE_TOKENS,
+    mla: bool = False,
 ) -> ModuleSpec:
-    """One block; ``fp8`` (the run's KernelsConfig with ``fp8`` on) makes its linears FP8 ones (those that
-    ``fp8_recipe.linears`` puts in FP8 at ``config``'s shapes, megatron's TransformerConfig); ``moe`` (a
-    :func:`moe_spec`) replaces its dense MLP; ``mla`` (core's ModelConfig of a latent-attention model) makes its
-    attention megatron's MLASelfAttention."""
+    """One block; ``fp8`` (the run's plan, in an FP8 block) makes its linears FP8 ones (those the plan puts in FP8);
+    ``moe`` (a :func:`moe_spec`) replaces its dense MLP; ``mla`` (a latent-attention model) makes its attention
+    megatron's MLASelfAttention."""
     lin = {
         "linear_qkv": ColumnParallelLinear,
         "linear_proj": RowParallelLinear,
@@ -262,13 +258,13 @@ def layer_spec(
     if fp8 is not None:
         from primus.megatron.fp8 import linear_specs
 
-        fp8_linears = linear_specs(fp8, kernels["fp8"], config, mla=mla, tokens=tokens)
+        fp8_linears = linear_specs(fp8)
         lin.update(fp8_linears)
     norm = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
     qk = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm"), "for_qk": True})
     rope, _ = rope_impl(kernels)
     attention = None
-    if mla is not None:  # multi-head latent attention (primus.megatron.deepseek)
+    if mla:  # multi-head latent attention (primus.megatron.deepseek)
         from primus.megatron.deepseek import attention_spec
 
         core = ModuleSpec(module=KernelCoreAttention, params={"kernel": _impl(kernels, "attention")})
@@ -313,17 +309,15 @@ def block_spec(
     *,
     qk_norm: bool,
     vp_stage: int | None,
-    fp8: Any = None,
-    mla: Any = None,
-    tokens: int = FP8_RULE_TOKENS,
+    fp8: Fp8Linears | None = None,
+    mla: bool = False,
 ) -> TransformerBlockSubmodules:
     """The layers of one model chunk plus the final norm (which must also be the kernel norm:
-    megatron's default final norm is TE, apex or torch's, the last refusing sequence parallel)."""
+    megatron's default final norm is TE, apex or torch's, the last refusing sequence parallel); ``fp8``: the run's
+    FP8 plan (:func:`primus.megatron.fp8.plan`), ``mla``: latent attention."""
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(
-        layer_specs=_layer_specs(
-            config, kernels, qk_norm=qk_norm, vp_stage=vp_stage, n=n, fp8=fp8, mla=mla, tokens=tokens
-        ),
+        layer_specs=_layer_specs(config, kernels, qk_norm=qk_norm, vp_stage=vp_stage, n=n, fp8=fp8, mla=mla),
         layer_norm=ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")}),
     )
 
@@ -360,17 +354,16 @@ def _layer_specs(
     qk_norm: bool,
     vp_stage: Any,
     n: int,
-    fp8: Any,
-    mla: Any = None,
-    tokens: int = FP8_RULE_TOKENS,
+    fp8: Fp8Linears | None,
+    mla: bool = False,
 ):
-    """This chunk's n block specs; with ``fp8`` (KernelsConfig, fp8 on) the blocks the recipe keeps in FP8
-    (global layer numbers: pipeline offset included) get FP8 linears; with experts (``config.moe_layer_freq``, one
+    """This chunk's n block specs; with ``fp8`` (the run's plan) the blocks it keeps in FP8 (global layer numbers:
+    pipeline offset included) get FP8 linears; with experts (``config.moe_layer_freq``, one
     flag per global layer) the MoE layers get megatron's MoE layer."""
-    if fp8 is not None and fp8.fp8 != "off":
+    if fp8 is not None:
         from primus.megatron.fp8 import chunk_fp8_flags
 
-        fp8_flags = chunk_fp8_flags(config, fp8, vp_stage=vp_stage, n=n, mla=mla, tokens=tokens)
+        fp8_flags = chunk_fp8_flags(config, fp8, vp_stage=vp_stage, n=n)
     else:
         fp8_flags = [False] * n
     moe_flags = [False] * n
@@ -388,10 +381,8 @@ def _layer_specs(
             kernels,
             qk_norm=qk_norm,
             fp8=block_fp8,
-            moe=moe_spec(kernels, shared, block_fp8, config, tokens) if moe else None,
+            moe=moe_spec(kernels, shared, block_fp8) if moe else None,
             mla=mla,
-            config=config,
-            tokens=tokens,
         )
 
     return [spec(bool(moe), in_fp8) for moe, in_fp8 in zip(moe_flags, fp8_flags, strict=True)]

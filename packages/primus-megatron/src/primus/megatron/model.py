@@ -12,10 +12,10 @@ from megatron.core.transformer import TransformerConfig
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.contracts.protocols import KernelProvider
-from primus.core.kernels.fp8_recipe import gemm_tokens
 from primus.megatron import compat
 from primus.megatron.dist import stage
 from primus.megatron.experts import experts_apart
+from primus.megatron.fp8 import plan as fp8_plan
 from primus.megatron.gpt import fuse_loss, fused_loss
 from primus.megatron.layer_spec import block_spec, mtp_block_spec
 
@@ -191,6 +191,7 @@ def build_chunks(
     """This rank's model chunks (vpp of them), unwrapped, on the current device."""
     m = cfg.model
     fused, _ = fused_loss(kernels, cfg)
+    fp8 = fp8_plan(cfg, kernels)
     chunks = []
     for vp in range(cfg.parallel.vpp):
         vp_stage = vp if cfg.parallel.vpp > 1 else None
@@ -199,9 +200,8 @@ def build_chunks(
             kernels,
             qk_norm=m.qk_norm,
             vp_stage=vp_stage,
-            fp8=cfg.kernels,
-            mla=m if m.mla else None,
-            tokens=gemm_tokens(cfg),
+            fp8=fp8,
+            mla=m.mla is not None,
         )
         model = gpt_model(
             config,

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from primus.core.planner.profile import EngineProfile
 
+# core's linear roles (primus.core.kernels.linears) megatron runs as one GEMM, by its submodule name
+GEMM_GROUPS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
+
 
 def dp_modes(tp: int, pp: int, dp: int) -> list[str]:
     """DDP; with more than one replica also DDP + the distributed optimizer (ZeRO-1: ``parallel.dp_shard > 1``, the
@@ -43,8 +46,7 @@ PROFILE = EngineProfile(
     # benchmarks/results/step_kernels_h200.json, each kernel named there, the same on 1B and 3B): without apex,
     # torch's fused AdamW on the fp32 master copy (~58 bytes per parameter as timed), the gradient norm and clipping
     # (foreach, ~11), the bf16 gradients added into the fp32 main-grad buffer (~53), the copy of the master weights
-    # to bf16 (~13) and the buffer's zeroing (~4): 139 on both. (190 before: read from categories that also held
-    # per-token elementwise work.)
+    # to bf16 (~13) and the buffer's zeroing (~4): 139 on both
     optimizer_bytes_per_param=139,
     # selective recomputes only core attention, and with flash/cuDNN attention (all our providers) that saves
     # nothing measurable: H200, memory_validation.json (2026-11-29, llama3.2-1b s4096 mbs2): 31.5 GiB peak with and
@@ -54,6 +56,8 @@ PROFILE = EngineProfile(
     # labels there: only TP (and an FP8 head) keep megatron's own, which is core's rule for every engine, and
     # multi-token prediction, whose depths' losses megatron computes inside the same post-process
     fused_loss=True,
+    # linear_qkv and linear_fc1 (gate and up) are one GEMM each (primus.megatron.fp8.linear_shapes)
+    gemm_groups=GEMM_GROUPS,
     fused_loss_refused={
         "mtp": "multi-token prediction's depths run megatron's output layer and loss inside its post-process"
     },

@@ -22,10 +22,11 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from primus.core.config import deepseek
 from primus.core.contracts.protocols import ConfigIssue
 from primus.core.kernels import fp8_experts as fp8_experts_rule
+from primus.core.kernels import linears
 from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear_rule, fp8_linears_note, gemm_tokens
+from primus.core.kernels.linears import RankLinear
 
 log = logging.getLogger("primus.torchtitan")
 
@@ -49,36 +50,52 @@ def keeps_bf16(name: str, *, num_layers: int, recipe: Any) -> bool:
     return block not in fp8_blocks(num_layers, recipe.bf16_first_layers, recipe.bf16_last_layers)
 
 
-# torchtitan's row-wise parallel linears under TP (each rank holds a slice of the input features); the others of
-# BLOCK_LINEAR are column-wise (a slice of the output features) but for latent attention's down projections, which
-# its TP plan leaves whole (NoParallel): the FP8 linear's TP path takes sharded weights only, so under TP they stay
-# bf16
-ROW_WISE = ("wo", "w2")
-WHOLE_UNDER_TP = tuple(f"w{role}" for role in deepseek.WHOLE_UNDER_TP)  # core's roles, torchtitan's names: wq_a, wkv_a
+# core's linear roles (primus.core.kernels.linears) by torchtitan's names: its attention (latent attention's too),
+# a feed-forward's and the shared experts' (one feed-forward of their summed width)
+NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "q_a": "wq_a", "q_b": "wq_b", "kv_a": "wkv_a", "kv_b": "wkv_b",
+         "gate": "w1", "up": "w3", "down": "w2"}  # fmt: skip
+
+
+def rank_linears(model: Any, tp: int) -> dict[str, RankLinear]:
+    """A block linear's name within the block (``attention.wq``, ``feed_forward.w1``, ``moe.shared_experts.w2``) and
+    the output head's (``output``) -> one tensor-parallel rank's shape, core's (torchtitan's TP plan splits them
+    alike: latent attention's down projections it leaves whole)."""
+    parts = {
+        "attention": linears.attention_linears(model, tp),
+        "feed_forward": linears.mlp_linears(model, model.ffn_hidden_size, tp),
+        "moe.shared_experts": linears.mlp_linears(model, linears.shared_expert_width(model), tp),
+    }
+    out = {f"{part}.{NAMES[role]}": linear for part, roles in parts.items() for role, linear in roles.items()}
+    return out | {OUTPUT_HEAD: linears.head_linear(model, tp)}
 
 
 def skip_rule(cfg: Any, too_small: list[str] | None = None) -> Callable[[str, Any], bool]:
     """``(name, module) -> bool``: the linear stays bf16, by the recipe's blocks and output head
     (:func:`keeps_bf16`), or, a linear outside the routed experts, by core's measured shape rule
-    (``fp8_recipe.linears``, on one rank's share under TP, at a micro-batch's tokens); the names the shape rule keeps
-    go to ``too_small``."""
+    (``fp8_recipe.linears``, on one rank's share under TP (:func:`rank_linears`), at a micro-batch's tokens); under
+    TP a linear the plan keeps whole stays bf16 too (the FP8 linear's TP path takes sharded weights only). The names
+    the shape rule keeps go to ``too_small``. A module whose shape is not core's raises: the rule would weigh the
+    wrong GEMM."""
     kernels, num_layers = cfg.kernels, cfg.model.num_layers
     pays = fp8_linear_rule(kernels, compiled=cfg.train.compile, tokens=gemm_tokens(cfg))
     tp = cfg.parallel.tp
+    rank, whole = rank_linears(cfg.model, tp), rank_linears(cfg.model, 1)
 
     def skip(name: str, module: Any) -> bool:
         if keeps_bf16(name, num_layers=num_layers, recipe=kernels.fp8_recipe):
             return True
         if EXPERTS.match(name):  # core's fp8_experts rule decides them
             return False
-        if tp > 1 and name.endswith(WHOLE_UNDER_TP):
+        key = name if name == OUTPUT_HEAD else name.split(".", 2)[2]
+        if (module.in_features, module.out_features) != whole[key].shape:
+            raise RuntimeError(
+                f"FP8 shape rule: {name} is {module.in_features} x {module.out_features}, core's shape table "
+                f"(primus.core.kernels.linears) says {whole[key].in_features} x {whole[key].out_features}"
+            )
+        linear = rank[key]
+        if tp > 1 and linear.split == "whole":
             return True
-        rows, cols = module.in_features, module.out_features
-        if name.endswith(ROW_WISE):
-            rows //= tp
-        else:  # (the output head too: column-wise, a slice of the vocabulary)
-            cols //= tp
-        if pays(rows, cols):
+        if pays(*linear.shape):
             return False
         if too_small is not None:
             too_small.append(name)

@@ -64,17 +64,9 @@ def attention_linears(m: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 #: the MLA linears a tensor-parallel run keeps whole on every rank (torchtitan's plan: NoParallel): the down
-#: projections; q (without a query latent), q_b and kv_b are split by output (column-wise), o by input (row-wise)
+#: projections; q (without a query latent), q_b and kv_b are split by output (column-wise), o by input (row-wise):
+#: primus.core.kernels.linears.attention_linears
 WHOLE_UNDER_TP = ("q_a", "kv_a")
-
-
-def rank_attention_linears(m: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
-    """Role -> one tensor-parallel rank's (in_features, out_features) of each MLA linear, on both engines: the down
-    projections whole (:data:`WHOLE_UNDER_TP`), o split by its input, the others by their output."""
-    return {
-        role: (i, o) if role in WHOLE_UNDER_TP else (i // tp, o) if role == "o" else (i, o // tp)
-        for role, (i, o) in attention_linears(m).items()
-    }
 
 
 def attention_params(m: ModelConfig) -> tuple[int, int]:

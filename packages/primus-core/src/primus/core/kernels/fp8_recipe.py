@@ -23,14 +23,9 @@ def fp8_blocks(num_layers: int, bf16_first: int, bf16_last: int) -> range:
 
 
 # The smallest weight (in_features x out_features, one rank's share) whose linear runs faster in FP8 than in bf16 in
-# eager mode: the GPU time of one forward + backward at 8192 tokens on an H100 (benchmarks/fp8_linear_overhead.py,
-# results/fp8_linear_overhead_h100.json), each operand quantized once into both layouts its GEMMs take. From Llama
-# 8B's q/o (4096 x 4096) up FP8 is faster (rowwise 1.06-1.44x, tensorwise 1.24-1.69x); below it rowwise is not
-# (1B's q/o 0.83x, its fused qkv 0.92x, 3B's q/o 1.03x). Each FP8 linear also costs the host ~1.2 ms more to launch
-# (0.2 ms in bf16), hidden while the GPU's work per linear is longer, so the same bound keeps the small ones bf16.
-# Compiled, inductor fuses the casts into the neighbouring kernels, which a linear measured alone cannot show: there
-# the whole runs decide, and they pay with every linear in FP8 (H200: Llama 3B 1.22-1.32x, 8B's shapes 1.04-1.17x,
-# 1B 1.04-1.14x; H100 1B and 8B's shapes 0.99-1.00x), so compiled runs keep every linear in FP8.
+# eager mode, forward + backward at 8192 tokens (H100, results/fp8_linear_overhead_h100.json); compiled, inductor
+# fuses the casts and whole runs pay with every linear in FP8. The measurements: benchmarks/README.md, "Calibration
+# notes".
 FP8_MIN_WEIGHT_EAGER = 4096 * 4096
 # The tokens of one GEMM call that bound was measured at. What pays is the GPU work of a call, tokens x weight: with
 # fewer tokens a micro-batch the same weight's FP8 GEMMs save less than its quantisation and launches cost. Measured:

@@ -97,16 +97,9 @@ ATTENTION_FRACTION = {
 # h200-baseline.md: 1B-like s4096 mbs2 49.8% MFU (model 50.2%), 3B-like 55.7% (54.4%), 1B-like s8192
 # 53.2% (53.8%); tests/test_planner.py::test_step_time_reproduces_the_h200_baseline keeps them within 5%.
 MEMORY_BOUND_PASSES = 60
-# torch.compile (train.compile: true) fuses the elementwise work between the GEMMs (norms, RoPE, SwiGLU, residual
-# adds, casts) into fewer kernels: the share of the memory-bound passes above that is left. Assumed: compile changes
-# that term only (GEMMs, attention, the loss and the optimizer keep their kernels). Fitted to Primus's bf16 runs on the
-# H200 (TorchTitan, s4096 mbs2, untied): eager with the provider kernels (fp8_training.json) against compiled with
-# torch's norm and SwiGLU (fp8_training_compiled_primus.json), 1B 49.3k -> 53.8k tok/s (+9.2%), 3B 20.6k -> 22.3k
-# (+8.1%); 0.6 gives +9.9% and +7.8%. (TorchTitan's own model, eager against each block compiled, gained 3% in
-# h200-baseline.md, where eager already ran torch's kernels.) Activation memory is left as eager's: what compile's
-# partitioner saves depends on the kernels (it can recompute torch's norm and SwiGLU outputs, not a provider's opaque
-# ones; those pairs peaked 2.0 and 6.2 GiB lower), so compiled runs stay under the estimate
-# (memory_validation_fp8.json: by 9-13%).
+# torch.compile (train.compile: true): the share of the memory-bound passes above left once it fuses the elementwise
+# work between the GEMMs (compile is assumed to change that term only, and no activation memory). Fitted to H200 bf16
+# runs, eager against compiled: benchmarks/README.md, "Calibration notes".
 COMPILE_MEMORY_BOUND_KEPT = 0.6
 # The loss on the logits: bf16 logits read, fp32 softmax written and read back, gradient written (bytes/logit).
 LOSS_BYTES_PER_LOGIT = 16

@@ -55,10 +55,11 @@ from dataclasses import dataclass, field, replace
 
 from primus.core.config.schema import ModelConfig
 from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS, call_tokens, fp8_blocks, fp8_linear_pays
+from primus.core.kernels.linears import RankLinear, attention_linears, fused, mlp_linears, shared_expert_width
 from primus.core.planner import calibration as cal
 from primus.core.planner.calibration import GIB
 from primus.core.planner.modelmath import count_params
-from primus.core.planner.profile import ADAM_BYTES, EngineProfile, fused_loss_refusal, profile_of
+from primus.core.planner.profile import ADAM_BYTES, NO_GROUPS, EngineProfile, GemmGroups, fused_loss_refusal, profile_of
 
 # parts of the breakdown that live outside the framework's caching allocator (torch.cuda.max_memory_reserved
 # does not see them); the rest is what the allocator holds at the peak
@@ -222,7 +223,7 @@ def fp8_bytes(model: ModelConfig, layout: Layout, seq_len: int, kernels: KernelT
     """What FP8 GEMMs change in the peak, per device (negative: they save): per FP8 layer parameter, the
     recipe's weight copy less autocast's bf16 one where the engine makes it (``autocast``); per element of the
     FP8 linears' inputs kept for the backward (the layers not recomputed), the bytes FP8 saves on them."""
-    share = kernels.fp8_share(model, layout.tp, layout.ep, call_tokens(layout.micro_batch, seq_len, layout.cp))
+    share = kernels.layout_fp8_share(model, layout, seq_len)
     nl = layers_per_stage(model, layout)
     _, layer = stage_params(model, layout)
     copy = cal.FP8_WEIGHT_COPY_BYTES[kernels.fp8] - (cal.AUTOCAST_WEIGHT_COPY_BYTES if autocast else 0)
@@ -256,48 +257,47 @@ class KernelTerms:
     # an MoE model's routed experts on FP8 grouped GEMMs (kernels.fp8_recipe.experts; see strategies.kernel_terms)
     fp8_experts: bool = False
 
-    def fp8_share(self, model: ModelConfig, tp: int = 1, ep: int = 1, tokens: int | None = None) -> float:
+    def fp8_share(
+        self, model: ModelConfig, tp: int = 1, ep: int = 1, tokens: int | None = None, groups: GemmGroups = NO_GROUPS
+    ) -> float:
         """The fraction of a layer's parameters on a device (``tp``, experts over ``ep``) whose GEMMs run in FP8: the
-        recipe's FP8 layers, and in them the linears :meth:`linear_share` counts (at ``tokens`` a micro-batch)."""
+        recipe's FP8 layers, and in them the linears :meth:`linear_share` counts (at ``tokens`` a micro-batch, the
+        engine's ``groups``)."""
         if self.fp8 == "off":
             return 0.0
         n = model.num_layers if self.fp8_layers is None else self.fp8_layers
-        return min(n / model.num_layers, 1.0) * self.linear_share(model, tp, ep, tokens)
+        return min(n / model.num_layers, 1.0) * self.linear_share(model, tp, ep, tokens, groups)
 
-    def linear_share(self, model: ModelConfig, tp: int, ep: int = 1, tokens: int | None = None) -> float:
+    def layout_fp8_share(self, model: ModelConfig, layout: Layout, seq_len: int) -> float:
+        """:meth:`fp8_share` on one device of ``layout``: its TP and EP, a micro-batch's tokens a call, its engine's
+        GEMM groups."""
+        tokens = call_tokens(layout.micro_batch, seq_len, layout.cp)
+        return self.fp8_share(model, layout.tp, layout.ep, tokens, layout.engine_profile.gemm_groups)
+
+    def linear_share(
+        self, model: ModelConfig, tp: int, ep: int = 1, tokens: int | None = None, groups: GemmGroups = NO_GROUPS
+    ) -> float:
         """In an FP8 layer, the share of a device's layer parameters in FP8 linears: the dense linears (attention,
-        a dense or shared-expert MLP) whose per-rank weight ``fp8_linears`` puts in FP8 at ``tokens`` a micro-batch
-        (None: the rule's own; compiled: every one), and the routed experts where ``fp8_experts`` says so."""
+        a dense or shared-expert MLP; ``groups``: those the engine runs as one GEMM,
+        :attr:`EngineProfile.gemm_groups <primus.core.planner.profile.EngineProfile>`) whose per-rank weight
+        ``fp8_linears`` puts in FP8 at ``tokens`` a micro-batch (None: the rule's own; compiled: every one), and the
+        routed experts where ``fp8_experts`` says so. Linears a TP run keeps whole stay bf16 (both engines)."""
         at = FP8_RULE_TOKENS if tokens is None else tokens
+        every = self.fp8_linears == "all" or self.compiled
 
-        d, every = model.hidden_size, self.fp8_linears == "all" or self.compiled
-        # one rank's (in, out) of each linear (column-wise split the output, row-wise the input), and whether FP8
-        # may take it
-        if model.mla is None:
-            q, kv = model.num_attention_heads * model.kv_channels, 2 * model.num_kv_heads * model.kv_channels
-            attention = [(d, q // tp, True), (d, kv // tp, True), (q // tp, d, True)]
-        else:  # latent attention (primus.core.config.deepseek); its down projections stay whole, and bf16, under TP
-            from primus.core.config.deepseek import WHOLE_UNDER_TP, rank_attention_linears
-
-            attention = [
-                (i, o, tp == 1 or role not in WHOLE_UNDER_TP)
-                for role, (i, o) in rank_attention_linears(model, tp).items()
-            ]
-
-        def weights(linears: list[tuple[int, int, bool]], fp8_only: bool = False) -> float:
+        def weights(linears: dict[str, RankLinear], fp8_only: bool = False) -> float:
             return sum(
                 i * o
-                for i, o, may in linears
-                if not fp8_only or (may and (every or fp8_linear_pays(i, o, compiled=False, tokens=at)))
+                for i, o, split in fused(linears, groups).values()
+                if not fp8_only
+                or ((tp == 1 or split != "whole") and (every or fp8_linear_pays(i, o, compiled=False, tokens=at)))
             )
 
-        def mlp(f: int) -> list[tuple[int, int, bool]]:
-            return [(d, f // tp, True), (d, f // tp, True), (f // tp, d, True)] if f else []
-
-        dense = attention + mlp(model.ffn_hidden_size)
+        attention = attention_linears(model, tp)
+        dense = attention | mlp_linears(model, model.ffn_hidden_size, tp)
         if model.moe is None:
             return weights(dense, True) / weights(dense)
-        moe_dense = attention + mlp(model.moe.shared_experts * model.moe.expert_ffn_hidden_size)
+        moe_dense = attention | mlp_linears(model, shared_expert_width(model), tp)
         routed = routed_expert_params(model) / ep
         fp8 = layer_mean(model, weights(dense, True), weights(moe_dense, True) + routed * self.fp8_experts)
         return fp8 / layer_mean(model, weights(dense), weights(moe_dense) + routed)

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 from primus.core.config.deepseek import head_width
 from primus.core.config.schema import ModelConfig
-from primus.core.kernels.fp8_recipe import call_tokens
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import (
@@ -174,7 +173,7 @@ def step_time(
     rows, passes = tokens_per_expert(model, layout, seq_len), layout.engine_profile.moe_dispatch_passes
     bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev, "off", kernels.compiled, rows, passes).values())
     fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8, kernels.compiled, rows, passes).values())
-    fp8_share = kernels.fp8_share(model, layout.tp, layout.ep, call_tokens(layout.micro_batch, seq_len, layout.cp))
+    fp8_share = kernels.layout_fp8_share(model, layout, seq_len)
     layer_s = fp8_share * fp8_layer + (1 - fp8_share) * bf16_layer
     # the slowest pipeline stage sets the pace: the last one also runs the output head and the loss
     head_s = (

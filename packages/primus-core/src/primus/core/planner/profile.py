@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 DP_MODES = ("ddp", "ddp_distopt", "fsdp")  # what a Layout's dp_mode may be
 ADAM_BYTES = 8  # Adam's first and second moments, fp32, per parameter (every engine)
+GemmGroups = Mapping[str, tuple[str, ...]]
+NO_GROUPS: GemmGroups = MappingProxyType({})  # every linear its own GEMM
 
 
 def every_dp_mode(tp: int, pp: int, dp: int) -> tuple[str, ...]:
@@ -117,6 +119,10 @@ class EngineProfile:
             }
         )
     )
+
+    # the block linears it runs as one GEMM (name -> the roles of primus.core.kernels.linears it joins), whose summed
+    # shape FP8's shape rule weighs: megatron's linear_qkv and linear_fc1
+    gemm_groups: GemmGroups = field(default_factory=lambda: NO_GROUPS)
 
     def fused_loss_refusal(
         self, *, tp: int, pp: int = 1, cp: int = 1, fp8_head: bool = False, mtp: bool = False

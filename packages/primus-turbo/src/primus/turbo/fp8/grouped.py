@@ -70,7 +70,7 @@ def _grouped_kernel_runs(device_type: str, index: int | None) -> bool:
 # Forward + backward time of bf16's grouped GEMM over this one's, the slowest of the measured MoE expert shapes
 # (Qwen3-30B-A3B at 4k / 8k tokens, Mixtral 8x7B; benchmarks/moe_kernels_h200.py, in the GPU suite), by device name.
 # core's kernels.fp8_experts keeps the experts in bf16 where this is below 1 or the device is not listed.
-# H100: 0.44 / 0.46 / 0.93 (Triton-fused quantisation; 0.15 before it, with PyTorch casts).
+# H100: 0.44 / 0.46 / 0.93 (Triton-fused quantisation).
 MEASURED_SPEEDUP = {"H100": 0.44}
 
 
