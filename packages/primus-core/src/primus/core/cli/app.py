@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from primus.core.cli.helpers import Overrides, WorldSize, _fail, _resolve, err, out
+from primus.core.cli.helpers import Overrides, WorldSize, err, fail, out, resolve_or_exit
 from primus.core.contracts.errors import UserError
 
 config_app = typer.Typer(help="Resolve, show and validate configs.", no_args_is_help=True)
@@ -101,7 +101,7 @@ def config_show(
 
     from primus.core.config.fields import describe
 
-    res = _resolve(config, overrides, world_size, check_plugins=False)
+    res = resolve_or_exit(config, overrides, world_size, check_plugins=False)
     data = res.config.model_dump(mode="json")
     if as_yaml:
         out.print(yaml.safe_dump(data, sort_keys=False), end="", highlight=False)
@@ -150,11 +150,11 @@ def config_validate(
 
     if world_size is None and (cluster := recipe_cluster(config, overrides or [])) is not None:
         world_size = cluster.world_size  # the recipe's own cluster (nodes × GPUs per node)
-    res = _resolve(config, overrides, world_size)
+    res = resolve_or_exit(config, overrides, world_size)
     try:
         check_folders(res.config)
     except UserError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     out.print(
         f"ok: {res.config.model.name} on backend {res.config.backend.name}, world size {res.world_size}, "
         f"parallel {res.config.parallel.sizes()}",
@@ -223,7 +223,7 @@ def presets_show(name: Annotated[str, typer.Argument(help="preset name")]) -> No
         from primus.core.config.fields import suggest
 
         hint = suggest(name, list(catalog(reg)))
-        raise _fail(ValueError(f"no preset named {name!r}" + (f"; did you mean {hint!r}?" if hint else "")))
+        raise fail(ValueError(f"no preset named {name!r}" + (f"; did you mean {hint!r}?" if hint else "")))
     layers = load_layers(str(preset.path), resolve_preset=resolver(reg))
     out.print(f"# {preset.kind} preset {preset.name} ({preset.dist}): {preset.path}", highlight=False)
     out.print(yaml.safe_dump(layers.data, sort_keys=False), end="", highlight=False)

@@ -22,7 +22,7 @@ _err = Console(stderr=True)
 log = logging.getLogger("primus.hf")
 
 
-def _fail(exc: Exception) -> typer.Exit:
+def fail(exc: Exception) -> typer.Exit:
     _err.print(f"error: {exc}", style="red", highlight=False, markup=False, soft_wrap=True)
     return typer.Exit(2)
 
@@ -80,15 +80,15 @@ def import_(
     from primus.core.launch.train import output_dir
 
     if not from_hf:
-        raise _fail(ValueError("--from-hf DIR is required"))
+        raise fail(ValueError("--from-hf DIR is required"))
     if problem := folder_problem(Path(from_hf)):  # before the config: the cheapest thing to get wrong
-        raise _fail(ValueError(f"--from-hf {from_hf}: {problem}"))
+        raise fail(ValueError(f"--from-hf {from_hf}: {problem}"))
     try:
         cfg = config_with_hf_model(config, overrides or [], from_hf)
         target = Path(out) if out else output_dir(cfg) / "hf_import"
         path = import_checkpoint(cfg, from_hf, target)
     except (ConfigError, UserError) as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if int(os.environ.get("RANK", "0")) == 0:
         _out.print(f"imported {from_hf} -> {path} ({cfg.backend.name}, model {cfg.model.name})", highlight=False)
 
@@ -112,22 +112,22 @@ def export(
     from primus.core.run.checkpoints import readable
 
     if not to_hf:
-        raise _fail(ValueError("--to-hf DIR is required"))
+        raise fail(ValueError("--to-hf DIR is required"))
     path = Path(checkpoint)
     if not path.exists():
-        raise _fail(FileNotFoundError(f"checkpoint {path} does not exist"))
+        raise fail(FileNotFoundError(f"checkpoint {path} does not exist"))
     from primus.core.run.init_from import find_run_config
 
     source = config or find_run_config(path)
     if source is None:
-        raise _fail(ValueError(f"no config.yaml beside {path} or in its run folder: pass --config"))
+        raise fail(ValueError(f"no config.yaml beside {path} or in its run folder: pass --config"))
     try:
         folder = readable(path)  # the checkpoint itself, or the newest under it, that verifies
         res = resolve(str(source), [*OFFLINE_OVERRIDES, *(overrides or [])], world_size=1)
         cfg = res.config
         written = export_checkpoint(cfg, folder, to_hf, max_shard_bytes=max_shard_mb * 2**20, registry=res.registry)
     except (ConfigError, UserError) as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if folder != path:
         _out.print(f"exporting {folder}, the newest checkpoint under {path} that verifies", highlight=False)
     _out.print(f"exported {folder} ({cfg.backend.name}) -> {written}", highlight=False)
@@ -142,11 +142,11 @@ def verify(
 
     path = Path(checkpoint)
     if not path.is_dir():
-        raise _fail(FileNotFoundError(f"checkpoint {path} is not a folder"))
+        raise fail(FileNotFoundError(f"checkpoint {path} is not a folder"))
     single = ckpt.read_manifest(path) is not None
     folders = [path] if single else [folder for _, folder in ckpt.complete_checkpoints(path, ckpt.NAMING)]
     if not folders:
-        raise _fail(
+        raise fail(
             ValueError(
                 f"{path} is no committed checkpoint (no {ckpt.MANIFEST}: an uncommitted or partial save) and holds none"
             )

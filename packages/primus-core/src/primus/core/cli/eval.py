@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from primus.core.cli.helpers import Overrides, _fail, _resolve, _setup_logging, out
+from primus.core.cli.helpers import Overrides, fail, out, resolve_or_exit, setup_logging
 
 
 def evaluate(
@@ -35,12 +35,12 @@ def evaluate(
     from primus.core.contracts.errors import UserError
     from primus.core.launch.train import LAUNCHED_ENV, eval_rank, launch_torchrun
 
-    _setup_logging("warning")
+    setup_logging("warning")
     config, checkpoint = run_folder(config, checkpoint)
     inside = os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ
-    res = _resolve(config, overrides, None if inside else nproc_per_node)
+    res = resolve_or_exit(config, overrides, None if inside else nproc_per_node)
     if not checkpoint.exists():
-        raise _fail(UserError(f"--checkpoint {checkpoint}: no such folder"))
+        raise fail(UserError(f"--checkpoint {checkpoint}: no such folder"))
     if nproc_per_node > 1 and not inside:
         argv = ["eval", config, *(overrides or []), "--checkpoint", str(checkpoint)]
         argv += ["--output", str(output)] if output else []
@@ -50,7 +50,7 @@ def evaluate(
     try:
         result = eval_rank(res, checkpoint)
     except UserError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if int(os.environ.get("RANK", "0")) == 0:
         line = json.dumps(result)
         out.print(line, highlight=False, markup=False, soft_wrap=True)
@@ -66,8 +66,8 @@ def run_folder(config: str, checkpoint: Path | None) -> tuple[str, Path]:
     folder = Path(config)
     if folder.is_dir():
         if not (folder / "config.yaml").is_file():
-            raise _fail(UserError(f"{config}: a folder without config.yaml, so not a run folder"))
+            raise fail(UserError(f"{config}: a folder without config.yaml, so not a run folder"))
         return str(folder / "config.yaml"), checkpoint or folder / "checkpoints"
     if checkpoint is None:
-        raise _fail(UserError(f"--checkpoint is needed with {config!r} (a run folder names its own checkpoints)"))
+        raise fail(UserError(f"--checkpoint is needed with {config!r} (a run folder names its own checkpoints)"))
     return config, checkpoint

@@ -25,7 +25,7 @@ WorldSize = Annotated[
 ]
 
 
-def _setup_logging(level: str = "info") -> None:
+def setup_logging(level: str = "info") -> None:
     from rich.logging import RichHandler
 
     rank = os.environ.get("RANK", "0")
@@ -39,15 +39,17 @@ def _setup_logging(level: str = "info") -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def _fail(exc: Exception, code: int = 2) -> typer.Exit:
+def fail(exc: Exception, code: int = 2) -> typer.Exit:
     err.print(f"error: {exc}", style="red", highlight=False, markup=False)
     return typer.Exit(code)
 
 
-def _resolve(config: str | None, overrides: list[str] | None, world_size: int | None, check_plugins: bool = True):
+def resolve_or_exit(
+    config: str | None, overrides: list[str] | None, world_size: int | None, check_plugins: bool = True
+):
     from primus.core.launch.train import resolve
 
     try:
         return resolve(config, overrides or [], world_size, check_plugins=check_plugins)
     except ConfigError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None

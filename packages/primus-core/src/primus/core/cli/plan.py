@@ -57,7 +57,7 @@ def plan(
     """Rank the parallel layouts that fit and the engine accepts: DDP (+ distributed optimizer), FSDP, TP(+SP), PP/VPP,
     recompute, each with its fastest micro-batch (set train.micro_batch_size=N to fix it). Exit 3: nothing fits;
     4: the engine refuses every layout that fits."""
-    from primus.core.cli.helpers import _fail, err, out
+    from primus.core.cli.helpers import err, fail, out
     from primus.core.config.errors import ConfigError
     from primus.core.contracts.plugins import KNOWN_BACKEND_DISTS
     from primus.core.launch.ranking import global_batch, rank, resolve_on, searched_micro_batches
@@ -78,7 +78,7 @@ def plan(
     try:
         res, own = resolve_on(ref, overrides or [], gpus * nodes)
     except ConfigError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if res.layers.sources.get("train.seq_len") is None:  # a model preset: plan at a training length, not 128
         seq = min(res.config.model.max_position_embeddings, PRESET_SEQ_LEN)
         overrides = [*(overrides or []), f"train.seq_len={seq}"]
@@ -86,7 +86,7 @@ def plan(
         try:
             res, own = resolve_on(ref, overrides, gpus * nodes)
         except ConfigError as exc:
-            raise _fail(exc) from None
+            raise fail(exc) from None
     cfg = res.config
     if own:  # a recipe written for another cluster: its layout does not run here, the others are planned all the same
         err.print(

@@ -16,13 +16,13 @@ def profile(
     master_port: Annotated[int, typer.Option(help="rendezvous port")] = 29500,
 ) -> None:
     """Runs ``primus train`` with profiling on (checkpoints off), then analyzes the traces it wrote."""
-    from primus.core.cli.helpers import _resolve, err, out
+    from primus.core.cli.helpers import err, out, resolve_or_exit
     from primus.core.launch.train import output_dir
     from primus.core.profile.analyze import analyze_run
     from primus.core.profile.capture import trace_dir
     from primus.core.profile.report import html_page, markdown
 
-    res = _resolve(config, overrides, nproc_per_node, check_plugins=False)
+    res = resolve_or_exit(config, overrides, nproc_per_node, check_plugins=False)
     p = res.config.profile
     # a few steps, not the recipe's run: the profiler's schedule and one more. train.steps=N on the command line
     # gives more; fewer would end before the traced steps (an empty trace), so the schedule's count is taken then.
@@ -38,7 +38,7 @@ def profile(
     extra = ["profile.enabled=true", "checkpoint.enabled=false"]
     extra.append(f"train.schedule.warmup_steps={min(res.config.train.schedule.warmup_steps, steps)}")
     extra = [e for e in extra if e.split("=")[0] not in given] + [f"train.steps={steps}"]
-    res = _resolve(config, [*(overrides or []), *extra], nproc_per_node)
+    res = resolve_or_exit(config, [*(overrides or []), *extra], nproc_per_node)
     out_dir = output_dir(res.config)
     from primus.core.cli.train import train
 

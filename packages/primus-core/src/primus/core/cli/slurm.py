@@ -24,11 +24,11 @@ Out = Annotated[Path | None, typer.Option("--out", help="where the script is wri
 
 
 def _job(config, overrides, nodes, gpus_per_node, family, env, partition, account, time):
-    from primus.core.cli.helpers import _resolve
+    from primus.core.cli.helpers import resolve_or_exit
     from primus.core.launch.slurm import SlurmJob
     from primus.core.launch.train import output_dir
 
-    res = _resolve(config, overrides, nodes * gpus_per_node)  # refuse a bad config before anything is queued
+    res = resolve_or_exit(config, overrides, nodes * gpus_per_node)  # refuse a bad config before anything is queued
     path = Path(config)
     cfg_ref = str(path.resolve()) if path.is_file() else config  # compute nodes see the shared file system
     pairs = dict(item.split("=", 1) for item in (env or []) if "=" in item)

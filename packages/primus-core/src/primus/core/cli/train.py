@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from primus.core.cli.helpers import Overrides, _fail, _resolve, _setup_logging, err
+from primus.core.cli.helpers import Overrides, err, fail, resolve_or_exit, setup_logging
 
 
 def train(
@@ -49,10 +49,10 @@ def _train(
     from primus.core.launch.train import LAUNCHED_ENV, launch_torchrun, run_rank
     from primus.core.run import stop
 
-    _setup_logging()
+    setup_logging()
     world = nproc_per_node * nnodes
     inside = os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ
-    res = _resolve(config, overrides, None if inside else world)  # refuse bad configs before launching
+    res = resolve_or_exit(config, overrides, None if inside else world)  # refuse bad configs before launching
     from primus.core.contracts.errors import UserError
     from primus.core.run.rundir import LOCK_HELD_ENV, check_free, output_dir
 
@@ -112,7 +112,7 @@ def _train(
                 err.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
             summary = run_rank(res, resume=resume)
     except UserError as exc:
-        raise _fail(exc, getattr(exc, "exit_code", 2)) from None
+        raise fail(exc, getattr(exc, "exit_code", 2)) from None
     if int(os.environ.get("RANK", "0")) == 0:
         err.print(f"done: {json.dumps(summary, default=str)}", highlight=False)
     if summary.get("status") == "preempted":  # checkpoint committed; the same command continues the run

@@ -11,7 +11,7 @@ from pydantic.fields import FieldInfo
 from primus.core.config.schema import PrimusConfig
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
+def section_model(annotation: Any) -> type[BaseModel] | None:
     for arg in (annotation, *get_args(annotation)):
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg
@@ -26,7 +26,7 @@ def field_info(dotted: str, root: type[BaseModel] = PrimusConfig) -> FieldInfo |
         if model is None or part not in model.model_fields:
             return None
         info = model.model_fields[part]
-        model = _model_in(info.annotation)
+        model = section_model(info.annotation)
     return info
 
 
@@ -35,7 +35,7 @@ def coerce(dotted: str, value: Any) -> Any:
     never become a number (pydantic's lax mode reads True as 1): they stay as they are, and the strict
     validation refuses them for an int or float field, naming the key, as it does in a YAML file."""
     info = field_info(dotted)
-    if info is None or info.annotation is None or _model_in(info.annotation) is not None:
+    if info is None or info.annotation is None or section_model(info.annotation) is not None:
         return value
     adapter = TypeAdapter(info.annotation)
     try:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 
 from primus.core.config.errors import ConfigError
-from primus.core.config.fields import _model_in, suggest
+from primus.core.config.fields import section_model, suggest
 from primus.core.config.schema import ModelConfig, PrimusConfig
 from primus.core.contracts.protocols import KERNEL_OPS, ConfigIssue, validate_with
 
@@ -35,7 +35,7 @@ def _walk_loc(loc: tuple[Any, ...]) -> tuple[str, type[BaseModel] | None]:
             # a field, or an unknown key (reported as such by the caller)
             parts.append(str(item))
             field = model.model_fields.get(str(item))
-            model = _model_in(field.annotation) if field else None
+            model = section_model(field.annotation) if field else None
         # else: a union-branch label such as 'int' or "literal['auto']": not part of the key
     return ".".join(parts), model
 

@@ -60,7 +60,7 @@ def load_token_stream(data_cfg: DataConfig, tokenizer: Tokenizer | None, vocab_s
         "bundled": corpus.corpus_id() if data_cfg.source == "bundled" else None,
         "tokenizer": tokenizer_hash(tokenizer) if needs_text else None,
         "text_key": data_cfg.text_key,
-        "inputs": [_fingerprint(item) for item in inputs],
+        "inputs": [input_fingerprint(item) for item in inputs],
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = cache_root() / "tokens" / f"{digest}.npy"
@@ -119,7 +119,7 @@ def check_token_ids(data_cfg: DataConfig, max_id: int, vocab_size: int) -> None:
         )
 
 
-def _fingerprint(item: Input) -> list:
+def input_fingerprint(item: Input) -> list:
     files = []
     for path in item.files():
         stat = path.stat()

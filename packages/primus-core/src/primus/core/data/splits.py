@@ -24,7 +24,7 @@ import numpy as np
 from primus.core.config.schema import PrimusConfig
 from primus.core.data.errors import DataError
 from primus.core.data.packed import PackedDataset
-from primus.core.data.sources import _fingerprint, load_token_stream, source_inputs
+from primus.core.data.sources import input_fingerprint, load_token_stream, source_inputs
 
 # mixed into the seed so that the held-out draw is independent of the training order drawn from the same seed
 _HOLDOUT_STREAM = 0x45564C  # "EVL"
@@ -114,7 +114,7 @@ _built: dict[str, Any] = {}
 def _all_training(cfg: PrimusConfig, tokenizer: Any) -> Any:
     """The packed samples of ``data``, or the blend of ``data.blend``'s sources (before any holdout)."""
     t = cfg.train
-    files = [_fingerprint(item) for data, _, _ in blend_configs(cfg) for item in source_inputs(data)]
+    files = [input_fingerprint(item) for data, _, _ in blend_configs(cfg) for item in source_inputs(data)]
     key = json.dumps([cfg.data.model_dump(mode="json"), files, t.seq_len, t.seed, t.objective, cfg.model.vocab_size])
     if key not in _built:
         _built.clear()

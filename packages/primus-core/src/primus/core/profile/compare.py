@@ -11,7 +11,7 @@ import html
 from dataclasses import dataclass
 
 from primus.core.profile.analyze import RunAnalysis
-from primus.core.profile.report import CATEGORIES, COLORS, SHARES, _name, _sw, _table, mean_shares, page
+from primus.core.profile.report import CATEGORIES, COLORS, SHARES, html_table, label, mean_shares, page, swatch
 
 
 @dataclass
@@ -116,8 +116,8 @@ def html_page(a: RunAnalysis, b: RunAnalysis, rows: dict[str, list[Row]] | None 
     for section, title in TITLES.items():
         table_rows = []
         for row in rows[section]:
-            key = (_sw(row.name) if row.name in COLORS else "") + (
-                _name(row.name) if row.name in COLORS else html.escape(row.name)
+            key = (swatch(row.name) if row.name in COLORS else "") + (
+                label(row.name) if row.name in COLORS else html.escape(row.name)
             )
             a_cell, b_cell, d = row.cells()
             color = "" if d == "-" or d.startswith(("+0.0", "-0.0")) else ("#1a7f37" if d[0] == "-" else "#b42318")
@@ -125,5 +125,5 @@ def html_page(a: RunAnalysis, b: RunAnalysis, rows: dict[str, list[Row]] | None 
                 color = ""  # more is not worse here
             style = f' style="color:{color}"' if color else ""
             table_rows.append([key, a_cell, b_cell, f"<b{style}>{d}</b>"])
-        parts += [f"<h2>{html.escape(title)}</h2>", _table(["", "A", "B", "B - A"], table_rows)]
+        parts += [f"<h2>{html.escape(title)}</h2>", html_table(["", "A", "B", "B - A"], table_rows)]
     return page("Comparison", "".join(parts))

@@ -224,16 +224,16 @@ max-width:640px;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}
 """
 
 
-def _sw(key: str) -> str:
+def swatch(key: str) -> str:
     return f'<span class="sw" style="background:{COLORS[key]}"></span>'
 
 
-def _name(key: str) -> str:
+def label(key: str) -> str:
     return html.escape(LABELS.get(key, key))
 
 
 def _legend(keys) -> str:
-    return '<p class="legend">' + "".join(f'<span class="i">{_sw(k)}{_name(k)}</span>' for k in keys) + "</p>"
+    return '<p class="legend">' + "".join(f'<span class="i">{swatch(k)}{label(k)}</span>' for k in keys) + "</p>"
 
 
 def _stacked(parts: list[tuple[str, float]], width: int = 560, height: int = 16) -> str:
@@ -244,13 +244,13 @@ def _stacked(parts: list[tuple[str, float]], width: int = 560, height: int = 16)
         if w > 0:
             out.append(
                 f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="{height}" fill="{COLORS[key]}">'
-                f"<title>{_name(key)} {frac:.1%}</title></rect>"
+                f"<title>{label(key)} {frac:.1%}</title></rect>"
             )
         x += w
     return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img">{"".join(out)}</svg>'
 
 
-def _table(head: list[str], rows: list[list[str]], left: int = 1, classes: dict[int, str] | None = None) -> str:
+def html_table(head: list[str], rows: list[list[str]], left: int = 1, classes: dict[int, str] | None = None) -> str:
     """An HTML table: the first ``left`` columns left-aligned, ``classes`` a column's own class (e.g. "k")."""
 
     def cls(i: int) -> str:
@@ -294,7 +294,7 @@ def timeline_svg(reports: list[RankReport], width: int = 1180) -> str:
                 w = max((e - s) / span * plot_w, 0.6)
                 out.append(
                     f'<rect x="{x0:.2f}" y="{y}" width="{w:.2f}" height="{lane_h}" fill="{COLORS[what]}">'
-                    f"<title>{_name(what)} {(e - s) / 1e3:.3f} ms at {s / 1e3:.3f} ms</title></rect>"
+                    f"<title>{label(what)} {(e - s) / 1e3:.3f} ms at {s / 1e3:.3f} ms</title></rect>"
                 )
             y += lane_h + gap
         for i in range(5):  # time axis: 0, 1/4, 1/2, 3/4, the step
@@ -330,7 +330,10 @@ def html_page(
     parts += [f'<p class="note">{html.escape(n)}</p>' for n in notes or []]
     if run.meta:
         summary = config_summary(run.meta)
-        parts += ["<h2>Run</h2>", _table(["", ""], [[html.escape(k), html.escape(v)] for k, v in summary.items()], 2)]
+        parts += [
+            "<h2>Run</h2>",
+            html_table(["", ""], [[html.escape(k), html.escape(v)] for k, v in summary.items()], 2),
+        ]
     # time shares
     rows = []
     for r in reports:
@@ -351,7 +354,7 @@ def html_page(
     parts += [
         "<h2>Where the time goes</h2>",
         '<p class="note">Shares of the traced window, from the first to the last kernel; nothing is counted twice.</p>',
-        _table(["rank", "steps", "step ms", *(_sw(k) + _name(k) for k in SHARES), "MFU", "share"], rows),
+        html_table(["rank", "steps", "step ms", *(swatch(k) + label(k) for k in SHARES), "MFU", "share"], rows),
     ]
     # one step
     if any(r.timeline for r in reports):
@@ -373,7 +376,7 @@ def html_page(
     parts += [
         "<h2>Kernel categories</h2>",
         '<p class="note">Share of summed kernel time; each kernel in one category, by name.</p>',
-        _table(["rank", *(_sw(c) + _name(c) for c in cats), "kernel ms", "share"], rows),
+        html_table(["rank", *(swatch(c) + label(c) for c in cats), "kernel ms", "share"], rows),
     ]
     if any(r.fp8_gemm_us for r in reports):
         fp8 = ", ".join(f"rank {r.rank} {r.fp8_gemm_us / (r.categories.get('gemm') or 1.0):.1%}" for r in reports)
@@ -382,14 +385,14 @@ def html_page(
         rows = [
             [
                 f'<span title="{html.escape(n)}">{html.escape(n[:110])}</span>',
-                _sw(r.top_categories.get(n, "other")) + _name(r.top_categories.get(n, "other")),
+                swatch(r.top_categories.get(n, "other")) + label(r.top_categories.get(n, "other")),
                 f"{t / 1e3:.2f}",
                 str(c),
                 f"{t / c:.1f}",
             ]
             for n, t, c in r.top
         ]
-        table = _table(["kernel", "category", "total ms", "calls", "mean us"], rows, 2, {0: "k"})
+        table = html_table(["kernel", "category", "total ms", "calls", "mean us"], rows, 2, {0: "k"})
         parts += [f"<h2>Top kernels (rank {html.escape(r.rank)})</h2>", table]
     if run.engine == "hta":
         rows = []
@@ -413,7 +416,7 @@ def html_page(
             '<p class="note">Temporal breakdown (HTA\'s compute leaves out memcpy / memset, which primus counts as '
             "compute), the share of communication time overlapped by computation, and CUDA launch statistics where "
             "the trace has the CPU side.</p>",
-            _table(
+            html_table(
                 [
                     "rank",
                     "compute",
