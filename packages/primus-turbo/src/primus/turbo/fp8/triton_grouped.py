@@ -22,7 +22,7 @@ import triton.language as tl
 
 from primus.turbo.fp8.recipe import FP8_MAX
 from primus.turbo.fp8.scaling import AMAX_EPS, DTYPES
-from primus.turbo.fp8.triton_quantize import _abs_nan_as_inf, fp8_grid, to_fp8
+from primus.turbo.fp8.triton_quantize import abs_nan_as_inf, fp8_grid, to_fp8
 
 ALIGN = 16  # tokens: the wgrad's group starts (16 bytes of fp8)
 JAG_ROWS, JAG_COLS = 128, 64  # tile of the jagged kernel: 128 B of bf16 per row read, 128 B of fp8 per column written
@@ -69,7 +69,7 @@ def _weight_amax_kernel(
     for c0 in range(sp * K_PER, tl.minimum(sp * K_PER + K_PER, K), COLS):
         cols = c0 + tl.arange(0, COLS)
         cmask = cols < K
-        a = _abs_nan_as_inf(
+        a = abs_nan_as_inf(
             tl.load(base + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         )
         ramax = tl.maximum(ramax, tl.max(a, axis=1))
@@ -233,7 +233,7 @@ def _jagged_kernel(
             rows = r0 + tl.arange(0, ROWS)
             ptr = t_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :]
             x = tl.load(ptr, mask=(rows < end)[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(_abs_nan_as_inf(x), axis=0))
+            amax = tl.maximum(amax, tl.max(abs_nan_as_inf(x), axis=0))
     scale = _scale(amax, FMAX, EPS)
     tl.store(sinv_ptr + g.to(tl.int64) * n_cols + cols, _scale_inv(amax, FMAX, EPS), mask=cmask)
     for r0 in range(0, psize, ROWS):

@@ -31,7 +31,7 @@ def fp8_grid(fmt: str) -> dict[str, int]:
 
 
 @triton.jit
-def _abs_nan_as_inf(x):
+def abs_nan_as_inf(x):
     return tl.where(x != x, float("inf"), tl.abs(x))
 
 
@@ -69,7 +69,7 @@ def _rowwise_kernel(
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + base + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, _abs_nan_as_inf(x))
+        amax = tl.maximum(amax, abs_nan_as_inf(x))
     a = tl.max(amax, axis=0)
     scale = tl.where(a < float("inf"), FMAX / tl.maximum(a, EPS), 1.0)
     tl.store(amax_ptr + row, a)
@@ -84,7 +84,7 @@ def _rowwise_kernel(
 def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr, tl.max(_abs_nan_as_inf(x), axis=0))
+    tl.atomic_max(amax_ptr, tl.max(abs_nan_as_inf(x), axis=0))
 
 
 @triton.jit
@@ -108,7 +108,7 @@ def _cast_kernel(
     q = tl.clamp(x * scale, -FMAX, FMAX)
     tl.store(q_ptr + offs, to_fp8(q, q_ptr.dtype.element_ty, MANT, EMIN), mask=offs < n)
     if REDUCE_OWN:  # delayed scaling: this step's amax for the history, in the same pass
-        tl.atomic_max(own_amax_ptr, tl.max(_abs_nan_as_inf(x), axis=0))
+        tl.atomic_max(own_amax_ptr, tl.max(abs_nan_as_inf(x), axis=0))
 
 
 def quantize(x: torch.Tensor, fmt: str, *, rowwise: bool, amax: torch.Tensor | None = None) -> Quantized:

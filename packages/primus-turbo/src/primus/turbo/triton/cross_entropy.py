@@ -24,7 +24,7 @@ import triton.language as tl
 # Re-exported (`as` itself): the forward kernel and its block cap stay importable from here.
 from primus.turbo.triton.cross_entropy_rows import MAX_BLOCK_V as MAX_BLOCK_V
 from primus.turbo.triton.cross_entropy_rows import _ce_fwd as _ce_fwd
-from primus.turbo.triton.cross_entropy_rows import _softmax_grad_row, block_v, ce_rows, valid_count
+from primus.turbo.triton.cross_entropy_rows import block_v, ce_rows, softmax_grad_row, valid_count
 from primus.turbo.triton.launch import num_warps
 
 
@@ -36,7 +36,7 @@ def _ce_bwd(
     target = tl.load(target_ptr + row).to(tl.int64)
     scale = tl.where(target != ignore_index, tl.load(scale_ptr), 0.0)
     lse = tl.load(lse_ptr + row)
-    _softmax_grad_row(x_ptr + row * stride_x, grad_ptr + row * stride_g, n_cols, lse, target, scale, BLOCK_V)
+    softmax_grad_row(x_ptr + row * stride_x, grad_ptr + row * stride_g, n_cols, lse, target, scale, BLOCK_V)
 
 
 class CrossEntropyFunction(torch.autograd.Function):

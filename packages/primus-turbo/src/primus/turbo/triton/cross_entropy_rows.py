@@ -16,7 +16,7 @@ MAX_BLOCK_V = 8192
 
 
 @triton.jit
-def _softmax_grad_row(x_row, g_row, n_cols, lse, target, scale, BLOCK_V: tl.constexpr):
+def softmax_grad_row(x_row, g_row, n_cols, lse, target, scale, BLOCK_V: tl.constexpr):
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < n_cols
@@ -49,7 +49,7 @@ def _ce_fwd(
     tl.store(lse_ptr + row, lse)
     if WRITE_GRAD:  # after every read of x_target: the gradient may overwrite x in place
         scale = tl.where(valid, tl.load(scale_ptr), 0.0)
-        _softmax_grad_row(x_row, grad_ptr + row * stride_g, n_cols, lse, target, scale, BLOCK_V)
+        softmax_grad_row(x_row, grad_ptr + row * stride_g, n_cols, lse, target, scale, BLOCK_V)
 
 
 def block_v(n_cols: int) -> int:
