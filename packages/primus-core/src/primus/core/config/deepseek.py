@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from primus.core.contracts.protocols import ConfigIssue
+
 if TYPE_CHECKING:
     from primus.core.config.schema import ModelConfig
-    from primus.core.contracts.protocols import ConfigIssue
 
 ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
 
@@ -96,8 +97,6 @@ def kv_cache_per_token(m: ModelConfig) -> int:
 
 def issues(m: ModelConfig) -> list[ConfigIssue]:
     """The config rules of MLA and DeepSeek's group-limited router, each at the key a user would change."""
-    from primus.core.contracts.protocols import ConfigIssue
-
     out: list[ConfigIssue] = []
     if (m.family == "deepseek") != (m.mla is not None):
         key, value = ("model.mla", None) if m.family == "deepseek" else ("model.family", m.family)

@@ -15,12 +15,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from primus.core.config.loader import load_layers
+from primus.core.config.schema import ModelConfig
 from primus.core.contracts.plugins import Registry
-
-if TYPE_CHECKING:
-    from primus.core.config.schema import ModelConfig
 
 log = logging.getLogger("primus.presets")
 RENAMED = "renamed.yaml"
@@ -86,7 +84,4 @@ def resolver(registry: Registry):
 
 def model_config(name: str, registry: Registry) -> ModelConfig:
     """The model section of preset ``name`` (its ``extends`` chain layered), validated."""
-    from primus.core.config.loader import load_layers
-    from primus.core.config.schema import ModelConfig
-
     return ModelConfig.model_validate(load_layers(name, resolve_preset=resolver(registry)).data["model"])

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
+from primus.core.config import deepseek
 from primus.core.config.errors import ConfigError
 from primus.core.config.fields import section_model, suggest
 from primus.core.config.schema import ModelConfig, PrimusConfig
@@ -85,7 +86,6 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 allowed="a divisor of num_attention_heads",
             )
         )
-    from primus.core.config import deepseek
 
     out.extend(deepseek.issues(m))
     if m.mla is not None and p.cp > 1:  # (both engines reached primus-turbo's ring attention and raised there)

@@ -17,7 +17,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from primus.core.config.schema import ParallelConfig
 from primus.core.contracts.errors import UserError
+from primus.core.contracts.plugins import get_registry
+from primus.core.contracts.protocols import load_ref
 
 if TYPE_CHECKING:
     from primus.core.config.schema import ModelConfig, PrimusConfig
@@ -141,8 +144,6 @@ def _offline_overrides() -> tuple[str, ...]:
     not where its weights came from (the folder of train.init_from may be gone by then)."""
     import json
 
-    from primus.core.config.schema import ParallelConfig
-
     reset = [f"parallel.{k}={json.dumps(f.default)}" for k, f in ParallelConfig.model_fields.items()]
     return (*reset, "train.init_from=null")
 
@@ -152,15 +153,11 @@ OFFLINE_OVERRIDES = _offline_overrides()
 
 def _registry() -> Registry:
     """The process's registry, for a top-level call that was handed none."""
-    from primus.core.contracts.plugins import get_registry
-
     return get_registry()
 
 
 def interop(cfg: PrimusConfig, registry: Registry) -> HFInterop:
     """The HF importer/exporter of ``cfg.backend.name``; a clear error when the backend has none."""
-    from primus.core.contracts.protocols import load_ref
-
     spec = registry.backends.get(cfg.backend.name)
     if spec is None:
         raise UserError(f"backend.name {cfg.backend.name!r} is not installed; allowed: {', '.join(registry.backends)}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from primus.core.contracts.protocols import ConfigIssue
+
 E4M3_MAX = 448.0  # torch.float8_e4m3fn
 E5M2_MAX = 57344.0  # torch.float8_e5m2
 # the OCP formats (NVIDIA, AMD gfx950) and AMD's fnuz variants (gfx942, the MI300 series: no negative zero, one
@@ -145,8 +147,6 @@ def config_issues(cfg: Any, *, engine: str) -> list[Any]:
     """What both engines refuse for ``kernels.fp8`` (without importing torch): fp32 compute, delayed
     rowwise, delayed under torch.compile, no block left in FP8, GEMM dims ``_scaled_mm`` cannot take
     (each named), and for a mixture-of-experts model what its FP8 experts cannot do (:func:`_moe_issues`)."""
-    from primus.core.contracts.protocols import ConfigIssue
-
     k, m, t = cfg.kernels, cfg.model, cfg.train
     if k.fp8 == "off":
         return []
@@ -216,8 +216,6 @@ def _moe_issues(k: Any) -> list[Any]:
     """FP8 experts run on the FP8 provider's grouped GEMM (primus-turbo's: ``torch._scaled_grouped_mm``), which scales
     by the current amax only (delayed histories would be one per expert and group of tokens); torchao's FP8 provider
     swaps ``nn.Linear`` modules only and has no grouped GEMM here."""
-    from primus.core.contracts.protocols import ConfigIssue
-
     out = []
     if k.fp8_recipe.scaling == "delayed":
         why = "a mixture-of-experts model's FP8 experts scale by the current amax (no history per expert and group)"

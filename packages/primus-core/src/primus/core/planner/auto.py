@@ -15,6 +15,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from primus.core.config.schema import ParallelConfig, PrimusConfig
+from primus.core.config.validate import world_issues
+from primus.core.contracts.errors import UserError
+from primus.core.contracts.protocols import validate_with
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device, device
 from primus.core.planner.memory import GIB, Layout
@@ -82,8 +85,6 @@ def refusals(cfg: PrimusConfig, spec: BackendSpec | None, world_size: int) -> Ca
     """``check(layout)`` for :func:`~primus.core.planner.search.candidates`: why ``cfg`` cannot run a layout on
     ``world_size`` devices ("path: message" each; empty where it can): core's own check of the sizes against the world,
     then the backend's validation (``spec``'s ``BackendSpec.validate``; None: no backend to ask)."""
-    from primus.core.config.validate import world_issues
-    from primus.core.contracts.protocols import validate_with
 
     def check(layout: Layout) -> list[str]:
         run = layout_config(cfg, layout)
@@ -173,7 +174,6 @@ def check_fits(cfg: PrimusConfig, world_size: int, dev: Device | None = None, re
     """Refuse, before any model is built, a layout whose estimated per-device memory exceeds the device's
     by more than the memory model's validated error (``calibration.FIT_TOLERANCE``), with the numbers.
     Every backend is checked: with its profile, or as the generic engine where it gives none."""
-    from primus.core.contracts.errors import UserError
     from primus.core.planner.strategies import estimate_memory
 
     dev = dev or local_device()

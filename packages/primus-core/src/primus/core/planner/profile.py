@@ -39,13 +39,10 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
+from primus.core.contracts.plugins import Registry, build_plugin_manager
 from primus.core.contracts.protocols import BackendSpec, load_ref
 from primus.core.planner import calibration as cal
-
-if TYPE_CHECKING:
-    from primus.core.contracts.plugins import Registry
 
 DP_MODES = ("ddp", "ddp_distopt", "fsdp")  # what a Layout's dp_mode may be
 ADAM_BYTES = 8  # Adam's first and second moments, fp32, per parameter (every engine)
@@ -181,8 +178,6 @@ def installed_backends() -> dict[str, BackendSpec]:
     duplicate rule) whether or not its autoload is switched off (a profile is data: the planner of a process whose
     registry left the plugins out still knows them). A plugin that fails to load is skipped (``primus plugins``
     reports it). Read once per process."""
-    from primus.core.contracts.plugins import Registry, build_plugin_manager
-
     return dict(Registry(build_plugin_manager(autoload=True)).backends)
 
 

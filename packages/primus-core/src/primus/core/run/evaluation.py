@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from primus.core.config.schema import PrimusConfig
+from primus.core.contracts.engine import capabilities
 from primus.core.contracts.errors import UserError
 
 # What an evaluation reports (in the metrics row of its step, the lifecycle hooks and the run's summary).
@@ -25,7 +26,6 @@ EVAL_METRICS = {
 
 
 def evaluates(engine: Any) -> bool:
-    from primus.core.contracts.engine import capabilities
 
     return "evaluate" in capabilities(engine)
 
