@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from primus.core.config.deepseek import ROUTER_BIAS, attention_names
 from primus.core.config.schema import ParallelConfig
 from primus.core.contracts.errors import UserError
 from primus.core.contracts.plugins import get_registry
@@ -60,8 +61,6 @@ def _mlp_names(m: ModelConfig, i: int, p: str) -> dict[str, str]:
     router, expert = _MOE_NAMES["qwen" if m.family.startswith("qwen") or m.family == "deepseek" else "mixtral"]
     names = {"router": p + router}
     if m.family == "deepseek":
-        from primus.core.config.deepseek import ROUTER_BIAS
-
         names["router_bias"] = p + ROUTER_BIAS
     for j in range(m.moe.num_experts):
         names |= {expert_role(j, r): p + expert[r].format(j=j) for r in ("gate", "up", "down")}
@@ -77,8 +76,6 @@ def layer_names(m: ModelConfig, i: int) -> dict[str, str]:
     them)."""
     p = f"model.layers.{i}."
     if m.mla is not None:
-        from primus.core.config.deepseek import attention_names
-
         attention = attention_names(m, p)
     else:
         attention = {r: p + f"self_attn.{r}_proj.weight" for r in "qkvo"}

@@ -14,10 +14,11 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from primus.core.config.errors import ConfigError
 from primus.core.config.schema import ParallelConfig, PrimusConfig
 from primus.core.config.validate import world_issues
 from primus.core.contracts.errors import UserError
-from primus.core.contracts.protocols import validate_with
+from primus.core.contracts.protocols import ConfigIssue, validate_with
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device, device
 from primus.core.planner.memory import GIB, Layout
@@ -136,9 +137,6 @@ def choose(
         and not (c.layout.recompute == "partial" and engine.partial_recompute_method is None)
     ]
     if not cands:
-        from primus.core.config.errors import ConfigError
-        from primus.core.contracts.protocols import ConfigIssue
-
         allowed = [c for c in every if _agrees(c, explicit)] or every
         accepted = [c for c in allowed if not c.refused] or allowed
         smallest = min(accepted, key=lambda c: c.memory.total) if accepted else None

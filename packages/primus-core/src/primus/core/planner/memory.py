@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from primus.core.config.deepseek import attention_activation_elements
 from primus.core.config.schema import ModelConfig
 from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS, call_tokens, fp8_blocks, fp8_linear_pays
 from primus.core.kernels.linears import RankLinear, attention_linears, fused, mlp_linears, shared_expert_width
@@ -196,8 +197,6 @@ def activation_bytes_per_layer(
     norms = dtype_bytes * s * b * 2 * d / t_sp
     attention = 2 * h * c + 2 * kv * c
     if model.mla is not None:  # multi-head latent attention's q/k/v widths and latents (primus.core.config.deepseek)
-        from primus.core.config.deepseek import attention_activation_elements
-
         attention = attention_activation_elements(model)
     sharded = dtype_bytes * s * b * (attention + mlp_elements(model)) / t
     full = 2 * layer_input + norms + sharded  # the layer input and the residual, both norm outputs, the rest

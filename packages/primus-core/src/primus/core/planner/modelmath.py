@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from primus.core.config.deepseek import attention_flops_per_token, attention_params
 from primus.core.config.schema import ModelConfig
 
 
@@ -63,8 +64,6 @@ def count_params(m: ModelConfig) -> ParamCount:
         attn += h * c + 2 * k * c
     layer_norms = 2 * d + (2 * c if m.qk_norm else 0)
     if m.mla is not None:  # multi-head latent attention: primus.core.config.deepseek
-        from primus.core.config.deepseek import attention_params
-
         attn, mla_norms = attention_params(m)
         attn, layer_norms = attn - mla_norms, layer_norms + mla_norms
     per_layer = attn + 3 * d * f + layer_norms
@@ -111,8 +110,6 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training (fwd + bwd) FLOPs per token; see the module docstring for the formula."""
     blocks = m.num_layers + (m.mtp.layers if m.mtp is not None else 0)  # multi-token prediction's attend too
     if m.mla is not None:
-        from primus.core.config.deepseek import attention_flops_per_token
-
         return 6.0 * matmul_params(m) + attention_flops_per_token(m, seq_len) * blocks / m.num_layers
     return 6.0 * matmul_params(m) + 12.0 * blocks * m.num_attention_heads * m.kv_channels * seq_len
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from primus.core.config.schema import PrimusConfig
+from primus.core.contracts.plugins import get_registry
 from primus.core.contracts.protocols import MemoryEstimate, StrategySpec
 
 if TYPE_CHECKING:
@@ -86,8 +87,6 @@ def fused_loss(cfg: PrimusConfig, registry: Registry | None = None) -> bool:
     """Whether ``kernels.cross_entropy`` picks a provider that fuses the output projection (its ``features``),
     as ``auto`` does on a GPU: the highest-priority provider ``registry`` holds (None: the process's registry)."""
     if registry is None:
-        from primus.core.contracts.plugins import get_registry
-
         registry = get_registry()
     providers = registry.providers("cross_entropy")
     choice = cfg.kernels.cross_entropy

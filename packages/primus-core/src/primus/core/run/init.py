@@ -21,6 +21,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from primus.core.config.deepseek import attention_shapes
 from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, layer_names, mtp_names
 
 if TYPE_CHECKING:
@@ -60,8 +61,6 @@ def shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
         role_shape |= {"shared.gate": (sf, h), "shared.up": (sf, h), "shared.down": (h, sf)}
         role_shape["router_bias"] = (m.moe.num_experts,)
     if m.mla is not None:  # multi-head latent attention's projections and norms (primus.core.config.deepseek)
-        from primus.core.config.deepseek import attention_shapes
-
         role_shape |= attention_shapes(m)
     role_shape |= {"enorm": (h,), "hnorm": (h,), "eh_proj": (h, 2 * h), "mtp_norm": (h,)}  # multi-token prediction
     mtp = [mtp_names(m, k) for k in range(m.mtp.layers if m.mtp is not None else 0)]

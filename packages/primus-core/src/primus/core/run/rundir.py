@@ -16,8 +16,10 @@ import socket
 import time
 from pathlib import Path
 
+from primus.core.config.errors import ConfigError
 from primus.core.config.schema import PrimusConfig
 from primus.core.contracts.errors import UserError
+from primus.core.contracts.protocols import ConfigIssue
 
 try:
     import fcntl
@@ -37,9 +39,6 @@ def output_dir(cfg: PrimusConfig) -> Path:
         return Path(cfg.logging.output_dir)
     name = cfg.model.name
     if name in ("", ".", "..") or re.search(r"[/\\\x00-\x1f]", name):
-        from primus.core.config.errors import ConfigError
-        from primus.core.contracts.protocols import ConfigIssue
-
         why = "names the run folder outputs/<model.name> (logging.output_dir is unset) and is not one plain folder name"
         allowed = "a name without / or \\ (not . or ..), or set logging.output_dir"
         raise ConfigError([ConfigIssue("model.name", why, name, allowed)])
