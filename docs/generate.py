@@ -162,12 +162,19 @@ def _doc(obj: Any) -> str:
 
 
 def _fields(cls: type) -> list[str]:
-    """``| field | type | default | note |`` rows of a dataclass; the note is the field's trailing comment."""
+    """``| field | type | default | note |`` rows of a dataclass; the note is the field's trailing comment, or else the
+    comment lines right above it."""
     comments: dict[str, str] = {}
+    above: list[str] = []
     for line in inspect.getsource(cls).splitlines():
-        m = re.match(r"\s+(\w+):[^#]*#\s*(.*)$", line)
-        if m:
+        if m := re.match(r"\s+# (?!-)(.*)$", line):  # (a "# ---- section" rule is not a note)
+            above.append(m.group(1))
+            continue
+        if m := re.match(r"\s+(\w+):[^#]*#\s*(.*)$", line):
             comments[m.group(1)] = m.group(2)
+        elif (m := re.match(r"\s+(\w+):", line)) and above:
+            comments[m.group(1)] = " ".join(above)
+        above = []
     rows = ["| field | type | default | note |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
