@@ -130,10 +130,12 @@ def qwen3_args(m: ModelConfig, seq_len: int) -> Any:
 
 
 def model_args(m: ModelConfig, seq_len: int) -> Any:
-    from primus.torchtitan.deepseek import deepseek_args
+    kind = engine_model(m)
+    if kind == "deepseek_v3":  # (its module subclasses torchtitan's DeepSeek-V3 classes: imported for it alone)
+        from primus.torchtitan.deepseek import deepseek_args
 
-    build = {"llama3": llama3_args, "qwen3": qwen3_args, "dense": dense_args, "deepseek_v3": deepseek_args}
-    return build[engine_model(m)](m, seq_len)
+        return deepseek_args(m, seq_len)
+    return {"llama3": llama3_args, "qwen3": qwen3_args, "dense": dense_args}[kind](m, seq_len)
 
 
 def base_train_spec(m: ModelConfig) -> Any:
