@@ -229,11 +229,11 @@ def test_the_launcher_shows_lines_as_they_come_but_no_worker_traceback():
     rank, torchrun's report is read, an error line said by two ranks is shown once, anything else passes whole."""
     import io
 
+    from primus.core.launch.launcher import StderrFilter
     from primus.core.launch.torchrun import MARK
-    from primus.core.launch.train import _StderrFilter
 
     shown = io.BytesIO()
-    filt = _StderrFilter(shown)
+    filt = StderrFilter(shown)
     report = b'{"rank": 1, "pid": 3, "exitcode": -9, "signal": "SIGKILL"}'
     data = (
         b"INFO hello\n[rank0]: Traceback (most recent call last):\n[rank0]:   File x\n"

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from primus.core.cli import app as cli
 from primus.core.launch.env import AMD, COMMON, NVIDIA
-from primus.core.launch.train import torchrun_command
+from primus.core.launch.launcher import torchrun_command
 
 runner = CliRunner()
 

@@ -23,8 +23,8 @@ def preflight(
     from rich.table import Table
 
     from primus.core.cli.helpers import out
+    from primus.core.launch.launcher import LAUNCHED_ENV, launch_torchrun
     from primus.core.launch.preflight import run, versions
-    from primus.core.launch.train import LAUNCHED_ENV, launch_torchrun
 
     if nproc_per_node > 1 and not (os.environ.get(LAUNCHED_ENV) or "LOCAL_RANK" in os.environ):
         argv = sys.argv[1:]

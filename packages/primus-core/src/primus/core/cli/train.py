@@ -46,7 +46,8 @@ def _train(
     master_port: int,
     rdzv: str | None,
 ) -> None:
-    from primus.core.launch.train import LAUNCHED_ENV, launch_torchrun, run_rank
+    from primus.core.launch.launcher import LAUNCHED_ENV, launch_torchrun
+    from primus.core.launch.train import run_rank
     from primus.core.run import stop
 
     setup_logging()

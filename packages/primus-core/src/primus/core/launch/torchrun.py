@@ -3,7 +3,7 @@ launcher runs it, with its failure report turned into one line for the launcher.
 
 torchrun ends a failed job by raising: ``ChildFailedError`` (a worker failed: its traceback and a table) or
 ``SignalException`` (torchrun itself was signalled). Here both end in one :data:`MARK` line on stderr, a JSON
-object (``rank``, ``pid``, ``exitcode``, ``signal``), which :func:`primus.core.launch.train.launch_torchrun` reads (and
+object (``rank``, ``pid``, ``exitcode``, ``signal``), which :func:`primus.core.launch.launcher.launch_torchrun` reads (and
 never shows) to say what happened in one line; the exit code is the failed worker's (``128 + N`` for a worker
 killed by signal ``N``, as a shell reports it)."""
 
