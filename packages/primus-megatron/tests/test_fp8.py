@@ -123,6 +123,59 @@ def test_moe_block_spec_in_fp8():
     assert plain.shared_experts.submodules.linear_fc1 is ColumnParallelLinear
 
 
+SHAPES = """
+import socket, sys
+import torch.distributed as dist
+from primus.megatron.cpu import redirect_to_cpu
+redirect_to_cpu()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from primus.core.config.presets import model_config
+from primus.core.config.schema import PrimusConfig
+from primus.core.contracts.plugins import get_registry
+from primus.megatron.dist import init_parallel, seed
+from primus.megatron.fp8 import BF16_ONLY, linear_shapes
+from primus.megatron.layer_spec import block_spec
+from primus.megatron.model import gpt_model, transformer_config
+init_parallel(1, 1, 1, 1)
+seed(0)  # megatron draws its weights under its model-parallel RNG
+reg = get_registry()
+kernels = {op: reg.providers(op)[0] for op in ("attention", "rms_norm", "swiglu", "grouped_gemm")}
+for preset in sys.argv[1:]:
+    cfg = PrimusConfig.model_validate({"model": model_config(preset, reg).model_dump(), "train": {"seq_len": 32}})
+    m, config = cfg.model, transformer_config(cfg)
+    spec = block_spec(config, kernels, qk_norm=m.qk_norm, vp_stage=None, mla=m.mla is not None)
+    model = gpt_model(config, spec, vocab_size=m.vocab_size, max_seq=32, tied=m.tie_word_embeddings,
+                      rope_theta=m.rope_theta, rope_scaling=None, vp_stage=None)
+    block, shared = linear_shapes(m, 1), linear_shapes(m, 1, shared=True)
+    found = {}
+    for name, p in model.named_parameters():
+        *_, module, kind = name.split(".")
+        if kind == "weight" and module.startswith("linear_") and module not in BF16_ONLY:
+            found[name] = [list(p.shape[::-1]), list((shared if ".shared_experts." in name else block)[module])]
+    print(preset, found)
+"""
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-deepseek"])
+def test_core_shape_table_is_the_model_megatron_builds(preset):
+    """The (in, out) core's table gives each linear FP8's shape rule weighs (``linear_shapes``: its roles in megatron's
+    GEMM groups, qkv and fc1) is the weight megatron builds, for every block linear, the shared experts' too."""
+    import ast
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SHAPES, preset], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name, found = proc.stdout.strip().splitlines()[-1].split(" ", 1)
+    found = ast.literal_eval(found)
+    assert name == preset and len(found) >= 8 and all(built == table for built, table in found.values()), found
+    if preset == "tiny-deepseek":  # latent attention's up projections and the shared experts' MLP among them
+        assert any("linear_kv_up_proj" in n for n in found) and any(".shared_experts." in n for n in found)
+
+
 def test_moe_refusals():
     moe = {"train": {"precision": "bf16"}, "model": {"moe": {"num_experts": 4}}, "kernels": {"fp8": "rowwise"}}
     assert issues(PrimusConfig.model_validate(moe)) == []
