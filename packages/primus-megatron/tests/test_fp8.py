@@ -154,7 +154,7 @@ for preset in sys.argv[1:]:
     for name, p in model.named_parameters():
         *_, module, kind = name.split(".")
         if kind == "weight" and module.startswith("linear_") and module not in BF16_ONLY:
-            found[name] = [list(p.shape[::-1]), list((shared if ".shared_experts." in name else block)[module])]
+            found[name] = [list(p.shape[::-1]), list((shared if ".shared_experts." in name else block)[module].shape)]
     print(preset, found)
 """
 

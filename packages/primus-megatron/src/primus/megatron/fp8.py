@@ -34,7 +34,9 @@ shared experts' linears are these FP8 linears, the router stays bf16. Megatron's
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from primus.core.contracts.protocols import ConfigIssue, KernelProvider
@@ -61,8 +63,8 @@ class Fp8Linears:
     kernels: Any  # the config's kernels section (its recipe)
     provider: KernelProvider  # the run's ``fp8`` kernel choice
     blocks: frozenset[int]
-    block: frozenset[str]  # attention's and the dense MLP's
-    shared: frozenset[str]  # the shared experts' linear_fc1 / linear_fc2
+    linears: Mapping[str, str]  # attention's and the dense MLP's in FP8: name -> TP split ("column" / "row")
+    shared_linears: Mapping[str, str]  # the shared experts' linear_fc1 / linear_fc2 in FP8, the same
     note: str  # the linears left in bf16, and why ("" where none)
     linear_free: bool  # no dense linear of any block is in FP8 (only routed experts may be)
 
@@ -79,14 +81,14 @@ def plan(cfg: PrimusConfig, kernels: dict[str, KernelProvider]) -> Fp8Linears | 
     every_moe = m.moe is not None and all(map(m.moe.is_moe_layer, range(m.num_layers)))
     held = {n: s for n, s in block.items() if n not in DENSE_MLP or not every_moe}
     held |= {f"shared {n}": s for n, s in shared.items()}
-    kept = [name for name, shape in held.items() if not pays(*shape)]
+    kept = [name for name, linear in held.items() if not pays(*linear.shape)]
     r = k.fp8_recipe
     return Fp8Linears(
         k,
         kernels["fp8"],
         frozenset(fp8_blocks(m.num_layers, r.bf16_first_layers, r.bf16_last_layers)),
-        frozenset(n for n, shape in block.items() if pays(*shape)),
-        frozenset(n for n, shape in shared.items() if pays(*shape)),
+        MappingProxyType({n: linear.split for n, linear in block.items() if pays(*linear.shape)}),
+        MappingProxyType({n: linear.split for n, linear in shared.items() if pays(*linear.shape)}),
         f"{', '.join(kept)}: {fp8_linears_note(len(kept), len(held))}" if kept else "",
         len(kept) == len(held),
     )
@@ -124,23 +126,22 @@ NAMES = {
     "kv_b": "linear_kv_up_proj",
     "o": "linear_proj",
 }
-ROW_PARALLEL = ("linear_proj", "linear_fc2")  # the others, latent attention's too, are column-parallel
 # megatron-core 0.16's MLASelfAttention accepts only its own classes (by identity) for the down projections: they
 # stay bf16 (at DeepSeek-V3's shapes, 7168 x 1536 and 7168 x 576, core's eager rule keeps them bf16 anyway)
 BF16_ONLY = ("linear_q_down_proj", "linear_kv_down_proj")
 
 
-def linear_shapes(model: ModelConfig, tp: int, *, shared: bool = False) -> dict[str, tuple[int, int]]:
-    """One tensor-parallel rank's (in_features, out_features) of a block's linears that may run in FP8, by megatron's
-    submodule name: core's table (:mod:`primus.core.kernels.linears`) with megatron's GEMM groups (qkv and fc1
-    column-parallel, proj and fc2 row-parallel; latent attention's linears but :data:`BF16_ONLY`); ``shared``: the
-    shared experts' fc1 / fc2."""
+def linear_shapes(model: ModelConfig, tp: int, *, shared: bool = False) -> dict[str, linears.RankLinear]:
+    """One tensor-parallel rank's shape and split of a block's linears that may run in FP8, by megatron's submodule
+    name: core's table (:mod:`primus.core.kernels.linears`) with megatron's GEMM groups (qkv and fc1 column-parallel,
+    proj and fc2 row-parallel; latent attention's linears but :data:`BF16_ONLY`); ``shared``: the shared experts'
+    fc1 / fc2."""
     if shared:
         roles = linears.mlp_linears(model, linears.shared_expert_width(model), tp)
     else:
         roles = linears.attention_linears(model, tp) | linears.mlp_linears(model, model.ffn_hidden_size, tp)
-    named = {NAMES[name]: linear.shape for name, linear in linears.fused(roles, GEMM_GROUPS).items()}
-    return {name: shape for name, shape in named.items() if name not in BF16_ONLY}
+    named = {NAMES[name]: linear for name, linear in linears.fused(roles, GEMM_GROUPS).items()}
+    return {name: linear for name, linear in named.items() if name not in BF16_ONLY}
 
 
 def linear_classes(provider: Any) -> tuple[type, type]:
@@ -226,7 +227,8 @@ def linear_specs(fp8: Fp8Linears, *, shared: bool = False) -> dict[str, Any]:
     column, row = linear_classes(fp8.provider)
     col_spec = ModuleSpec(module=column, params={"fp8_recipe": recipe})
     row_spec = ModuleSpec(module=row, params={"fp8_recipe": recipe})
-    return {name: row_spec if name in ROW_PARALLEL else col_spec for name in (fp8.shared if shared else fp8.block)}
+    chosen = fp8.shared_linears if shared else fp8.linears
+    return {name: row_spec if split == "row" else col_spec for name, split in chosen.items()}
 
 
 def issues(cfg: Any) -> list[ConfigIssue]:

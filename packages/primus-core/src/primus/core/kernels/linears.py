@@ -2,14 +2,15 @@
 (:func:`~primus.core.kernels.fp8_recipe.fp8_linear_rule`) weighs, for the planner and both engines alike.
 
 Roles: attention ``q``, ``k``, ``v``, ``o`` (latent attention's: :func:`primus.core.config.deepseek.attention_linears`),
-a SwiGLU MLP's ``gate``, ``up``, ``down``. An engine that runs some of them as one GEMM names the groups (megatron:
-``qkv`` and ``fc1``) and gets the group's shape; each engine maps the roles to its own module names.
+a SwiGLU MLP's ``gate``, ``up``, ``down``. An engine that runs some of them as one GEMM names the groups (its planner
+profile's ``gemm_groups``; megatron: ``linear_qkv``, ``linear_fc1``) and gets the group's shape (:func:`fused`); each
+engine maps the roles to its own module names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from primus.core.config import deepseek
 
@@ -23,7 +24,7 @@ class RankLinear(NamedTuple):
 
     in_features: int
     out_features: int
-    split: str
+    split: Literal["column", "row", "whole"]
 
     @property
     def shape(self) -> tuple[int, int]:
