@@ -11,12 +11,11 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from primus.core.data.cache import build_once
+from primus.core.run.testing import built_once
 
 CONFIGS = Path(__file__).parent / "configs"
 TINY = str(CONFIGS / "tiny.yaml")
@@ -71,13 +70,6 @@ def train(
 
 def losses(rows: list[dict]) -> list[float]:
     return [r["loss"] for r in rows]
-
-
-def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
-    """``build(folder)`` once for the whole pytest run (each pytest-xdist worker has its own session: a session
-    fixture two workers use was built twice); tests copy what they change."""
-    base = tmp_path_factory.getbasetemp()
-    return build_once((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name, build)
 
 
 @pytest.fixture(scope="session")

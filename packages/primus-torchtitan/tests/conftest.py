@@ -6,12 +6,11 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from primus.core.data.cache import build_once
+from primus.core.run.testing import built_once
 from primus.torchtitan import compat
 
 compat.import_torchtitan()  # before any test module imports torchtitan (CPU adaptations)
@@ -108,12 +107,6 @@ def metrics(out: Path) -> list[dict]:
 
 def losses(out: Path) -> list[float]:
     return [row["loss"] for row in metrics(out)]
-
-
-def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
-    """``build(folder)`` once for the pytest run, whichever xdist worker asks first (core's data-cache lock)."""
-    base = tmp_path_factory.getbasetemp()
-    return build_once((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name, build)
 
 
 def _key(overrides: tuple[str, ...]) -> str:

@@ -11,6 +11,9 @@ weights dies with EOFError, as torch's readers do over a truncated shard). ``bac
 ``signal_at: N`` sends this process SIGUSR1 during step N (the step completes), ``fail_at: N`` raises during step N,
 ``fail_save_at: N`` dies writing step N's checkpoint after its weights file. :attr:`StandInEngine.calls` records
 what the loop asked, in order: ``("train", step)``, ``("eval", step, samples, batches)``, ``("load", step)``.
+
+:func:`built_once` makes a slow fixture (a reference training run) once for a whole pytest run, pytest-xdist workers
+included.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ from primus.core import hookimpl
 from primus.core.contracts.engine import StepResult
 from primus.core.contracts.plugins import Registry, build_plugin_manager
 from primus.core.contracts.protocols import BackendSpec
+from primus.core.data.cache import build_once
 
 NAME = "stand-in"
 WEIGHT_BYTES = 3 * 2**16
@@ -94,3 +99,12 @@ def registry(*plugins: tuple[str, Any]) -> Registry:
     """Core's own plugin, the ``stand-in`` backend and ``plugins`` ((name, module or object) pairs); no installed
     plugin is loaded when ``PRIMUS_DISABLE_PLUGIN_AUTOLOAD`` is set."""
     return Registry(build_plugin_manager(extra_plugins=[("stand-in", _Backend), *plugins]))
+
+
+def built_once(tmp_path_factory: Any, name: str, build: Callable[[Path], object]) -> Path:
+    """``build(folder)`` once for the whole pytest run (``tmp_path_factory``: pytest's), the folder shared by its
+    pytest-xdist workers (each has its own session, so a session fixture two workers use was built twice): the first
+    builds under core's data-cache lock (:func:`~primus.core.data.cache.build_once`), the others wait and read it.
+    Tests copy what they change."""
+    base = tmp_path_factory.getbasetemp()
+    return build_once((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name, build)
