@@ -62,3 +62,13 @@ def test_offline_asked_for_on_the_command_line_gets_the_file_too(registry, cache
 
     assert res.exit_code == 0, res.output
     assert yaml.safe_load(res.output)["kernels"]["gemm_tuning_file"].endswith("/primus/gemm/tiny-llama-fp32.json")
+
+
+def test_train_refuses_gemm_tuning_on_a_cpu_before_writing_anything(registry, cache_home, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "tiny-demo", "kernels.gemm_tuning=offline", f"logging.output_dir={out}"]
+    res = runner.invoke(cli.app, args)
+
+    assert res.exit_code == 2, res.output
+    assert "kernels.gemm_tuning: GEMM tuning needs a GPU" in res.output and "allowed: off on a CPU" in res.output
+    assert not out.exists()

@@ -8,7 +8,7 @@ from torch import nn
 
 from primus.core.config.schema import PrimusConfig
 from primus.tune.results import Environment, GemmResults, GemmTuningMismatch, TuningEntry, pick_winner, read_results
-from primus.tune.runtime import setup
+from primus.tune.runtime import run_issues, setup
 from primus.tune.searchers import NoSearcher, SearchBudget
 from primus.tune.shapes import linear_gemms
 
@@ -57,6 +57,29 @@ def test_offline_needs_the_file_and_checks_where_it_was_made(tmp_path):
     assert compiled.apply(nn.Linear(8, 8)) == 0  # nvmath would break every compiled graph: left to torch
     assert tuning.close() == {"mode": "offline", "platform": "cuda", "file": str(path), "shapes": 2, "tuned": 1,
                               "tuned_calls": 0}  # fmt: skip
+
+
+def test_what_setup_would_refuse_is_said_before_the_run_with_the_key(tmp_path):
+    path = tmp_path / "r.json"
+    assert run_issues(_cfg("off"), "cpu") == []
+    (cpu,) = run_issues(_cfg("online", path), "cpu")
+    assert (cpu.path, cpu.value, cpu.allowed) == ("kernels.gemm_tuning", "online", "off on a CPU")
+    assert "needs a GPU" in str(cpu)
+    assert run_issues(_cfg("online", path), "cuda", environment=H200) == []  # online writes the file
+    (missing,) = run_issues(_cfg("offline", path), "cuda", environment=H200)
+    assert (missing.path, missing.value) == ("kernels.gemm_tuning_file", str(path))
+    assert "primus tune gemm record" in missing.message
+    path.write_text("{}")
+    (bad,) = run_issues(_cfg("offline", path), "cuda", environment=H200)
+    assert bad.message.startswith("not a GEMM tuning results file")
+    GemmResults(H200, searcher="cublaslt").save(path)
+    assert run_issues(_cfg("offline", path), "cuda", environment=H200) == []
+    other = Environment("NVIDIA H100 80GB HBM3", "cuda", "12.8", "cublasLt 120804", "2.11.0")
+    assert run_issues(_cfg("offline", path), "cuda", environment=other) == []  # warn: used, with a warning
+    refuse = _cfg("offline", path).model_copy(deep=True)
+    refuse.kernels.gemm_tuning_mismatch = "refuse"
+    (elsewhere,) = run_issues(refuse, "cuda", environment=other)
+    assert "made elsewhere" in elsewhere.message and "H100" in elsewhere.message
 
 
 class OneWinnerSearcher:

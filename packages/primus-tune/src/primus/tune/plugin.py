@@ -39,6 +39,18 @@ def primus_configure(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 @hookimpl
+def primus_check_run(config: Any) -> list[Any]:
+    """GEMM tuning this machine cannot run (on a CPU; an offline file missing or refused), before anything is
+    written. Imports torch only when tuning is on."""
+    if config.kernels.gemm_tuning == "off":
+        return []
+    from primus.core.kernels import detect_device
+    from primus.tune.runtime import run_issues
+
+    return run_issues(config, detect_device())
+
+
+@hookimpl
 def primus_on_model_ready(config: Any, model_parts: list[Any], info: Any) -> None:
     """``kernels.gemm_tuning`` online/offline: set tuning up for this run and route the model's linears."""
     if config.kernels.gemm_tuning == "off":

@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from primus.tune.results import Environment, GemmResults, TuningEntry, current_environment, load_results
+from primus.core.contracts.protocols import ConfigIssue
+from primus.tune.results import (
+    Environment,
+    GemmResults,
+    GemmTuningMismatch,
+    TuningEntry,
+    current_environment,
+    load_results,
+)
 from primus.tune.searchers import (
     BUDGET_SPENT,
     NoSearcher,
@@ -60,6 +68,31 @@ def results_path(cfg: Any) -> Path:
     from primus.tune.gemm import default_results_file
 
     return Path(cfg.kernels.gemm_tuning_file or default_results_file(cfg.model_dump(mode="json")))
+
+
+def run_issues(cfg: Any, device: str, environment: Environment | None = None) -> list[ConfigIssue]:
+    """What :func:`setup` would refuse for a run of ``cfg`` on ``device``, said before the run writes anything
+    (``primus_check_run``): tuning on a CPU; an offline file that is missing, unreadable, or made elsewhere under
+    ``kernels.gemm_tuning_mismatch: refuse``. ``environment`` replaces the detected one (tests)."""
+    k = cfg.kernels
+    if k.gemm_tuning == "off":
+        return []
+    if platform_of(device) == "cpu":
+        why = "GEMM tuning needs a GPU (TunableOp on ROCm, cuBLASLt on CUDA); this machine has none"
+        return [ConfigIssue("kernels.gemm_tuning", why, value=k.gemm_tuning, allowed="off on a CPU")]
+    if k.gemm_tuning != "offline":
+        return []
+    path = results_path(cfg)
+    try:
+        load_results(path, environment or current_environment(), k.gemm_tuning_mismatch)
+    except FileNotFoundError:
+        why = f"{path} does not exist; make it on this GPU (primus tune gemm record, then primus tune gemm run)"
+        return [ConfigIssue("kernels.gemm_tuning_file", why, value=str(path), allowed="a results file, or online")]
+    except GemmTuningMismatch as exc:
+        return [ConfigIssue("kernels.gemm_tuning_file", str(exc), allowed="kernels.gemm_tuning_mismatch=warn")]
+    except (OSError, ValueError) as exc:  # unreadable, or not a results file
+        return [ConfigIssue("kernels.gemm_tuning_file", f"not a GEMM tuning results file: {exc}", value=str(path))]
+    return []
 
 
 @dataclass

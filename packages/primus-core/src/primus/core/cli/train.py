@@ -61,12 +61,13 @@ def _train(
         with _one_line_if_full(res.config):
             if not inside:
                 from primus.core.data.checks import check_data
-                from primus.core.launch.run_checks import check_folders, resume_warning
+                from primus.core.launch.run_checks import check_folders, check_plugins, resume_warning
                 from primus.core.launch.train import check_output_dir, claim_output_dir
 
                 check_folders(res.config)  # a file, or no write permission, where the run folder goes
                 check_free(output_dir(res.config))  # another run writes there: name it (creates nothing)
                 check_output_dir(res.config, resume)
+                check_plugins(res.config, res.registry)  # what a plugin cannot do here (GEMM tuning on a CPU)
                 # the first line of an accepted run (a refused one prints only its error), before the engine's
                 # imports and build (seconds to a minute)
                 c = res.config

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from primus.core.config.schema import PrimusConfig
-    from primus.core.contracts.protocols import BackendSpec, KernelProvider, RunInfo, StrategySpec
+    from primus.core.contracts.protocols import BackendSpec, ConfigIssue, KernelProvider, RunInfo, StrategySpec
 
 hookspec = pluggy.HookspecMarker("primus")
 
@@ -117,6 +117,21 @@ def primus_configure(config: dict[str, Any]) -> dict[str, Any] | None:
         called first wins (``tryfirst``, else the one registered last).
 
     Use in plugins: called once per config load, after layering, before validation.
+    """
+
+
+@hookspec
+def primus_check_run(config: PrimusConfig) -> list[ConfigIssue] | None:
+    """Refuse what this plugin cannot do for a run of ``config`` on this machine, before anything is written.
+
+    :param config: the validated config of the run.
+    :returns: ``None`` or an empty list to accept; else one
+        :class:`primus.core.contracts.protocols.ConfigIssue` per reason (the key, its value, what is allowed).
+        ``primus train`` prints them all and exits 2, with no run folder written.
+
+    Use in plugins: called once by ``primus train`` (the launcher, before the ranks start), after the config
+    and the run folder are checked. A check that needs this machine's device calls
+    :func:`primus.core.kernels.detect_device`, which imports torch: do it only when the plugin's feature is on.
     """
 
 

@@ -1,5 +1,6 @@
 """What ``primus train`` and ``primus config validate`` check beyond the config itself, before anything is written:
-the folders a run writes, ``--resume`` with nothing to resume, FP8 linears on a CPU.
+the folders a run writes, what installed plugins refuse on this machine, ``--resume`` with nothing to resume, FP8
+linears on a CPU.
 
 Importing this module imports neither torch nor an engine (:func:`fp8_warning` imports torch to find the device,
 only when FP8 is on and no device is given).
@@ -15,6 +16,7 @@ from primus.core.config.validate import folder_issue
 
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig
+    from primus.core.contracts.plugins import Registry
 
 
 def check_folders(cfg: PrimusConfig) -> None:
@@ -27,6 +29,14 @@ def check_folders(cfg: PrimusConfig) -> None:
     # the default checkpoint folder lies in the output folder: one mistake, one message
     if cfg.checkpoint.enabled and (cfg.checkpoint.dir or not issues):
         issues += [issue] if (issue := folder_issue("checkpoint.dir", checkpoint_root(cfg))) else []
+    if issues:
+        raise ConfigError(issues)
+
+
+def check_plugins(cfg: PrimusConfig, registry: Registry) -> None:
+    """Refuse (:class:`ConfigError`, exit 2) what an installed plugin cannot do for this run on this machine
+    (``primus_check_run``: GEMM tuning on a CPU, an offline tuning file that is not there)."""
+    issues = [issue for result in registry.pm.hook.primus_check_run(config=cfg) for issue in result or ()]
     if issues:
         raise ConfigError(issues)
 
