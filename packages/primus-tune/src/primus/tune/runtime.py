@@ -37,8 +37,10 @@ from primus.tune.results import (
     GemmResults,
     GemmTuningMismatch,
     TuningEntry,
+    check_environment,
     current_environment,
     load_results,
+    read_results,
 )
 from primus.tune.searchers import (
     BUDGET_SPENT,
@@ -84,7 +86,9 @@ def run_issues(cfg: Any, device: str, environment: Environment | None = None) ->
         return []
     path = results_path(cfg)
     try:
-        load_results(path, environment or current_environment(), k.gemm_tuning_mismatch)
+        results = read_results(path)
+        if k.gemm_tuning_mismatch == "refuse":  # (a file that only warns is said once, by setup on the rank)
+            check_environment(results, environment or current_environment(), "refuse", source=str(path))
     except FileNotFoundError:
         why = f"{path} does not exist; make it on this GPU (primus tune gemm record, then primus tune gemm run)"
         return [ConfigIssue("kernels.gemm_tuning_file", why, value=str(path), allowed="a results file, or online")]
