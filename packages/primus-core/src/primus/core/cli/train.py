@@ -68,8 +68,9 @@ def _train(
                 check_free(output_dir(res.config))  # another run writes there: name it (creates nothing)
                 check_output_dir(res.config, resume)
                 check_plugins(res.config, res.registry)  # what a plugin cannot do here (GEMM tuning on a CPU)
-                # the first line of an accepted run (a refused one prints only its error), before the engine's
-                # imports and build (seconds to a minute)
+                # the first line of a run the launcher's checks accepted (a refused one prints only its error),
+                # before the engine's imports and build (seconds to a minute); a rank's own refusals (data, kernels
+                # on this device) follow it, still before anything is written
                 c = res.config
                 err.print(
                     f"train {config}: {c.model.name} on {c.backend.name}, {world} process{'es' if world > 1 else ''}, "
