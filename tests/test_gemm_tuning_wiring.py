@@ -64,9 +64,10 @@ def test_tuned_gemms_run_every_linear_and_train_like_untuned(backend, tmp_path):
     assert tuned == pytest.approx(plain, rel=1e-5)
 
 
-def test_gemm_tuning_on_cpu_is_refused_in_one_line(tmp_path):
-    proc = primus(
-        "train", "tiny-demo", *COMMON, f"logging.output_dir={tmp_path}", "kernels.gemm_tuning=online", check=False
-    )
+def test_gemm_tuning_on_cpu_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    proc = primus("train", "tiny-demo", *COMMON, f"logging.output_dir={out}", "kernels.gemm_tuning=online", check=False)
     assert proc.returncode == 2
-    assert "error: kernels.gemm_tuning=online: GEMM tuning needs a GPU" in proc.stderr
+    assert proc.stderr.startswith("error: invalid config:\n  - kernels.gemm_tuning: GEMM tuning needs a GPU")
+    assert "(got 'online'); allowed: off on a CPU" in proc.stderr
+    assert not out.exists()  # refused by primus-tune's primus_check_run, before the run folder
