@@ -13,7 +13,7 @@ from primus.core.contracts.protocols import Availability
 
 if __name__ == "__main__":
     availability.triton_kernels = lambda device, **_: Availability(True)
-    from primus.core.cli.app import app
+    from primus.core.cli.app import entry
 
     sys.argv = ["primus", *sys.argv[1:]]
-    app()
+    entry()  # as the primus command: out without the interpreter's teardown (a gloo job aborts in it at times)

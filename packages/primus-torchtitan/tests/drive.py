@@ -86,7 +86,7 @@ if __name__ == "__main__":
         counting_providers(os.environ["PRIMUS_TEST_COUNTING"])
     if os.environ.get("PRIMUS_TEST_TRITON_ON_CPU"):
         triton_on_cpu()
-    from primus.core.cli.app import app
+    from primus.core.cli.app import entry
 
     sys.argv = ["primus", *sys.argv[1:]]
-    app()
+    entry()  # as the primus command: out without the interpreter's teardown (a gloo job aborts in it at times)
