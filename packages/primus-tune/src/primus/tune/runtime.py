@@ -53,6 +53,7 @@ from primus.tune.searchers import (
 )
 
 log = logging.getLogger("primus.tune")
+NEEDS_GPU = "GEMM tuning needs a GPU (TunableOp on ROCm, cuBLASLt on CUDA)"  # run_issues' and setup's refusal
 
 
 def platform_of(device: Any) -> str:
@@ -80,7 +81,7 @@ def run_issues(cfg: Any, device: str, environment: Environment | None = None) ->
     if k.gemm_tuning == "off":
         return []
     if platform_of(device) == "cpu":
-        why = "GEMM tuning needs a GPU (TunableOp on ROCm, cuBLASLt on CUDA); this machine has none"
+        why = f"{NEEDS_GPU}; this machine has none"
         return [ConfigIssue("kernels.gemm_tuning", why, value=k.gemm_tuning, allowed="off on a CPU")]
     if k.gemm_tuning != "offline":
         return []
@@ -224,10 +225,7 @@ def setup(
     if mode == "off":
         return GemmTuning("off", platform)
     if platform == "cpu":
-        raise NoSearcher(
-            f"kernels.gemm_tuning={mode}: GEMM tuning needs a GPU (TunableOp on ROCm, cuBLASLt on CUDA); "
-            "this run is on CPU. Set kernels.gemm_tuning=off."
-        )
+        raise NoSearcher(f"kernels.gemm_tuning={mode}: {NEEDS_GPU}; this run is on CPU. Set kernels.gemm_tuning=off.")
     path = results_path(cfg)
     env = environment or current_environment()
     if mode == "offline":
