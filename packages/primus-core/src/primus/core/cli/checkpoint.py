@@ -67,20 +67,56 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
 
 @checkpoint_app.command("import")
 def import_(
-    config: Annotated[str, typer.Argument(help="a YAML file or a preset name: backend, parallel layout, precision")],
+    config: Annotated[
+        str | None,
+        typer.Argument(
+            help="a YAML file or a preset name: backend, parallel layout, precision (with --from: optional "
+            "where the checkpoint records its model)"
+        ),
+    ] = None,
     overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides, applied last")] = None,
     from_hf: Annotated[str, typer.Option("--from-hf", help="Hugging Face folder: config.json + *.safetensors")] = "",
-    out: Annotated[str | None, typer.Option("--out", help="checkpoint folder (default <output_dir>/hf_import)")] = None,
+    from_: Annotated[
+        str,
+        typer.Option(
+            "--from",
+            help="a checkpoint an engine's own trainer wrote: Megatron-LM's (its folder with "
+            "latest_checkpointed_iteration.txt, or one iter_NNNNNNN) or TorchTitan's (a step-N folder)",
+        ),
+    ] = "",
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out",
+            help="checkpoint folder (default: --from-hf <output_dir>/hf_import; --from <output_dir>/checkpoints/"
+            "step_N, which primus train --resume continues, or <output_dir>/imported/step_N without optimizer state)",
+        ),
+    ] = None,
+    to_hf: Annotated[
+        str | None, typer.Option("--to-hf", help="with --from: also (without --out: only) write a Hugging Face folder")
+    ] = None,
 ) -> None:
-    """Hugging Face weights -> the checkpoint of the config's backend (the model is config.json's)."""
+    """Hugging Face weights (--from-hf), or an engine's own checkpoint (--from), -> a Primus checkpoint."""
     from primus.core.config.errors import ConfigError
     from primus.core.contracts.errors import UserError
     from primus.core.hf.contract import import_checkpoint
     from primus.core.hf.safetensors_io import folder_problem
     from primus.core.launch.train import output_dir
 
-    if not from_hf:
-        raise fail(ValueError("--from-hf DIR is required"))
+    if bool(from_hf) == bool(from_):
+        raise fail(
+            ValueError("give one of --from-hf DIR (a Hugging Face folder) and --from PATH (an engine's own checkpoint)")
+        )
+    if from_:
+        try:
+            import_native_cli(config, overrides or [], Path(from_), out, to_hf)
+        except (ConfigError, UserError, ValueError) as exc:
+            raise fail(exc) from None
+        return
+    if to_hf:
+        raise fail(ValueError("--to-hf goes with --from (a Hugging Face folder is already one)"))
+    if config is None:
+        raise fail(ValueError("--from-hf: give CONFIG (the backend, parallel layout and precision to import for)"))
     if problem := folder_problem(Path(from_hf)):  # before the config: the cheapest thing to get wrong
         raise fail(ValueError(f"--from-hf {from_hf}: {problem}"))
     try:
@@ -91,6 +127,95 @@ def import_(
         raise fail(exc) from None
     if int(os.environ.get("RANK", "0")) == 0:
         _out.print(f"imported {from_hf} -> {path} ({cfg.backend.name}, model {cfg.model.name})", highlight=False)
+
+
+def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """``primus checkpoint import --from PATH key=value ...`` without a config: the first word is an override."""
+    if config is not None and "=" in config and not Path(config).exists():
+        return None, [config, *overrides]
+    return config, overrides
+
+
+def native_config(config: str | None, overrides: list[str], backend: str, model: dict | None, registry=None):
+    """The run ``config`` + ``overrides`` on ``backend``, its model the checkpoint's where the checkpoint records one
+    (``model``: model fields, as Megatron-LM's arguments give them); resolved for one process (a checkpoint of any
+    layout loads under any other). (user's config, the config the import's engine is built with: no data read)."""
+    from primus.core.config.validate import validate_config
+    from primus.core.hf.contract import OFFLINE_OVERRIDES
+    from primus.core.launch.native import IMPORT_OVERRIDES
+    from primus.core.launch.train import Resolved, resolve
+
+    config, overrides = _split_config(config, overrides)
+    if config is None and model is None:
+        raise ValueError("the checkpoint records no model config: give CONFIG (a preset or YAML file naming its model)")
+
+    def with_model(words: list[str]) -> Resolved:
+        res = resolve(config, [*words, f"backend.name={backend}"], world_size=1, registry=registry)
+        if model is None:
+            return res
+        data = res.config.model_dump()
+        data["model"] = {**data["model"], **model}
+        return Resolved(validate_config(data, world_size=1, registry=res.registry), res.layers, res.registry, 1)
+
+    return with_model(overrides), with_model([*overrides, *OFFLINE_OVERRIDES, *IMPORT_OVERRIDES])
+
+
+def import_native_cli(
+    config: str | None, overrides: list[str], path: Path, out: str | None, to_hf: str | None, registry=None
+) -> Path | None:
+    """``primus checkpoint import --from PATH`` (and ``export`` of such a checkpoint): the Primus checkpoint it
+    wrote (None: only ``to_hf``). ``registry``: the installed plugins' when not given."""
+    import shutil
+    import tempfile
+
+    import yaml
+
+    from primus.core.contracts.plugins import get_registry
+    from primus.core.hf.contract import export_checkpoint
+    from primus.core.launch.native import import_native, recognised_or_refused
+    from primus.core.launch.train import check_output_dir, output_dir
+    from primus.core.run.checkpoints import NAMING
+    from primus.core.run.rundir import checkpoint_root
+
+    registry = registry or get_registry()
+    backend, found = recognised_or_refused(path, registry)
+    _out.print(f"found {found.what} ({backend})", highlight=False)
+    user, build = native_config(config, overrides, backend, found.model, registry)
+    cfg = user.config
+    name = NAMING.folder(Path(), found.step).name
+    if out is None and to_hf:  # the Hugging Face folder alone: the import in a scratch folder
+        with tempfile.TemporaryDirectory(prefix="primus-import-") as scratch:
+            done = import_native(build, found, Path(scratch) / name, weights_only=True)
+            written = export_checkpoint(build.config, done, to_hf, registry=build.registry)
+        _out.print(f"exported {found.folder} -> {written}", highlight=False)
+        return None
+    if out is None:
+        check_output_dir(cfg, resume=False)  # an earlier run's folder is not written into
+        target = (checkpoint_root(cfg) if found.optimizer else output_dir(cfg) / "imported") / name
+    else:
+        target = Path(out)
+    created = not output_dir(cfg).exists()
+    try:
+        done = import_native(build, found, target)
+    except BaseException:
+        if created and out is None:
+            shutil.rmtree(output_dir(cfg), ignore_errors=True)
+        raise
+    if out is None and not (output_dir(cfg) / "config.yaml").exists():  # export and --resume read it
+        (output_dir(cfg) / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    _out.print(
+        f"imported {found.folder} -> {done} ({backend}, model {cfg.model.name}, step {found.step})", highlight=False
+    )
+    if found.optimizer and out is None:
+        _out.print(f"continue it with: primus train {output_dir(cfg) / 'config.yaml'} --resume", highlight=False)
+    elif not found.optimizer:
+        _out.print(
+            f"the source holds no optimizer state: start a run from it with train.init_from={done}", highlight=False
+        )
+    if to_hf:
+        written = export_checkpoint(cfg, done, to_hf, registry=user.registry)
+        _out.print(f"exported {done} -> {written}", highlight=False)
+    return done
 
 
 @checkpoint_app.command("export")
@@ -109,6 +234,7 @@ def export(
     from primus.core.contracts.errors import UserError
     from primus.core.hf.contract import OFFLINE_OVERRIDES, export_checkpoint
     from primus.core.launch.train import resolve
+    from primus.core.run import checkpoints as ckpt
     from primus.core.run.checkpoints import readable
 
     if not to_hf:
@@ -116,6 +242,16 @@ def export(
     path = Path(checkpoint)
     if not path.exists():
         raise fail(FileNotFoundError(f"checkpoint {path} does not exist"))
+    if not ckpt.read_manifest(path) and not ckpt.complete_checkpoints(path, ckpt.NAMING):
+        from primus.core.contracts.plugins import get_registry
+        from primus.core.launch.native import recognise
+
+        if recognise(path, get_registry()) is not None:  # an engine's own checkpoint: imported on the way
+            try:
+                import_native_cli(config, overrides or [], path, None, to_hf)
+            except (ConfigError, UserError, ValueError) as exc:
+                raise fail(exc) from None
+            return
     from primus.core.run.init_from import find_run_config
 
     source = config or find_run_config(path)

@@ -84,6 +84,10 @@ CAPABILITIES = {
     "interval_metrics": "interval_metrics() -> dict[str, float]: metrics defined in core that only the engine can "
     "measure (e.g. moe_aux_loss), over the steps since the previous call; called on every rank at each logging step "
     "(it may reduce over ranks)",
+    "load_native": "load_native(checkpoint, weights_only) -> None: load a checkpoint the engine's own trainer wrote "
+    "(a primus.core.contracts.native.NativeCheckpoint its backend's BackendSpec.native recognised) into the built "
+    "engine, resharded to its layout: the model, and unless ``weights_only`` the optimizer state where the checkpoint "
+    "holds one (``primus checkpoint import --from``)",
     "save_weights": "save_weights(folder) -> None: this rank's share of the model weights alone (no optimizer or "
     "data state) into ``folder``, in the form ``load`` and ``train.init_from`` read on any layout; core commits the "
     "folder with its manifest (``train.save_initial``)",

@@ -80,6 +80,9 @@ class BackendSpec:
     hf: str | Callable[..., Any] | None = None
     # the engine's facts for the planner (primus.core.planner.profile.EngineProfile); None: the planner's defaults
     planner: str | Any | None = None
+    # the checkpoints its engine's own trainer writes, recognised for import: a
+    # primus.core.contracts.native.NativeFormat (named lazily); its engine then offers load_native
+    native: str | Any | None = None
 
     def __post_init__(self) -> None:
         if self.engine is None or not (isinstance(self.engine, str) or callable(self.engine)):

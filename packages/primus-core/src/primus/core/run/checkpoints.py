@@ -363,6 +363,8 @@ def check_compatible(path: Path, cfg: PrimusConfig, backend: str) -> dict[str, A
 # A checkpoint records what decides its run's data order (manifest key "data": primus.core.data.fingerprint); a
 # resume over other data files, another seed, sequence length or holdout would continue over another order unsaid.
 DATA_KEY = "data"
+#: the manifest key of a checkpoint ``primus checkpoint import --from`` wrote: where its state came from
+IMPORTED = "imported"
 
 
 def check_data_order(path: Path, man: dict[str, Any], now: dict[str, Any], allow: bool, *, warn: bool = True) -> None:
@@ -374,6 +376,16 @@ def check_data_order(path: Path, man: dict[str, Any], now: dict[str, Any], allow
     from primus.core.data import fingerprint as fp
 
     saved = man.get(DATA_KEY)
+    if saved is None and IMPORTED in man:
+        if warn:
+            log.warning(
+                "checkpoint %s was imported from %s: this run's data order starts at step %s of its own data, not "
+                "the source run's",
+                path,
+                man[IMPORTED].get("what", man[IMPORTED].get("source")),
+                man.get("step"),
+            )
+        return
     if saved is None or saved.get("version") != fp.VERSION:
         if warn:
             log.warning(

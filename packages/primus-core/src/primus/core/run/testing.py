@@ -10,7 +10,12 @@ which checkpoint was loaded), and checkpoints a state file and a weights file of
 weights dies with EOFError, as torch's readers do over a truncated shard). ``backend.extra`` asks it to misbehave:
 ``signal_at: N`` sends this process SIGUSR1 during step N (the step completes), ``fail_at: N`` raises during step N,
 ``fail_save_at: N`` dies writing step N's checkpoint after its weights file. :attr:`StandInEngine.calls` records
-what the loop asked, in order: ``("train", step)``, ``("eval", step, samples, batches)``, ``("load", step)``.
+what the loop asked, in order: ``("train", step)``, ``("eval", step, samples, batches)``, ``("load", step)``,
+``("load_native", step, weights_only)``.
+
+Its "own trainer" writes folders with :data:`TRAINER_FILE` (``{"step": N, "optimizer": bool, "model": {...} or
+null}``), which its native format recognises (:class:`StandInFormat`) and its engine loads (``load_native``), for
+tests of ``primus checkpoint import --from``; ``"broken": "why"`` in the file makes it one that cannot be imported.
 
 :func:`built_once` makes a slow fixture (a reference training run) once for a whole pytest run, pytest-xdist workers
 included.
@@ -27,6 +32,7 @@ from typing import Any
 
 from primus.core import hookimpl
 from primus.core.contracts.engine import StepResult
+from primus.core.contracts.native import NativeCheckpoint
 from primus.core.contracts.plugins import Registry, build_plugin_manager
 from primus.core.contracts.protocols import BackendSpec
 from primus.core.data.cache import build_once
@@ -75,6 +81,10 @@ class StandInEngine:
     def save_weights(self, folder: Path) -> None:
         (folder / "weights.bin").write_bytes(weights(self.step))
 
+    def load_native(self, found: NativeCheckpoint, weights_only: bool) -> None:
+        self.step = json.loads((found.folder / TRAINER_FILE).read_text())["step"]
+        self.calls.append(("load_native", self.step, weights_only))
+
     def load(self, folder: Path) -> None:
         if len((folder / "weights.bin").read_bytes()) < WEIGHT_BYTES:
             raise EOFError(f"{folder / 'weights.bin'} is short")
@@ -88,11 +98,37 @@ class StandInEngine:
         pass
 
 
+TRAINER_FILE = "stand-in-trainer.json"
+
+
+class StandInFormat:
+    """The stand-in's own trainer's checkpoints: a folder holding :data:`TRAINER_FILE`."""
+
+    source = "the stand-in trainer"
+    expects = f"a stand-in trainer checkpoint (a folder with {TRAINER_FILE})"
+
+    def recognise(self, path: Path) -> NativeCheckpoint | None:
+        if not (path / TRAINER_FILE).is_file():
+            return None
+        record = json.loads((path / TRAINER_FILE).read_text())
+        what = f"stand-in trainer checkpoint, step {record['step']}"
+        return NativeCheckpoint(
+            self.source, path, record["step"], what, record.get("broken"), record.get("model"), record["optimizer"]
+        )
+
+
 class _Backend:
     @staticmethod
     @hookimpl
     def primus_backends() -> list[BackendSpec]:
-        return [BackendSpec(NAME, "a pure-Python stand-in engine (primus.core.run.testing)", engine=StandInEngine)]
+        return [
+            BackendSpec(
+                NAME,
+                "a pure-Python stand-in engine (primus.core.run.testing)",
+                engine=StandInEngine,
+                native=StandInFormat(),
+            )
+        ]
 
 
 def registry(*plugins: tuple[str, Any]) -> Registry:
