@@ -16,6 +16,7 @@ Needs root for the tmpfs (skipped, saying so, where ``mount`` is refused)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -196,3 +197,27 @@ def test_a_full_data_cache_is_one_line_naming_it(tmp_path):
         assert line.startswith(f"error: no space left on tmpfs (mounted at {fs}) for {fs / 'primus'}"), line
     finally:
         subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_out_of_memory_is_one_line_with_its_own_exit_code_and_the_checkpoint_kept(tmp_path, nproc):
+    """Torch's out-of-memory error at step 3 (test-only fault injection, on rank 1 of 2: rank 0 is left in the step's
+    collectives): one line with the step, the memory, the planner's estimate and pick, the last checkpoint (step 2,
+    committed, verifying); exit 3 (``primus.core.run.oom.OOM_EXIT``) on every rank count."""
+    from primus.core.run.checkpoints import verify
+    from primus.core.run.oom import OOM_EXIT
+
+    out = tmp_path / "run"
+    rank = nproc - 1
+    proc = _train(out, "backend.extra.fault_injection.oom_at_step=3", f"backend.extra.fault_injection.oom_rank={rank}",
+                  nproc=nproc)  # fmt: skip
+    assert proc.returncode == OOM_EXIT, proc.stderr[-4000:]
+    line = _one_error(proc)
+    kept = out / "checkpoints" / "step_00000002"
+    assert line.startswith(f"error: out of memory at step 3 on rank {rank}: "), line
+    assert "GiB peak resident in this process; the memory model estimated " in line
+    assert f"; the last checkpoint, {kept}, is intact (--resume continues from it); the planner's pick " in line
+    # its words last; on one CPU rank the pick is the run's own layout, which it says
+    assert re.search(r"\): add \S+=\S+$", line) or "the planner's pick is this run's own layout" in line, line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"] and verify(kept) == []
+    assert [r["step"] for r in _rows(out)] == [1, 2]

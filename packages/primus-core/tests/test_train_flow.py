@@ -172,6 +172,6 @@ def test_an_engine_missing_a_member_of_the_contract_is_refused_naming_it(tmp_pat
 
     cfg = resolve("tiny-llama", ["backend.name=partial"], world_size=1, registry=registry).config
     stand_in = testing.StandInEngine(cfg, Ctx())
-    assert check_engine(stand_in, "stand-in") == {"evaluate", "save_weights"}
+    assert check_engine(stand_in, "stand-in") == {"evaluate", "load_native", "save_weights"}
     stand_in.summary, stand_in.save_weights = {"backend": "stand-in"}, None  # an attribute set counts, None does not
-    assert check_engine(stand_in, "stand-in") == {"evaluate", "summary"}
+    assert check_engine(stand_in, "stand-in") == {"evaluate", "load_native", "summary"}

@@ -29,8 +29,10 @@ def plan(
     config: Annotated[str | None, typer.Argument(help="a YAML file or a preset name")] = None,
     overrides: Annotated[list[str] | None, typer.Argument(help="key.sub=value overrides")] = None,
     preset: Annotated[str | None, typer.Option(help="a preset name (instead of CONFIG)")] = None,
-    gpus: Annotated[int | None, typer.Option(help="GPUs per node [default: the recipe's cluster, else 8]")] = None,
-    nodes: Annotated[int | None, typer.Option(help="nodes [default: the recipe's cluster, else 1]")] = None,
+    gpus: Annotated[
+        int | None, typer.Option(min=1, help="GPUs per node [default: the recipe's cluster, else 8]")
+    ] = None,
+    nodes: Annotated[int | None, typer.Option(min=1, help="nodes [default: the recipe's cluster, else 1]")] = None,
     device_name: Annotated[
         str | None,
         typer.Option(
@@ -53,15 +55,20 @@ def plan(
             help="share of the usable memory a layout must leave free (default: the memory model's error band)",
         ),
     ] = HEADROOM,
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="one JSON object on stdout: every layout shown, with the overrides that give it"),
+    ] = False,
 ) -> None:
     """Rank the parallel layouts that fit and the engine accepts: DDP (+ distributed optimizer), FSDP, TP(+SP), PP/VPP,
-    recompute, each with its fastest micro-batch (set train.micro_batch_size=N to fix it). Exit 3: nothing fits;
-    4: the engine refuses every layout that fits."""
+    recompute, each with its fastest micro-batch (set train.micro_batch_size=N to fix it), and the overrides that run
+    it. Exit 3: nothing fits; 4: the engine refuses every layout that fits."""
     from primus.core.cli.helpers import err, fail, out
     from primus.core.config.errors import ConfigError
     from primus.core.contracts.plugins import KNOWN_BACKEND_DISTS
-    from primus.core.launch.ranking import global_batch, rank, resolve_on, searched_micro_batches
+    from primus.core.launch.ranking import ANY_LAYOUT, global_batch, rank, resolve_on, searched_micro_batches
     from primus.core.planner import Cluster, device
+    from primus.core.planner.auto import layout_overrides
     from primus.core.planner.memory import GIB
     from primus.core.planner.profile import backend_spec, load_profile
     from primus.core.planner.strategies import kernel_terms
@@ -79,8 +86,10 @@ def plan(
         res, own = resolve_on(ref, overrides or [], gpus * nodes)
     except ConfigError as exc:
         raise fail(exc) from None
+    seq_words: list[str] = []
     if res.layers.sources.get("train.seq_len") is None:  # a model preset: plan at a training length, not 128
         seq = min(res.config.model.max_position_embeddings, PRESET_SEQ_LEN)
+        seq_words.append(f"train.seq_len={seq}")
         overrides = [*(overrides or []), f"train.seq_len={seq}"]
         err.print(f"note: no train.seq_len in the config: planned at {seq} (set train.seq_len=N)", markup=False)
         try:
@@ -88,6 +97,8 @@ def plan(
         except ConfigError as exc:
             raise fail(exc) from None
     cfg = res.config
+    # words the plan adds to the user's (each layout's overrides repeat them: they make the run that was planned)
+    added = [*(ANY_LAYOUT if own else ()), *seq_words]
     if own:  # a recipe written for another cluster: its layout does not run here, the others are planned all the same
         err.print(
             f"note: the config's own layout does not run on {nodes}×{gpus} GPUs ("
@@ -178,17 +189,44 @@ def plan(
             f"{c.tokens_per_s_per_device:,.0f}",
             f"{c.mfu:.1%}",
         )
-    out.print(table)
-    if mine is not None and mine not in shown:
+    words = {id(c): merged(added, layout_overrides(cfg, c.layout)) for c in shown}
+    report = {
+        "config": ref,
+        "model": cfg.model.name,
+        "engine": engine,
+        "cluster": {
+            "device": dev.name,
+            "memory_gib": dev.memory_gib,
+            "nodes": nodes,
+            "gpus_per_node": gpus,
+            "usable_gib": round(cluster.capacity / GIB, 2),
+            "budget_gib": round(cluster.budget / GIB, 2),
+            "headroom": headroom,
+        },
+        "seq_len": t.seq_len,
+        "global_batch": gbs,
+        "micro_batch": searched,
+        "layouts": [_row(i, c, cats, words[id(c)], c is mine) for i, c in enumerate(shown, 1)],
+        "recommended": None,
+    }
+    if not as_json:
+        out.print(table)
+        if shown:
+            out.print("overrides that run each layout (after the config and its words):", highlight=False)
+        for i, c in enumerate(shown, 1):
+            out.print(f" {i:>2}  {' '.join(words[id(c)]) or '(the config as it is)'}", highlight=False)
+    if mine is not None and mine not in shown and not as_json:
         where = f"#{cands.index(mine) + 1} of {len(cands)}" if mine.runnable else "does not fit"
         out.print(f"the config's own layout: {mine.layout.describe()} ({where})", highlight=False)
     refused = [c for c in cands if c.fits and c.refused]
     reasons = Counter(r for c in refused for r in c.refused).most_common(3)
     why = "; ".join(f"{r} ({n}×)" for r, n in reasons)
     if not fitting and refused:
+        _json(report, as_json)
         err.print(f"error: {engine} refuses every layout that fits: {why}", style="red", markup=False)
         raise typer.Exit(4)
     if not fitting:
+        _json(report, as_json)
         best = shown[0]
         err.print(
             f"error: nothing fits: the smallest layout ({best.layout.describe()}, micro-batch {best.layout.micro_batch})"
@@ -201,10 +239,48 @@ def plan(
     if refused:
         err.print(f"note: {len(refused)} layouts that fit are left out, {engine} refuses them: {why}", markup=False)
     best = fitting[0]
+    report["recommended"] = report["layouts"][0]
+    if _json(report, as_json):
+        return
     # the micro-batch where the recommendation changes the config's (the table gives each layout's)
     mb_note = f", micro-batch {best.layout.micro_batch}" if best.layout.micro_batch != t.micro_batch_size else ""
     fp8_note = f", FP8 {k.fp8}" if k.fp8 != "off" else ""
-    out.print(f"recommended: {best.layout.describe()}{mb_note}{fp8_note}", highlight=False)
+    out.print(f"recommended: {best.layout.describe()}{mb_note}{fp8_note}", highlight=False)  # #1: its words above
+
+
+def merged(first: list[str], then: list[str]) -> list[str]:
+    """``key=value`` words, one per key: the last value given, in the order the keys first come."""
+    values = {w.partition("=")[0]: w.partition("=")[2] for w in [*first, *then]}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def _row(rank: int, c, cats: tuple[str, ...], words: list[str], own: bool) -> dict:
+    """One layout of ``primus plan --json``."""
+    from primus.core.planner.memory import GIB
+
+    g = c.memory.gib()
+    return {
+        "rank": rank,
+        "layout": c.layout.describe(),
+        "config_own": own,
+        "runnable": c.runnable,
+        "refused": list(c.refused),
+        "micro_batch": c.layout.micro_batch,
+        "memory_gib": {name: round(g.get(name, 0.0), 3) for name in (*cats, *OVERHEAD)},
+        "total_gib": round(c.memory.total / GIB, 3),
+        "step_s": round(c.time.total, 4),
+        "tokens_per_s_per_gpu": round(c.tokens_per_s_per_device, 1),
+        "mfu": round(c.mfu, 4),
+        "overrides": words,
+    }
+
+
+def _json(report: dict, as_json: bool) -> bool:
+    if as_json:
+        import json
+
+        print(json.dumps(report, indent=1))
+    return as_json
 
 
 def recipe_cluster(ref: str, overrides: list[str]):

@@ -222,6 +222,11 @@ class TrainConfig(Section):
         gt=0,
         description="wall-clock limit: once reached, finish the step, save a checkpoint and stop as if preempted",
     )
+    allow_tight_fit: bool = Field(
+        False,
+        description="run a layout the memory model puts past the device's memory (beyond its error band): warned "
+        "instead of refused (primus train checks before building anything)",
+    )
 
     @field_validator("seed")
     @classmethod

@@ -26,14 +26,17 @@ def root_cause(failures: dict) -> tuple[int, object]:
     """The failure that ended the job, of torchrun's ``{rank: ProcessFailure}``. torchrun's own choice (the earliest)
     counts in whole seconds, so a rank killed by a signal and a rank that died of the lost connection tie; of those
     within a second of the first: a rank killed by a signal other than the SIGTERM torchrun stops the others with,
-    then a refusal (exit 2), then a rank that exited with a code of its own (a full disk's 1) before one torchrun
+    then a refusal (exit 2) or a rank out of memory (:data:`~primus.core.run.oom.OOM_EXIT`: the others die of the lost
+    connection, with exit 1), then a rank that exited with a code of its own (a full disk's 1) before one torchrun
     stopped, then the lowest rank."""
+    from primus.core.run.oom import OOM_EXIT
+
     first = min(f.timestamp for f in failures.values())
 
     def order(item: tuple) -> tuple:
         rank, f = item
         stopped = f.exitcode == -signal.SIGTERM
-        return (not (f.exitcode < 0 and not stopped), f.exitcode != 2, stopped, rank)
+        return (not (f.exitcode < 0 and not stopped), f.exitcode not in (2, OOM_EXIT), stopped, rank)
 
     return min(((r, f) for r, f in failures.items() if f.timestamp <= first + 1), key=order)
 

@@ -22,6 +22,7 @@ from primus.core.config.validate import resolve_parallel, validate_config
 from primus.core.contracts.plugins import Registry, get_registry
 from primus.core.contracts.protocols import RunContext, RunInfo
 from primus.core.run.init_from import apply_layers
+from primus.core.run.oom import OutOfMemory
 from primus.core.run.rundir import LOCK_HELD_ENV, hold, output_dir, release
 
 log = logging.getLogger("primus.train")
@@ -151,9 +152,14 @@ def rank_context(
     defer_torch_compile(eager=device == "cpu")
     device_name = None
     if device != "cpu":
+        from primus.core.launch.ranking import searched_micro_batches
         from primus.core.planner.auto import check_fits
 
-        check_fits(cfg, res.world_size, registry=registry)  # a layout that cannot fit: refused before any build
+        # the planner's band, before any build: past it refused, inside it warned, each with the planner's pick
+        if (
+            warning := check_fits(cfg, res.world_size, registry=registry, micro_batch=searched_micro_batches(res))
+        ) and rank == 0:
+            log.warning("%s", warning)
         import torch
 
         device_name = torch.cuda.get_device_name(local_rank)
@@ -220,6 +226,10 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
         summary = train(cfg, ctx, backend)  # core's loop drives the backend's engine (it calls on_train_start)
         summary.setdefault("status", "ok")
         return summary
+    except OutOfMemory as exc:
+        summary = {"status": "failed", "error": f"out of memory {exc.where}"}
+        exc.estimate, exc.instead = memory_advice(cfg, res)
+        raise
     except BaseException as exc:
         summary = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
         raise
@@ -228,6 +238,20 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
             hooks.primus_on_train_end(summary=summary, info=info)
         finally:
             release(output_dir(cfg))
+
+
+def memory_advice(cfg: PrimusConfig, res: Resolved) -> tuple[str, str]:
+    """For a run that ran out of memory: the planner's estimate of its layout on this device, and what to type
+    instead (the planner's pick for the run)."""
+    from primus.core.launch.ranking import searched_micro_batches
+    from primus.core.planner import auto
+    from primus.core.planner.memory import GIB
+    from primus.core.planner.strategies import estimate_memory
+
+    dev = auto.local_device()
+    need = estimate_memory(cfg, res.world_size, res.registry).total / GIB
+    instead = auto.advice(cfg, res.world_size, dev, res.registry, searched_micro_batches(res))
+    return f"{need:.1f} GiB per device of {dev.memory_gib:.1f} on {dev.name}", instead
 
 
 def eval_rank(res: Resolved, checkpoint: Path) -> dict[str, Any]:

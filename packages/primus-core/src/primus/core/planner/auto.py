@@ -22,7 +22,7 @@ from primus.core.contracts.protocols import ConfigIssue, validate_with
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device, device
 from primus.core.planner.memory import GIB, Layout
-from primus.core.planner.profile import backend_spec, profile_of
+from primus.core.planner.profile import backend_spec
 from primus.core.planner.search import Candidate, Cluster, candidates
 
 if TYPE_CHECKING:
@@ -82,6 +82,33 @@ def layout_config(cfg: PrimusConfig, layout: Layout) -> PrimusConfig:
     return cfg.model_copy(update={"parallel": parallel, "train": train, "backend": backend})
 
 
+def _word(value: Any) -> str:
+    """A value as a ``key=value`` override writes it (YAML: true / false / null)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
+
+
+def layout_overrides(cfg: PrimusConfig, layout: Layout) -> list[str]:
+    """The ``key=value`` words that turn ``cfg`` into :func:`layout_config` ``(cfg, layout)``: the parallel fields and
+    batch sizes that differ (the sharding switches only where there is more than one replica), and ``parallel.strategy=manual`` where the config leaves the layout to a strategy (the
+    words then say it all)."""
+    run = layout_config(cfg, layout)
+    words = [f"backend.name={layout.engine}"] if layout.engine != cfg.backend.name else []
+    strategy = cfg.parallel.strategy != "manual"  # its sizes were a strategy's: with manual, each must be said
+    if strategy:
+        words.append("parallel.strategy=manual")
+    for key, value in to_parallel(layout).items():
+        if layout.dp == 1 and key in ("fsdp", "distributed_optimizer"):
+            continue  # one replica: nothing to shard, whatever the config says
+        if strategy or getattr(cfg.parallel, key) != value:
+            words.append(f"parallel.{key}={_word(value)}")
+    for key in ("micro_batch_size", "global_batch_size"):
+        if getattr(cfg.train, key) != getattr(run.train, key):
+            words.append(f"train.{key}={getattr(run.train, key)}")
+    return words
+
+
 def refusals(cfg: PrimusConfig, spec: BackendSpec | None, world_size: int) -> Callable[[Layout], list[str]]:
     """``check(layout)`` for :func:`~primus.core.planner.search.candidates`: why ``cfg`` cannot run a layout on
     ``world_size`` devices ("path: message" each; empty where it can): core's own check of the sizes against the world,
@@ -100,6 +127,43 @@ def _agrees(cand: Candidate, explicit: dict[str, Any]) -> bool:
     return all(filled.get(k, v) == v for k, v in explicit.items())
 
 
+def ranked(
+    cfg: PrimusConfig,
+    world_size: int,
+    dev: Device,
+    registry: Registry | None = None,
+    micro_batch: int | tuple[int, ...] | None = None,
+) -> list[Candidate]:
+    """Every layout the planner sees for ``cfg``'s run on ``world_size`` × ``dev`` (``LOCAL_WORLD_SIZE`` devices a
+    node), best first, at the run's global batch and ``micro_batch`` (the sizes to try; None: the config's), those it
+    may recommend first (:func:`~primus.core.planner.search.candidates`)."""
+    gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    cluster = Cluster(dev, max(world_size // gpn, 1), gpn, cal.HEADROOM)
+    t = cfg.train
+    from primus.core.planner.strategies import kernel_terms  # strategies imports the planner
+
+    return candidates(
+        cfg.model,
+        cluster,
+        t.seq_len,
+        t.micro_batch_size if micro_batch is None else micro_batch,
+        t.global_batch_size,
+        cfg.backend.name,
+        t.precision,
+        kernel_terms(cfg, registry),
+        registry,
+        check=refusals(cfg, backend_spec(cfg.backend.name, registry), world_size),
+    )
+
+
+def _typeable(cand: Candidate) -> bool:
+    """A layout a config can ask for: a partial recompute only where the engine's profile names the
+    ``recompute_method`` that asks for it."""
+    return cand.runnable and not (
+        cand.layout.recompute == "partial" and cand.layout.engine_profile.partial_recompute_method is None
+    )
+
+
 def choose(
     cfg: PrimusConfig,
     explicit_keys: set[str],
@@ -110,33 +174,12 @@ def choose(
     """``cfg`` with its parallel section filled by the best layout that fits. ``registry``: where the backend's
     profile is looked up first (then among the installed backends) and the kernel providers (None: the process's)."""
     dev = dev or local_device()
-    gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    cluster = Cluster(dev, max(world_size // gpn, 1), gpn, cal.HEADROOM)
-    t = cfg.train
     explicit = {k: getattr(cfg.parallel, k) for k in explicit_keys if k not in ("strategy",)}
-    from primus.core.planner.strategies import kernel_terms  # strategies imports the planner
-
-    engine = profile_of(cfg.backend.name, registry)
-    every = candidates(
-        cfg.model,
-        cluster,
-        t.seq_len,
-        t.micro_batch_size,
-        t.global_batch_size,
-        engine,
-        t.precision,
-        kernel_terms(cfg, registry),
-        check=refusals(cfg, backend_spec(cfg.backend.name, registry), world_size),
-    )
-    cands = [
-        c
-        for c in every
-        # a partial recompute the config cannot ask for (the profile names no recompute_method for it) is not picked
-        if c.runnable
-        and _agrees(c, explicit)
-        and not (c.layout.recompute == "partial" and engine.partial_recompute_method is None)
-    ]
+    every = ranked(cfg, world_size, dev, registry)
+    cands = [c for c in every if _typeable(c) and _agrees(c, explicit)]
     if not cands:
+        gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        cluster = Cluster(dev, max(world_size // gpn, 1), gpn, cal.HEADROOM)
         allowed = [c for c in every if _agrees(c, explicit)] or every
         accepted = [c for c in allowed if not c.refused] or allowed
         smallest = min(accepted, key=lambda c: c.memory.total) if accepted else None
@@ -168,20 +211,60 @@ def choose(
     return cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update=to_parallel(pick.layout))})
 
 
-def check_fits(cfg: PrimusConfig, world_size: int, dev: Device | None = None, registry: Registry | None = None) -> None:
-    """Refuse, before any model is built, a layout whose estimated per-device memory exceeds the device's
-    by more than the memory model's validated error (``calibration.FIT_TOLERANCE``), with the numbers.
-    Every backend is checked: with its profile, or as the generic engine where it gives none."""
+def advice(
+    cfg: PrimusConfig,
+    world_size: int,
+    dev: Device,
+    registry: Registry | None = None,
+    micro_batch: int | tuple[int, ...] | None = None,
+) -> str:
+    """What to type instead of ``cfg``'s layout: the planner's pick for the run (its ``key=value`` words, last, to copy
+    as they are), or that none fits ``world_size`` × ``dev``."""
+    pick = next((c for c in ranked(cfg, world_size, dev, registry, micro_batch) if _typeable(c)), None)
+    if pick is None:
+        return f"no layout fits {world_size} × {dev.name}: use more devices (`primus plan` ranks the layouts)"
+    est = f"{pick.layout.describe()}, est. {pick.memory.total / GIB:.1f} GiB per device"
+    if not (words := layout_overrides(cfg, pick.layout)):
+        return (
+            f"the planner's pick is this run's own layout ({est}): the memory model misses what filled the device; "
+            "recompute more (parallel.recompute=full) or lower train.micro_batch_size"
+        )
+    return f"the planner's pick ({est}): add {' '.join(words)}"
+
+
+def check_fits(
+    cfg: PrimusConfig,
+    world_size: int,
+    dev: Device | None = None,
+    registry: Registry | None = None,
+    micro_batch: int | tuple[int, ...] | None = None,
+) -> str | None:
+    """Hold a run to the planner's band, before any model is built. The band is the memory model's validated error
+    (``calibration.FIT_TOLERANCE``) either side of the device's usable memory: an estimate below it fits (None); one
+    inside it may not fit (a warning, returned); one past it is refused (:class:`UserError`), or only warned of with
+    ``train.allow_tight_fit``. Each names the estimate, the device's memory and the planner's pick as the words to
+    type, last (:func:`advice`; ``micro_batch``: the sizes it may pick from, None: the config's). Every backend is checked:
+    with its profile, or as the generic engine where it gives none."""
+    from primus.core.planner.search import USABLE
     from primus.core.planner.strategies import estimate_memory
 
     dev = dev or local_device()
     est = estimate_memory(cfg, world_size, registry)
     need, have = est.total / GIB, dev.memory_gib
-    if need <= have * (1 + cal.FIT_TOLERANCE):
-        return
+    usable, band = have * USABLE, cal.FIT_TOLERANCE
+    if need <= usable * (1 - band):
+        return None
     parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in est.parts.items() if abs(v) >= 0.05 * GIB)
+    said = f"an estimated {need:.1f} GiB per device ({parts}) on {dev.name} with {have:.1f} GiB ({usable:.1f} usable)"
+    instead = advice(cfg, world_size, dev, registry, micro_batch)
+    if need <= usable * (1 + band):
+        return (
+            f"{cfg.model.name} may not fit: {said}, within the memory model's ±{band:.0%} of the usable memory; "
+            f"{instead}"
+        )
+    if cfg.train.allow_tight_fit:
+        return f"{cfg.model.name} does not fit by the memory model: {said}; train.allow_tight_fit runs it; {instead}"
     raise UserError(
-        f"{cfg.model.name} does not fit: an estimated {need:.1f} GiB per device ({parts}) on "
-        f"{dev.name} with {have:.0f} GiB; use more devices, parallel.recompute, parallel.strategy=auto, or "
-        "see `primus plan` for layouts that fit"
+        f"{cfg.model.name} does not fit: {said}, past the memory model's ±{band:.0%} (train.allow_tight_fit=true "
+        f"runs it anyway); {instead}"
     )

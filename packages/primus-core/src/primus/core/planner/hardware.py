@@ -37,8 +37,10 @@ class Device:
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
-        Device("H100", 80, 989e12, 360, 45, 3350, 1979e12),
-        Device("H200", 141, 989e12, 360, 45, 4800, 1979e12),
+        # memory: what the runtime reports (torch.cuda.get_device_properties().total_memory) where measured here,
+        # so a plan named for a device and parallel.strategy=auto on one see the same GiB; else the datasheet's
+        Device("H100", 79.19, 989e12, 360, 45, 3350, 1979e12),
+        Device("H200", 139.80, 989e12, 360, 45, 4800, 1979e12),
         Device("B200", 180, 2250e12, 720, 45, 8000, 4500e12),
         Device("A100", 80, 312e12, 230, 22, 2039, 0.0),
         Device("MI300X", 192, 1307e12, 300, 45, 5300, 2615e12),

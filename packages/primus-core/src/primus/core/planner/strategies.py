@@ -62,7 +62,7 @@ def estimate_memory(cfg: PrimusConfig, world_size: int, registry: Registry | Non
     engine, profile = cfg.backend.name, profile_of(cfg.backend.name, registry)
     micro_batches = max((t.global_batch_size or t.micro_batch_size * dp) // (t.micro_batch_size * dp), 1)
     layout = Layout(
-        engine, mode, dp, p.tp, p.pp, p.vpp, p.cp, recompute, layers, t.micro_batch_size, micro_batches, profile
+        engine, mode, dp, p.tp, p.pp, p.vpp, p.cp, recompute, layers, t.micro_batch_size, micro_batches, profile, p.ep
     )
     return MemoryEstimate(estimate(cfg.model, layout, t.seq_len, t.precision, kernel_terms(cfg, registry)).parts)
 

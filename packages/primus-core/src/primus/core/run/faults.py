@@ -4,6 +4,8 @@ in a real run): failures the checkpoint code exists for, made to happen inside a
 - ``kill_during_save_at_step: N`` (with ``kill_rank``, default 1): while the step-``N`` checkpoint is being
   written, that rank SIGKILLs itself once its files are on disk and before the checkpoint is committed
   (all-rank barrier, manifest, rename), as a rank lost mid-save would.
+- ``oom_at_step: N`` (with ``oom_rank``, default every rank): step ``N`` raises torch's ``OutOfMemoryError`` on that
+  rank as its engine's step would, the other ranks left waiting in the step's collectives.
 
 A backend may accept more keys (megatron: ``nan_at_step``); it passes them to :func:`issues`. No torch import.
 """
@@ -19,7 +21,7 @@ from typing import Any
 log = logging.getLogger("primus.faults")
 
 EXTRA_KEY = "fault_injection"  # backend.extra.fault_injection
-KEYS = {"kill_during_save_at_step": int, "kill_rank": int}
+KEYS = {"kill_during_save_at_step": int, "kill_rank": int, "oom_at_step": int, "oom_rank": int}
 
 
 def kill_during_save(step: int, rank: int, at_step: int | None, kill_rank: int) -> None:
@@ -36,6 +38,8 @@ class FaultInjection:
 
     kill_during_save_at_step: int | None = None
     kill_rank: int = 1
+    oom_at_step: int | None = None
+    oom_rank: int | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> FaultInjection:
@@ -45,6 +49,13 @@ class FaultInjection:
 
     def during_save(self, step: int, rank: int) -> None:
         kill_during_save(step, rank, self.kill_during_save_at_step, self.kill_rank)
+
+    def out_of_memory(self, step: int, rank: int) -> None:
+        if step == self.oom_at_step and self.oom_rank in (None, rank):
+            import torch
+
+            log.warning("fault injection: out of memory at step %d on rank %d", step, rank)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fault injection)")
 
 
 def issues(extra: dict[str, Any], keys: dict[str, type] = KEYS) -> list[str]:

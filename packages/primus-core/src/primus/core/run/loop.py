@@ -57,6 +57,7 @@ from primus.core.contracts.engine import Gate as Gate  # the contract's old home
 from primus.core.contracts.engine import StepResult as StepResult
 from primus.core.contracts.errors import UserError
 from primus.core.run import checkpoints as ckpt
+from primus.core.run import oom
 from primus.core.run.faults import FaultInjection
 from primus.core.run.health import HealthMonitor
 from primus.core.run.metrics import Throughput, memory_gib
@@ -234,13 +235,25 @@ class _Checkpoints:
 
 def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, Any]:
     """Build ``spec``'s engine on this rank and train it for ``train.steps`` steps; returns the run's summary
-    (``status`` ``preempted`` when a stop signal or ``train.max_minutes`` ended it early, after a checkpoint)."""
+    (``status`` ``preempted`` when a stop signal or ``train.max_minutes`` ended it early, after a checkpoint). Running
+    out of memory raises :class:`~primus.core.run.oom.OutOfMemory` (one line, its own exit code)."""
+    checkpoints = _Checkpoints(cfg, ctx, spec.dist or spec.name)
+
+    def last() -> Path | None:
+        found = ckpt.latest(checkpoints.root, NAMING)
+        return found[1] if found else None
+
+    where = oom.Where(ctx.info.device, last)
+    with where.watch(ctx.info.rank):
+        return _train(cfg, ctx, spec, checkpoints, where)
+
+
+def _train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _Checkpoints, where: oom.Where):
     from primus.core.profile.capture import StepProfiler
     from primus.core.run import evaluation
     from primus.core.run.stop import StopRequest
 
     t = cfg.train
-    checkpoints = _Checkpoints(cfg, ctx, spec.dist or spec.name)
     if cfg.checkpoint.enabled and not ctx.resume:
         checkpoints.refuse_earlier_run()
     eval_data = ctx.eval_samples if cfg.eval.interval else None
@@ -263,6 +276,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
             evaluation.require_evaluate(engine, spec.name)
         start = applied = 0
         if ctx.resume:
+            where.at("loading the checkpoint to resume")
             start, applied = checkpoints.resume()
         if t.save_initial and start == 0:
             checkpoints.save_initial(Path(t.save_initial))
@@ -285,6 +299,8 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
                 def gate(loss: float, grad_norm: float | None, step: int = step) -> bool:
                     return health.check(step, loss, grad_norm) == "ok"
 
+                where.at(f"at step {step}")
+                checkpoints.faults.out_of_memory(step, ctx.info.rank)
                 result = engine.train_step(step, lr, gate)
                 applied += int(result.applied)
                 profiler.step()
@@ -305,6 +321,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
                         **(engine.interval_metrics() if "interval_metrics" in offers else {}),
                     }
                 if evaluate_now:
+                    where.at(f"evaluating at step {step}")
                     evaluated = evaluation.evaluate(engine, eval_data, cfg.eval.batches)
                     row.update(evaluated)
                     evaluated = {"step": step, **evaluated}
@@ -319,6 +336,7 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
                         step, t.steps, time.perf_counter() - began, cfg.logging.interval,
                     )  # fmt: skip
                 if _due(cfg, step) or (stopped and cfg.checkpoint.enabled):
+                    where.at(f"saving the step-{step} checkpoint")
                     checkpoints.save(step, applied)
                     meter.reset()  # the save's time is not training throughput
                 if stopped:
