@@ -93,7 +93,6 @@ def test_held_out_samples_are_never_trained_on(tmp_path):
         (["eval.paths=[a.jsonl]"], "eval.paths"),
         (["eval.holdout=1.5"], "eval.holdout"),
         (["eval.holdout=0.1", "data.source=mock"], "eval.holdout"),
-        (["eval.holdout=0.1", "data.format=megatron", "data.source=x"], "eval.holdout"),
     ],
 )
 def test_bad_eval_configs_are_refused_naming_the_key(overrides, key):
@@ -171,3 +170,26 @@ def test_a_missing_blend_source_is_refused_naming_its_entry(tmp_path):
     ).config
     with pytest.raises(DataError, match=r"data\.blend\[1\]\.path"):
         check_data(cfg)
+
+
+def test_megatron_indexed_data_evaluates_as_auto_reads_it(tmp_path):
+    """``data.format: megatron`` holds out (and reads ``eval.source``) the samples ``auto`` does of the same prefix: the
+    same token stream, packed and split alike."""
+    from primus.core.data.indexed import write_indexed
+    from primus.core.data.splits import eval_samples, training_samples
+
+    rng = np.random.default_rng(0)
+    write_indexed(tmp_path / "ds", [rng.integers(1, 2000, size=int(n)) for n in rng.integers(20, 300, 60)])
+    got = {}
+    for fmt in ("auto", "megatron"):
+        words = [f"data.source={tmp_path / 'ds'}", f"data.format={fmt}", "train.seq_len=64", "eval.holdout=0.1"]
+        cfg = resolve("tiny-llama", words, world_size=1, check_plugins=False).config
+        held, trained = eval_samples(cfg), training_samples(cfg)
+        got[fmt] = ([held[i] for i in range(len(held))], len(trained))
+        source = resolve(
+            "tiny-llama", [*words[:3], f"eval.source={tmp_path / 'ds'}"], world_size=1, check_plugins=False
+        )
+        assert len(eval_samples(source.config)) > len(held)  # eval.source reads the whole prefix
+    assert len(got["auto"][0]) > 0 and got["auto"][1] > 0
+    assert all(np.array_equal(a, b) for a, b in zip(*(got[f][0] for f in got), strict=True))
+    assert got["auto"][1] == got["megatron"][1]

@@ -274,17 +274,6 @@ def eval_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 allowed="0, or set eval.holdout (e.g. 0.05) or eval.source",
             )
         ]
-    if cfg.data.format == "megatron" and (e.holdout or e.source is not None):
-        key = "eval.holdout" if e.holdout else "eval.source"
-        return [
-            ConfigIssue(
-                key,
-                "evaluation of Megatron indexed data (data.format: megatron) is not built yet: Primus holds out "
-                "or reads evaluation samples from its own text / token sources only",
-                value=e.holdout or e.source,
-                allowed="data in .jsonl / .txt / .parquet (or the bundled corpus)",
-            )
-        ]
     if e.holdout and cfg.data.source == "mock":
         return [ConfigIssue("eval.holdout", "mock data is random tokens: nothing to evaluate on", value=e.holdout)]
     return []
