@@ -85,7 +85,10 @@ def test_the_checkpoint_model_is_the_run_model(tmp_path):
 
 def test_refusals_say_what_the_path_is_and_what_is_expected(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserError, match=r"not a checkpoint an installed backend imports; expected a stand-in trainer"):
+    with pytest.raises(
+        UserError,
+        match=r"not a checkpoint an installed backend imports; expected .*a stand-in trainer checkpoint \(a folder",
+    ):
         recognised_or_refused(tmp_path / "empty", REGISTRY)
     with pytest.raises(UserError, match="no such file or folder"):
         recognised_or_refused(tmp_path / "gone", REGISTRY)

@@ -257,7 +257,7 @@ def _train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _
     if cfg.checkpoint.enabled and not ctx.resume:
         checkpoints.refuse_earlier_run()
     eval_data = ctx.eval_samples if cfg.eval.interval else None
-    began = time.perf_counter()
+    began, building = time.perf_counter(), time.time()
     engine: Engine = spec.load_engine()(cfg, ctx)
     try:
         offers = check_engine(engine, spec.name)
@@ -289,6 +289,7 @@ def _train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _
         last: dict[str, float] = {}
         evaluated: dict[str, float] = {}
         stopped: str | None = None
+        startup: dict[str, float] = {}
         step = start
         with StepProfiler(cfg, ctx.info) as profiler, StopRequest(t.max_minutes, ctx.info.world_size) as stop:
             meter.reset()
@@ -301,7 +302,10 @@ def _train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _
 
                 where.at(f"at step {step}")
                 checkpoints.faults.out_of_memory(step, ctx.info.rank)
+                stepping = time.time()
                 result = engine.train_step(step, lr, gate)
+                if step == start + 1:
+                    startup = _startup(building, stepping, time.time())
                 applied += int(result.applied)
                 profiler.step()
                 ctx.train_step(step)
@@ -335,6 +339,8 @@ def _train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _
                         "metrics every %d steps (logging.interval)",
                         step, t.steps, time.perf_counter() - began, cfg.logging.interval,
                     )  # fmt: skip
+                if step == start + 1:
+                    log.info("start-up: %s", ", ".join(f"{k} {v} s" for k, v in startup.items()))
                 if _due(cfg, step) or (stopped and cfg.checkpoint.enabled):
                     where.at(f"saving the step-{step} checkpoint")
                     checkpoints.save(step, applied)
@@ -345,6 +351,7 @@ def _train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _
         return {
             "status": "preempted" if stopped else "ok",
             **({"stop_reason": stopped} if stopped else {}),
+            **({"startup": startup} if step > start else {}),
             "final_step": step,
             "start_step": start,
             "metrics": last,
@@ -356,6 +363,18 @@ def _train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _
         }
     finally:
         engine.close()
+
+
+def _startup(building: float, stepping: float, stepped: float) -> dict[str, float]:
+    """Where a run's time to its first step went (seconds): the process's start to the engine build (imports, the
+    config, the data checks, kernels; absent where the start is unknown), the build (the model, its initial weights,
+    the optimizer, a checkpoint loaded), the first step (compilation, autotuning, the first kernels), and all of it."""
+    from primus.core.run.metrics import process_started
+
+    out = {"build_s": round(stepping - building, 2), "first_step_s": round(stepped - stepping, 2)}
+    if (started := process_started()) is not None:
+        out = {"to_build_s": round(building - started, 2), **out, "to_first_step_s": round(stepped - started, 2)}
+    return out
 
 
 def _expert_load(cfg: PrimusConfig, engine: Any, device: str) -> Any:

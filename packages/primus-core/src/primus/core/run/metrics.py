@@ -29,6 +29,19 @@ PEAK_BF16_FLOPS: list[tuple[str, float]] = [
 ]
 
 
+def process_started() -> float | None:
+    """When this process started (epoch seconds), from ``/proc`` (None elsewhere): a run's start-up counts from
+    there, imports included."""
+    import os
+
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])  # starttime: field 22
+        boot = next(int(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def peak_flops(device_name: str | None) -> float | None:
     """Dense bf16 peak for a device name (``torch.cuda.get_device_name()``), None if unknown (CPU)."""
     if not device_name:
