@@ -28,7 +28,11 @@ Parts (``--only`` / ``--skip``), each run as ``primus`` processes or the benchma
   losses against a straight run;
 - ``sft_hf``: fine-tune from a Hugging Face folder (made locally with transformers) -> export -> transformers
   loads it and generates, on both engines;
-- ``profile``: ``primus profile`` -> the report page.
+- ``profile``: ``primus profile`` -> the report page;
+- ``startup``: time to the first step, plain engines beside Primus, a fresh process each (``startup.py``), and
+  whether a TorchTitan rank still imports what it never uses;
+- ``edges``: a run just past the planner's memory band refused before anything is built, and one far past it
+  (``train.allow_tight_fit``) running out of memory: one line, exit 3.
 
 Every row: passed / failed with the reason, tokens/s per device, MFU, peak memory against the planner's
 prediction (Primus runs), and for pairs the ratio and the loss agreement. A speed feature slower than what it
@@ -186,8 +190,11 @@ class Suite:
         if proc.returncode != 0:
             return {**row, "status": "failed", "reason": f"exit {proc.returncode}: {tail(proc)}"}
         rows = metrics(out)
-        if rows and "time" in rows[0]:  # where a run's wall time goes: start-up (to the first step's end) and steps
-            row["first_step_s"] = round(rows[0]["time"] - started, 1)
+        try:  # where a run's wall time goes: start-up (its process's start to the first step's end; core's record)
+            row["first_step_s"] = json.loads((out / "summary.json").read_text())["startup"]["to_first_step_s"]
+        except (OSError, KeyError, ValueError):
+            if rows and "time" in rows[0]:
+                row["first_step_s"] = round(rows[0]["time"] - started, 1)
         row |= {"status": "passed", **measured(rows, warmup)}
         if not self.smoke:
             row |= planner_columns(preset, overrides, row.get("peak_gib"))
@@ -598,6 +605,104 @@ def part_profile(s: Suite) -> list[dict]:
     return [{**row, "status": "passed", "report": str(pages[0]), "report_head": md[:600]}]
 
 
+def part_startup(s: Suite) -> list[dict]:
+    """Time to the first step, plain engines beside Primus, each a fresh process (``startup.py``)."""
+    out = s.work / "startup"
+    cmd = [sys.executable, str(HERE / "startup.py"), "--out", str(out)]
+    if s.smoke:  # one plain and one Primus case: the two code paths, half the CPU time
+        cmd += ["--smoke", "--cases", "tt_plain,mg_primus"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480)
+    if not (out / "startup.json").exists():
+        return [{"row": "startup", "status": "failed", "reason": f"startup.py exit {proc.returncode}: {tail(proc)}"}]
+    result = json.loads((out / "startup.json").read_text())
+    rows = []
+    for case, c in result["cases"].items():
+        row = {"row": f"startup/{case}", "smoke": s.smoke, "command": c.get("command")}
+        if "error" in c:
+            rows.append({**row, "status": "failed", "reason": c["error"][-1500:]})
+            continue
+        parts = ", ".join(f"{k} {c[k]}" for k in ("to_build_s", "build_s", "first_step_s"))
+        rows.append({**row, "status": "passed", "first_step_s": c["to_first_step_s"], "startup": c, "note": parts})
+    unused = result.get("unused_imports_s") or {}
+    row = {"row": "startup/torchtitan_unused_imports", "unused_imports_s": unused}
+    if unused:  # what a TorchTitan rank imports and never uses, with the seconds it costs
+        rows.append({**row, "status": "failed", "reason": f"a TorchTitan rank imports {unused}"})
+    else:
+        rows.append({**row, "status": "passed", "note": "a TorchTitan rank imports none of datasets, pandas, pyarrow"})
+    return rows
+
+
+# the run that did not fit on an H100 (the issue): Llama 3.2 3B on megatron at seq 4096, its micro-batch found here
+FIT_CASE = ("llama3.2-3b", ["backend.name=megatron", "train.seq_len=4096", "data.source=mock", "train.steps=3"])
+
+
+def _past_the_band(factor: float) -> int | None:
+    """The smallest micro-batch of :data:`FIT_CASE` whose estimate on this GPU exceeds its usable memory's band
+    × ``factor`` (1: just past the band, refused; more: certain to run out of memory)."""
+    from primus.core.launch.train import resolve
+    from primus.core.planner import calibration as cal
+    from primus.core.planner.auto import local_device
+    from primus.core.planner.memory import GIB
+    from primus.core.planner.search import USABLE
+    from primus.core.planner.strategies import estimate_memory
+
+    dev = local_device()
+    limit = dev.memory_gib * USABLE * (1 + cal.FIT_TOLERANCE) * factor
+    for mbs in range(1, 65):
+        cfg = resolve(FIT_CASE[0], [*FIT_CASE[1], f"train.micro_batch_size={mbs}"], world_size=1).config
+        if estimate_memory(cfg, 1).total / GIB > limit:
+            return mbs
+    return None
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str | None:
+    """The one ``error:`` line of a failed run, None where there are several or a traceback."""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    clean = not any(sign in proc.stderr for sign in ("Traceback", "[rank0]:", "ChildFailedError"))
+    return lines[0] if len(lines) == 1 and clean else None
+
+
+def part_edges(s: Suite) -> list[dict]:
+    """What a user meets at the edges of memory: a run sized just past the planner's band is refused before anything
+    is built (exit 2, one line with the planner's pick, no run folder); one far past it, run anyway with
+    ``train.allow_tight_fit``, runs out of memory and ends in one line (exit 3, ``primus.core.run.oom``). On CPU
+    (--smoke) the refusal's command is validated (no device memory to hold) and the out-of-memory error is injected."""
+    rows = []
+    preset, words = FIT_CASE
+    if s.smoke:
+        preset, words = "tiny-demo-megatron", ["train.steps=3", "checkpoint.interval=1"]
+    refused = s.work / "edges_refused"
+    mbs = None if s.smoke else _past_the_band(1.0)
+    cmd = ["train", preset, *words, f"train.micro_batch_size={mbs or 2}", f"logging.output_dir={refused}"]
+    row: dict[str, Any] = {"row": "edges/fit_refused", "command": shlex.join(["primus", *cmd])}
+    if s.smoke:
+        proc = primus("config", "validate", *cmd[1:], timeout=60)
+        ok = proc.returncode == 0
+        rows.append({**row, "status": "passed" if ok else "failed", "smoke": True, "note": "validated (CPU)"})
+    else:
+        t0 = time.monotonic()
+        proc = primus(*cmd, timeout=120)
+        line, took = _one_error_line(proc), round(time.monotonic() - t0, 1)
+        ok = proc.returncode == 2 and line and "does not fit" in line and "the planner's pick" in line
+        ok = ok and not refused.exists()
+        row |= {"wall_s": took, "micro_batch": mbs, "line": line}
+        rows.append({**row, "status": "passed" if ok else "failed", "note" if ok else "reason": line or tail(proc)})
+    oom = s.work / "edges_oom"
+    if s.smoke:
+        extra = ["backend.extra.fault_injection.oom_at_step=2"]
+        mbs = 2
+    else:
+        mbs = _past_the_band(1.2)
+        extra = ["train.allow_tight_fit=true"]
+    cmd = ["train", preset, *words, f"train.micro_batch_size={mbs}", *extra, f"logging.output_dir={oom}"]
+    proc = primus(*cmd, timeout=240)
+    line = _one_error_line(proc)
+    ok = proc.returncode == 3 and line is not None and line.startswith("error: out of memory ")
+    row = {"row": "edges/oom_line", "command": shlex.join(["primus", *cmd]), "micro_batch": mbs, "line": line}
+    rows.append({**row, "status": "passed" if ok else "failed", "note" if ok else "reason": line or tail(proc)})
+    return rows
+
+
 PARTS: dict[str, Callable[[Suite], list[dict]]] = {
     "dense": part_dense,
     "fp8_dense": part_fp8_dense,
@@ -609,6 +714,8 @@ PARTS: dict[str, Callable[[Suite], list[dict]]] = {
     "eval_resume": part_eval_resume,
     "sft_hf": part_sft_hf,
     "profile": part_profile,
+    "startup": part_startup,
+    "edges": part_edges,
 }
 
 
@@ -625,15 +732,17 @@ def table(result: dict) -> str:
     lines = [f"# {head}{' (smoke)' if result['smoke'] else ''}", "", f"`{result['command']}`", ""]
     lines += [f"wall time {result.get('wall_s')} s", ""]
     lines += [
-        "| row | status | tokens/s | MFU | ratio | vs | peak GiB | planner GiB | loss agreement | reason / note |"
+        "| row | status | tokens/s | MFU | ratio | vs | peak GiB | planner GiB | loss agreement | to first step s "
+        "| reason / note |"
     ]
-    lines += ["|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         reason = (r.get("reason") or r.get("note") or r.get("experts") or "").replace("\n", " ").replace("|", "/")
         lines.append(
             f"| {r['row']} | {r['status']} | {_fmt(r.get('tokens_per_s'), ',.0f')} | {_fmt(r.get('mfu'), '.1%')} "
             f"| {_fmt(r.get('ratio'), '.2f')} | {r.get('vs') or ''} | {_fmt(r.get('peak_gib'), '.1f')} "
-            f"| {_fmt(r.get('predicted_gib'), '.1f')} | {_fmt(r.get('loss_agreement'), '.1e')} | {reason[:300]} |"
+            f"| {_fmt(r.get('predicted_gib'), '.1f')} | {_fmt(r.get('loss_agreement'), '.1e')} "
+            f"| {_fmt(r.get('first_step_s'), '.1f')} | {reason[:300]} |"
         )
     counts = {k: sum(r["status"] == k for r in result["rows"]) for k in ("passed", "failed", "not run")}
     lines += ["", f"{counts['passed']} passed, {counts['failed']} failed, {counts['not run']} not run", ""]

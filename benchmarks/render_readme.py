@@ -34,11 +34,11 @@ def render(result: dict | None) -> str:
         f"From `benchmarks/results/gpu_suite.json` ({result['date']}, {result['gpu']}, torch {result['torch']}; "
         f"{ok} of {len(rows)} rows passed; `{result['command']}`):",
         "",
-        "| run | status | tokens/s per GPU | MFU | ratio | against | peak / planner GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| run | status | tokens/s per GPU | MFU | ratio | against | peak / planner GiB | to first step s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if r.get("tokens_per_s") is None and r.get("ratio") is None:
+        if r.get("tokens_per_s") is None and r.get("ratio") is None and r.get("first_step_s") is None:
             continue
         mem = ""
         if r.get("peak_gib") is not None:
@@ -46,7 +46,8 @@ def render(result: dict | None) -> str:
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
         lines.append(
             f"| {r['row']} | {r['status']} | {_num(r.get('tokens_per_s'), ',.0f') if 'tokens_per_s' in r else ''} "
-            f"| {'' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {ratio} | {r.get('vs') or ''} | {mem} |"
+            f"| {'' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {ratio} | {r.get('vs') or ''} | {mem} "
+            f"| {'' if r.get('first_step_s') is None else format(r['first_step_s'], '.1f')} |"
         )
     return "\n".join(lines) + "\n"
 
