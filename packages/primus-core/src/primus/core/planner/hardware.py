@@ -39,7 +39,7 @@ DEVICES: dict[str, Device] = {
     for d in (
         # memory: what the runtime reports (torch.cuda.get_device_properties().total_memory) where measured here,
         # so a plan named for a device and parallel.strategy=auto on one see the same GiB; else the datasheet's
-        Device("H100", 79.19, 989e12, 360, 45, 3350, 1979e12),
+        Device("H100", 79.18, 989e12, 360, 45, 3350, 1979e12),  # 85,017,493,504 B (H100 80GB HBM3, 2026-12-07)
         Device("H200", 139.80, 989e12, 360, 45, 4800, 1979e12),
         Device("B200", 180, 2250e12, 720, 45, 8000, 4500e12),
         Device("A100", 80, 312e12, 230, 22, 2039, 0.0),
