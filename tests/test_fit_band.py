@@ -11,8 +11,7 @@ import re
 import pytest
 
 from primus.core.contracts.errors import UserError
-from primus.core.launch.ranking import searched_micro_batches
-from primus.core.launch.train import resolve, run_rank
+from primus.core.launch.train import resolve, run_rank, searched_micro_batches
 from primus.core.planner import auto
 from primus.core.planner.hardware import device
 

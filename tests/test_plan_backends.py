@@ -14,7 +14,8 @@ from primus.core.config.presets import catalog
 from primus.core.config.validate import validate_config
 from primus.core.contracts.plugins import get_registry
 from primus.core.contracts.protocols import validate_with
-from primus.core.launch.ranking import global_batch, rank, resolve_on, searched_micro_batches
+from primus.core.launch.ranking import global_batch, rank, resolve_on
+from primus.core.launch.train import searched_micro_batches
 from primus.core.planner import Cluster, device
 from primus.core.planner.auto import layout_config
 from primus.core.planner.calibration import HEADROOM

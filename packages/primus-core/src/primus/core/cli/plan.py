@@ -66,7 +66,8 @@ def plan(
     from primus.core.cli.helpers import err, fail, out
     from primus.core.config.errors import ConfigError
     from primus.core.contracts.plugins import KNOWN_BACKEND_DISTS
-    from primus.core.launch.ranking import ANY_LAYOUT, global_batch, rank, resolve_on, searched_micro_batches
+    from primus.core.launch.ranking import ANY_LAYOUT, global_batch, rank, resolve_on
+    from primus.core.launch.train import searched_micro_batches
     from primus.core.planner import Cluster, device
     from primus.core.planner.auto import layout_overrides
     from primus.core.planner.memory import GIB

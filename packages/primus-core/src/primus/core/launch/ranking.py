@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from primus.core.config.errors import ConfigError
 from primus.core.planner.auto import refusals
 from primus.core.planner.profile import backend_spec
-from primus.core.planner.search import MICRO_BATCHES, Candidate, Cluster, candidates
+from primus.core.planner.search import Candidate, Cluster, candidates
 
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig
@@ -60,15 +60,6 @@ def resolve_on(
             raise
         own = list(exc.issues)
     return resolve(config, [*overrides, *ANY_LAYOUT], 1, registry, check_plugins=False), own
-
-
-def searched_micro_batches(res: Resolved) -> int | tuple[int, ...]:
-    """The micro-batch sizes to try: the one given on the command line, else the config's, then the others of
-    :data:`MICRO_BATCHES` (another is recommended only where it is faster)."""
-    mbs = res.config.train.micro_batch_size
-    if res.layers.sources.get("train.micro_batch_size") == "command line":
-        return mbs
-    return (mbs, *(m for m in MICRO_BATCHES if m != mbs))
 
 
 def global_batch(res: Resolved) -> int | None:

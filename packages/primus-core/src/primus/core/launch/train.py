@@ -89,6 +89,18 @@ def resolve(
     return Resolved(resolve_parallel(cfg, world_size), layers, registry, world_size)
 
 
+def searched_micro_batches(res: Resolved) -> int | tuple[int, ...]:
+    """The micro-batch sizes the planner tries for a run: the one given on the command line, else the config's, then
+    the others of :data:`~primus.core.planner.search.MICRO_BATCHES` (another is recommended only where it is
+    faster)."""
+    from primus.core.planner.search import MICRO_BATCHES
+
+    mbs = res.config.train.micro_batch_size
+    if res.layers.sources.get("train.micro_batch_size") == "command line":
+        return mbs
+    return (mbs, *(m for m in MICRO_BATCHES if m != mbs))
+
+
 EARLIER_RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
 
 
@@ -152,7 +164,6 @@ def rank_context(
     defer_torch_compile(eager=device == "cpu")
     device_name = None
     if device != "cpu":
-        from primus.core.launch.ranking import searched_micro_batches
         from primus.core.planner.auto import check_fits
 
         # the planner's band, before any build: past it refused, inside it warned, each with the planner's pick
@@ -243,7 +254,6 @@ def run_rank(res: Resolved, resume: bool = False) -> dict[str, Any]:
 def memory_advice(cfg: PrimusConfig, res: Resolved) -> tuple[str, str]:
     """For a run that ran out of memory: the planner's estimate of its layout on this device, and what to type
     instead (the planner's pick for the run)."""
-    from primus.core.launch.ranking import searched_micro_batches
     from primus.core.planner import auto
     from primus.core.planner.memory import GIB
     from primus.core.planner.strategies import estimate_memory
