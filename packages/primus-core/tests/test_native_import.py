@@ -70,6 +70,15 @@ def test_without_optimizer_state_the_weights_alone(tmp_path):
     assert sorted(p.name for p in done.iterdir()) == ["manifest.json", "weights.bin"]
 
 
+def test_weights_only_from_a_source_with_optimizer_state(tmp_path):
+    source = _trainer_checkpoint(tmp_path / "theirs", 5)
+    StandInEngine.calls = []
+    words = [f"logging.output_dir={tmp_path / 'run'}"]
+    done = import_native_cli("tiny-llama", words, source, None, None, REGISTRY, weights_only=True)
+    assert done == tmp_path / "run" / "imported" / "step_00000005"
+    assert StandInEngine.calls == [("load_native", 5, True)] and "weights_only" in read_manifest(done)
+
+
 def test_the_checkpoint_model_is_the_run_model(tmp_path):
     """A checkpoint that records its model (as Megatron-LM's arguments do) needs no config; one that records none
     is refused without one, naming what to give."""

@@ -42,6 +42,25 @@ def test_checkpointer_calls_keep_torchtitans_signatures():
     assert "self.exclude_from_loading" in inspect.getsource(CheckpointManager._states_to_load)
 
 
+def test_native_format_is_still_torchtitans():
+    """primus.torchtitan.native reads plain torchtitan's checkpoints by the layout its CheckpointManager writes: the
+    state names, the step-N folders counted complete by their .metadata (or a safetensors index), the model
+    flattened to the top level, the optimizer state flattened per parameter."""
+    from torchtitan.components import checkpoint as tt
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    from primus.torchtitan import native
+
+    assert set(native.STATES) == {tt.OPTIMIZER, tt.LR_SCHEDULER, tt.DATALOADER, tt.TRAIN_STATE}
+    find = inspect.getsource(tt.CheckpointManager._find_load_step)
+    assert native.STEP.pattern in find and '".metadata"' in find and f'"{native.HF_INDEX}"' in find
+    assert native.DCP_METADATA == ".metadata"
+    assert 'f"step-{step}"' in inspect.getsource(tt.CheckpointManager._create_checkpoint_id)
+    assert "sd.update(states[MODEL].state_dict())" in inspect.getsource(tt.CheckpointManager._flattened_model_states_sd)
+    assert "flatten_optimizer_state_dict=True" in inspect.getsource(OptimizersContainer.state_dict)
+    assert "flatten_optimizer_state_dict=True" in inspect.getsource(OptimizersContainer.load_state_dict)
+
+
 def _checkpoint(root, name, step=None, **manifest):
     folder = root / name
     folder.mkdir(parents=True)

@@ -127,11 +127,15 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_train_step_still_clips_then_steps_the_optimizer_and_schedule",
     ),
     Patch(
-        "checkpoint.write, checkpoint.read, checkpoint.write_model, checkpoint.load_model",
+        "checkpoint.write, checkpoint.read, checkpoint.write_model, checkpoint.load_model, checkpoint.load_native",
         "CheckpointManager.dcp_save / dcp_load called directly, with the private _flattened_model_states_sd "
-        "and _states_to_load",
-        "core names the folder and commits it; torchtitan has no public call that saves or loads a given folder",
-        "test_checkpoint.py::test_checkpointer_calls_keep_torchtitans_signatures",
+        "and _states_to_load; load_native reads plain torchtitan's checkpoints by their layout (native.py: the "
+        "step-N names and completeness rule of _find_load_step, the model flattened to the top level, the other "
+        "states under their names, the optimizer flattened per parameter)",
+        "core names the folder and commits it; torchtitan has no public call that saves or loads a given folder, "
+        "nor one that reads its own checkpoint's parts into another trainer",
+        "test_checkpoint.py::test_checkpointer_calls_keep_torchtitans_signatures, "
+        "test_checkpoint.py::test_native_format_is_still_torchtitans",
     ),
     Patch(
         "metrics.SilentMetricsProcessor.should_log",

@@ -111,6 +111,7 @@ class TorchTitanEngine:
         compat.import_torchtitan(ctx.info.device)
         from primus.torchtitan import checkpoint as ckpt
 
+        self.cfg = cfg
         self.world_size = ctx.info.world_size
         if self.world_size == 1:
             _single_process_env()
@@ -188,6 +189,18 @@ class TorchTitanEngine:
         from primus.torchtitan import checkpoint as ckpt
 
         ckpt.read(self.trainer.checkpointer, folder)
+
+    def load_native(self, found: Any, weights_only: bool) -> None:
+        """A checkpoint plain TorchTitan wrote (``primus checkpoint import --from``; :mod:`primus.torchtitan.native`
+        recognised it): the model, unless ``weights_only`` the optimizer, LR-scheduler and train state it holds
+        (:func:`primus.torchtitan.checkpoint.load_native`). The data position is Primus's own at the source's step,
+        as a Primus run of this config has it there: the source's data loader read its own data set."""
+        from primus.torchtitan import checkpoint as ckpt
+
+        ckpt.load_native(self.trainer, found, self.cfg, weights_only)
+        self.trainer.step = found.step
+        loader = self.trainer.dataloader
+        loader.load_state_dict({"samples_consumed": found.step * loader.global_batch_size})
 
     def save_weights(self, folder: Path) -> None:
         from primus.torchtitan import checkpoint as ckpt

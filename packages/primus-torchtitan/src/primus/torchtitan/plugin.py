@@ -18,6 +18,7 @@ def primus_backends() -> list[BackendSpec]:
             validate="primus.torchtitan.validate:validate",
             hf="primus.torchtitan.hf:INTEROP",
             planner="primus.torchtitan.planner_profile:PROFILE",
+            native="primus.torchtitan.native:FORMAT",
             model_families=FAMILIES,
         )
     ]

@@ -17,8 +17,8 @@ from rich.console import Console
 checkpoint_app = typer.Typer(
     help="Hugging Face import / export of checkpoints; verifying their files.", no_args_is_help=True
 )
-_out = Console()
-_err = Console(stderr=True)
+_out = Console(soft_wrap=True)  # one line a message: paths copy whole
+_err = Console(stderr=True, soft_wrap=True)
 log = logging.getLogger("primus.hf")
 
 
@@ -95,6 +95,9 @@ def import_(
     to_hf: Annotated[
         str | None, typer.Option("--to-hf", help="with --from: also (without --out: only) write a Hugging Face folder")
     ] = None,
+    weights_only: Annotated[
+        bool, typer.Option("--weights-only", help="with --from: the model alone, for train.init_from (no optimizer)")
+    ] = False,
 ) -> None:
     """Hugging Face weights (--from-hf), or an engine's own checkpoint (--from), -> a Primus checkpoint."""
     from primus.core.config.errors import ConfigError
@@ -109,12 +112,12 @@ def import_(
         )
     if from_:
         try:
-            import_native_cli(config, overrides or [], Path(from_), out, to_hf)
+            import_native_cli(config, overrides or [], Path(from_), out, to_hf, weights_only=weights_only)
         except (ConfigError, UserError, ValueError) as exc:
             raise fail(exc) from None
         return
-    if to_hf:
-        raise fail(ValueError("--to-hf goes with --from (a Hugging Face folder is already one)"))
+    if to_hf or weights_only:
+        raise fail(ValueError("--to-hf and --weights-only go with --from (a Hugging Face folder is weights already)"))
     if config is None:
         raise fail(ValueError("--from-hf: give CONFIG (the backend, parallel layout and precision to import for)"))
     if problem := folder_problem(Path(from_hf)):  # before the config: the cheapest thing to get wrong
@@ -136,10 +139,13 @@ def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None,
     return config, overrides
 
 
-def native_config(config: str | None, overrides: list[str], backend: str, model: dict | None, registry=None):
+def native_config(
+    config: str | None, overrides: list[str], backend: str, model: dict | None, scratch: Path, registry=None
+):
     """The run ``config`` + ``overrides`` on ``backend``, its model the checkpoint's where the checkpoint records one
     (``model``: model fields, as Megatron-LM's arguments give them); resolved for one process (a checkpoint of any
-    layout loads under any other). (user's config, the config the import's engine is built with: no data read)."""
+    layout loads under any other). (user's config, the config the import's engine is built with: no data read, and
+    whatever the engine writes as it builds in ``scratch``)."""
     from primus.core.config.validate import validate_config
     from primus.core.hf.contract import OFFLINE_OVERRIDES
     from primus.core.launch.native import IMPORT_OVERRIDES
@@ -157,16 +163,29 @@ def native_config(config: str | None, overrides: list[str], backend: str, model:
         data["model"] = {**data["model"], **model}
         return Resolved(validate_config(data, world_size=1, registry=res.registry), res.layers, res.registry, 1)
 
-    return with_model(overrides), with_model([*overrides, *OFFLINE_OVERRIDES, *IMPORT_OVERRIDES])
+    build = [*overrides, *OFFLINE_OVERRIDES, *IMPORT_OVERRIDES, f"logging.output_dir={scratch}"]
+    return with_model(overrides), with_model(build)
 
 
 def import_native_cli(
-    config: str | None, overrides: list[str], path: Path, out: str | None, to_hf: str | None, registry=None
+    config: str | None,
+    overrides: list[str],
+    path: Path,
+    out: str | None,
+    to_hf: str | None,
+    registry=None,
+    weights_only: bool = False,
 ) -> Path | None:
     """``primus checkpoint import --from PATH`` (and ``export`` of such a checkpoint): the Primus checkpoint it
     wrote (None: only ``to_hf``). ``registry``: the installed plugins' when not given."""
-    import shutil
     import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="primus-import-") as scratch:
+        return _import_native(config, overrides, path, out, to_hf, registry, weights_only, Path(scratch))
+
+
+def _import_native(config, overrides, path, out, to_hf, registry, weights_only, scratch: Path) -> Path | None:
+    import shutil
 
     import yaml
 
@@ -180,23 +199,23 @@ def import_native_cli(
     registry = registry or get_registry()
     backend, found = recognised_or_refused(path, registry)
     _out.print(f"found {found.what} ({backend})", highlight=False)
-    user, build = native_config(config, overrides, backend, found.model, registry)
+    user, build = native_config(config, overrides, backend, found.model, scratch / "build", registry)
     cfg = user.config
     name = NAMING.folder(Path(), found.step).name
-    if out is None and to_hf:  # the Hugging Face folder alone: the import in a scratch folder
-        with tempfile.TemporaryDirectory(prefix="primus-import-") as scratch:
-            done = import_native(build, found, Path(scratch) / name, weights_only=True)
-            written = export_checkpoint(build.config, done, to_hf, registry=build.registry)
+    if out is None and to_hf:  # the Hugging Face folder alone: the import in the scratch folder
+        done = import_native(build, found, scratch / name, weights_only=True)
+        written = export_checkpoint(build.config, done, to_hf, registry=build.registry)
         _out.print(f"exported {found.folder} -> {written}", highlight=False)
         return None
+    resumable = found.optimizer and not weights_only
     if out is None:
         check_output_dir(cfg, resume=False)  # an earlier run's folder is not written into
-        target = (checkpoint_root(cfg) if found.optimizer else output_dir(cfg) / "imported") / name
+        target = (checkpoint_root(cfg) if resumable else output_dir(cfg) / "imported") / name
     else:
         target = Path(out)
     created = not output_dir(cfg).exists()
     try:
-        done = import_native(build, found, target)
+        done = import_native(build, found, target, weights_only=weights_only)
     except BaseException:
         if created and out is None:
             shutil.rmtree(output_dir(cfg), ignore_errors=True)
@@ -206,12 +225,11 @@ def import_native_cli(
     _out.print(
         f"imported {found.folder} -> {done} ({backend}, model {cfg.model.name}, step {found.step})", highlight=False
     )
-    if found.optimizer and out is None:
+    if resumable and out is None:
         _out.print(f"continue it with: primus train {output_dir(cfg) / 'config.yaml'} --resume", highlight=False)
-    elif not found.optimizer:
-        _out.print(
-            f"the source holds no optimizer state: start a run from it with train.init_from={done}", highlight=False
-        )
+    elif not resumable:
+        why = "--weights-only" if found.optimizer else "the source holds no optimizer state"
+        _out.print(f"the weights alone ({why}): start a run from them with train.init_from={done}", highlight=False)
     if to_hf:
         written = export_checkpoint(cfg, done, to_hf, registry=user.registry)
         _out.print(f"exported {done} -> {written}", highlight=False)
