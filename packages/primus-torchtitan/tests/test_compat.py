@@ -86,6 +86,38 @@ def test_moe_kernels_still_import_triton():
             standin.generate_permute_indices()
 
 
+def test_hf_datasets_builders_are_all_torchtitan_imports():
+    """Every name torchtitan's own modules (its experiments aside) import from its HF text datasets is one the
+    stand-in forwards, and a function of the real module; the module still imports Hugging Face datasets (else the
+    stand-in is not needed)."""
+    root = Path(importlib.util.find_spec("torchtitan").submodule_search_locations[0])
+    imported = set()
+    for path in root.rglob("*.py"):
+        if "experiments" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == compat.HF_DATASETS:
+                imported |= {alias.name for alias in node.names}
+    assert imported == set(compat.HF_DATASETS_NAMES)
+    source = (root / "hf_datasets" / "text_datasets.py").read_text()
+    assert "from datasets import" in source
+    assert all(f"def {name}(" in source for name in compat.HF_DATASETS_NAMES)
+
+
+def test_a_rank_imports_no_hf_datasets():
+    """After Primus's import of torchtitan (its trainer and models) no Hugging Face datasets, pandas or pyarrow is
+    loaded; a builder called, or any other name of the module read, imports the real one."""
+    code = (
+        "import sys; from primus.torchtitan import compat; compat.import_torchtitan(); import torchtitan.train; "
+        "import torchtitan.models.llama3, torchtitan.models.qwen3, torchtitan.models.deepseek_v3; "
+        "print(sorted(m for m in ('datasets', 'pandas', 'pyarrow') if m in sys.modules)); "
+        f"m = sys.modules[{compat.HF_DATASETS!r}]; print(m.build_text_dataloader.__name__, hasattr(m, '__file__')); "
+        "m.HuggingFaceTextDataset; print('datasets' in sys.modules, sys.modules[m.__name__] is not m)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:3] == ["[]", "build_text_dataloader False", "True True"], out
+
+
 def test_moe_router_still_counts_integer_indices_with_histc():
     from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 

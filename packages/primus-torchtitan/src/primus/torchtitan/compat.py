@@ -49,6 +49,15 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_moe_kernels_still_import_triton",
     ),
     Patch(
+        "compat.defer_hf_datasets",
+        "sys.modules['torchtitan.hf_datasets.text_datasets'] (every device): a stand-in whose two builders, the "
+        "names torchtitan's modules import from it (HF_DATASETS_NAMES), import the real module when called",
+        "that module imports Hugging Face datasets (and with it pandas, pyarrow: 1.9 s of a rank's start on an H100) "
+        "and is reached from torchtitan.train and every model's train spec; Primus builds its own data loader",
+        "test_compat.py::test_hf_datasets_builders_are_all_torchtitan_imports, "
+        "test_compat.py::test_a_rank_imports_no_hf_datasets",
+    ),
+    Patch(
         "compat.integer_histc_on_cpu",
         "torch.histc, on CPU for integer inputs (applied by import_torchtitan on CPU)",
         "the MoE router counts tokens per expert with torch.histc of the expert indices (int64); CUDA counts "
@@ -277,6 +286,44 @@ def install_triton_standin() -> bool:
     return True
 
 
+HF_DATASETS = "torchtitan.hf_datasets.text_datasets"
+#: what torchtitan 0.2.2's modules import from it (components.validate, the models' train specs)
+HF_DATASETS_NAMES = ("build_text_dataloader", "build_text_validation_dataloader")
+
+
+def defer_hf_datasets() -> bool:
+    """Put off importing torchtitan's Hugging Face text datasets (and so ``datasets``, pandas, pyarrow) until one of
+    its builders is called: a stand-in module whose :data:`HF_DATASETS_NAMES` import the real module and call it, and
+    whose other names import it too. Returns whether the stand-in was installed (not where the module is already
+    imported)."""
+    if HF_DATASETS in sys.modules:
+        return False
+
+    def real() -> types.ModuleType:
+        if sys.modules.get(HF_DATASETS) is standin:
+            del sys.modules[HF_DATASETS]
+        return importlib.import_module(HF_DATASETS)
+
+    class Deferred(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):  # what tools ask every module (inspect: __file__) is not a use
+                raise AttributeError(name)
+            return getattr(real(), name)
+
+    def builder(name: str) -> Callable[..., Any]:
+        def build(*args: Any, **kwargs: Any) -> Any:
+            return getattr(real(), name)(*args, **kwargs)
+
+        build.__name__ = build.__qualname__ = name
+        return build
+
+    standin = Deferred(HF_DATASETS, "primus-torchtitan stand-in: the real module is imported when first used")
+    for name in HF_DATASETS_NAMES:
+        setattr(standin, name, builder(name))
+    sys.modules[HF_DATASETS] = standin
+    return True
+
+
 def integer_histc_on_cpu() -> None:
     """``torch.histc`` of an integer CPU tensor, counted through float64 (exact below 2**53) and returned in the
     input's dtype, as CUDA's kernel does; everything else goes to torch's own. Idempotent."""
@@ -331,6 +378,7 @@ def import_torchtitan(device: str | None = None) -> str:
 
         device = detect_device()
     check_version()
+    defer_hf_datasets()
     if device != "cpu":
         import torchtitan.tools.utils as tt_utils
 
