@@ -99,6 +99,9 @@ def tensor(name: str, m: ModelConfig, seed: int, rows: slice | None = None) -> t
         for block in chunk:
             b0, b1 = block * ROWS_PER_BLOCK, min((block + 1) * ROWS_PER_BLOCK, shape[0])
             gen.manual_seed(_seed(seed, name, block))
+            if start <= b0 and b1 <= stop:  # a whole block: drawn where it goes (no block-sized copy; same values)
+                torch.randn((b1 - b0, *shape[1:]), generator=gen, out=out[b0 - start : b1 - start]).mul_(std)
+                continue
             values = torch.randn((b1 - b0, *shape[1:]), generator=gen) * std
             lo, hi = max(b0, start), min(b1, stop)
             out[lo - start : hi - start] = values[lo - b0 : hi - b0]
