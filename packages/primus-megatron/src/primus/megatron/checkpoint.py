@@ -185,7 +185,10 @@ def experts_layout_mismatch(folder: Path, layout: str | None) -> str | None:
 def optimizer_mismatch(folder: Path, sharded: bool, dp: int) -> str | None:
     """Why this run's optimizer (``sharded`` over ``dp`` data-parallel ranks or not) cannot load ``folder``'s
     optimizer state, with the settings that can; None when it can. megatron-core 0.16 loads the distributed
-    optimizer's state at any data-parallel size, and the regular optimizer's at any, but not one as the other."""
+    optimizer's state at any data-parallel size, and the regular optimizer's at any, but not one as the other. The
+    regular one's Adam state is per model tensor, which the engine reads into a distributed optimizer itself before
+    asking this (:func:`primus.megatron.native_load.read_regular_into_distributed`); the distributed one's follows
+    its gradient buckets."""
     saved = optimizer_sharded(folder)
     if saved is None or saved == sharded:
         return None
@@ -198,8 +201,8 @@ def optimizer_mismatch(folder: Path, sharded: bool, dp: int) -> str | None:
     return (
         f"checkpoint {folder} holds megatron's regular optimizer state and this run shards the optimizer over "
         f"{dp} data-parallel ranks (the distributed optimizer, the default for parallel.dp_shard > 1), which cannot "
-        f"load it: resume with parallel.dp_replicate={dp} parallel.dp_shard=1 (the regular optimizer, replicated), "
-        "or from a checkpoint written with parallel.distributed_optimizer=true"
+        f"load it (only Adam's state converts): resume with parallel.dp_replicate={dp} parallel.dp_shard=1 (the "
+        "regular optimizer, replicated), or from a checkpoint written with parallel.distributed_optimizer=true"
     )
 
 

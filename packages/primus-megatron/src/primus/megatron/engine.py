@@ -465,15 +465,51 @@ class MegatronEngine:
         from primus.megatron import checkpoint as ckpt
         from primus.megatron.dist import ranks
 
+        sharded = _sharded_optimizer(self.cfg)
+        adam = self.cfg.train.optimizer.name in ("adam", "adamw")
+        if sharded and adam and ckpt.optimizer_sharded(folder) is False:
+            # the regular optimizer's state is per model tensor (a one-process run's, an import's): the distributed
+            # optimizer takes its ranges of each, however this run holds its experts
+            from primus.megatron.native_load import read_regular_into_distributed
+
+            read_regular_into_distributed(folder, self.chunks, self.optimizer)
+            return
         why = None
         if self.cfg.model.moe is not None:
             chained = len(getattr(self.optimizer, "chained_optimizers", [])) > 1
             why = ckpt.experts_mismatch(folder, chained, self.cfg.parallel.tp, self.cfg.parallel.ep)
             why = why or ckpt.experts_layout_mismatch(folder, self.experts_layout)
-        why = why or ckpt.optimizer_mismatch(folder, _sharded_optimizer(self.cfg), ranks()["dp_size"])
+        why = why or ckpt.optimizer_mismatch(folder, sharded, ranks()["dp_size"])
         if why:
             raise UserError(why)  # before anything is read: the same decision on every rank
         ckpt.read(folder, self.chunks, self.optimizer)
+
+    def load_native(self, found: Any, weights_only: bool) -> None:
+        """A Megatron-LM torch_dist checkpoint (``primus checkpoint import --from``; :mod:`primus.megatron.native`
+        recognised it): its model into this engine's chunks and, unless ``weights_only``, its Adam state into the
+        optimizer, whatever layout saved it (:mod:`primus.megatron.native_load`)."""
+        from primus.core.contracts.errors import UserError
+        from primus.megatron.native_load import load
+
+        if not weights_only and self.cfg.train.optimizer.name not in ("adam", "adamw"):
+            raise UserError(
+                f"{found.folder} holds Adam's state and train.optimizer.name is {self.cfg.train.optimizer.name!r}: "
+                "import it with adam or adamw (the optimizer it was trained with)"
+            )
+        dtype = found.details.get("dtype")
+        if dtype and dtype != self.cfg.train.precision and self.rank == 0:
+            log.warning(
+                "%s was trained in %s and this engine is built in %s (train.precision): its weights are held in %s "
+                "here%s",
+                found.folder,
+                dtype,
+                self.cfg.train.precision,
+                self.cfg.train.precision,
+                ", its fp32 master weights in the optimizer state" if not weights_only else "",
+            )
+        if found.optimizer_dropped and self.rank == 0:
+            log.warning("%s: %s", found.folder, found.optimizer_dropped)
+        load(found, self.chunks, self.optimizer, weights_only)
 
     def barrier(self) -> None:
         if dist.is_initialized():

@@ -17,6 +17,7 @@ def primus_backends() -> list[BackendSpec]:
             validate="primus.megatron.validate:validate",
             hf="primus.megatron.hf:INTEROP",
             planner="primus.megatron.planner_profile:PROFILE",
+            native="primus.megatron.native:FORMAT",
             model_families=frozenset({"llama", "qwen2", "qwen3", "mistral", "deepseek"}),
         )
     ]

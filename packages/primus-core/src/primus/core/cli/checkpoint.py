@@ -34,9 +34,8 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
 
     from primus.core.config.validate import resolve_parallel, validate_config
     from primus.core.hf.config import model_fields_from_hf
-    from primus.core.hf.safetensors_io import HFReader
     from primus.core.launch.train import resolve
-    from primus.core.run.init_from import takes_model_tokenizer
+    from primus.core.run.init_from import settle_mtp, takes_model_tokenizer
 
     res = resolve(config, overrides)
     hf_json = Path(hf_dir) / "config.json"
@@ -49,13 +48,8 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
     changed = [k for k, v in fields.items() if data["model"].get(k) != v and k != "name"]
     if changed:
         log.info("model from %s: %s", hf_json, ", ".join(f"{k}={fields[k]!r}" for k in changed))
-    if fields.get("mtp") and any(k.split(".")[:2] == ["model", "mtp"] for k in res.layers.sources):
-        fields.pop("mtp")  # the run's own model.mtp (null: the folder's multi-token-prediction depths left unread)
-    elif fields.get("mtp") and f"model.layers.{fields['num_layers']}.eh_proj.weight" not in HFReader(hf_dir):
-        log.info(
-            "%s: num_nextn_predict_layers without their weights (as transformers writes it): no model.mtp", hf_json
-        )
-        fields["mtp"] = None
+    if note := settle_mtp(fields, Path(hf_dir), res.layers.sources):  # as train.init_from takes model.mtp
+        log.info("%s", note)
     if isinstance(fields.get("moe"), dict) and isinstance(data["model"].get("moe"), dict):
         fields["moe"] = {**data["model"]["moe"], **fields["moe"]}  # the run's balancing / capacity stay
     data["model"] = {**data["model"], **fields}
@@ -140,12 +134,19 @@ def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None,
 
 
 def native_config(
-    config: str | None, overrides: list[str], backend: str, model: dict | None, scratch: Path, registry=None
+    config: str | None,
+    overrides: list[str],
+    backend: str,
+    model: dict | None,
+    scratch: Path,
+    registry=None,
+    implied: tuple[str, ...] = (),
 ):
     """The run ``config`` + ``overrides`` on ``backend``, its model the checkpoint's where the checkpoint records one
-    (``model``: model fields, as Megatron-LM's arguments give them); resolved for one process (a checkpoint of any
-    layout loads under any other). (user's config, the config the import's engine is built with: no data read, and
-    whatever the engine writes as it builds in ``scratch``)."""
+    (``model``: model fields, as Megatron-LM's arguments give them), with the words the checkpoint ``implied`` below
+    the user's. (The user's config, read at the world its parallel sizes need: what a resume reads; the config the
+    import's engine is built with, for one process (a checkpoint of any layout loads under any other): no data read,
+    whatever the engine writes as it builds in ``scratch``.)"""
     from primus.core.config.validate import validate_config
     from primus.core.hf.contract import OFFLINE_OVERRIDES
     from primus.core.launch.native import IMPORT_OVERRIDES
@@ -154,17 +155,46 @@ def native_config(
     config, overrides = _split_config(config, overrides)
     if config is None and model is None:
         raise ValueError("the checkpoint records no model config: give CONFIG (a preset or YAML file naming its model)")
+    overrides = [*implied, *overrides]
 
-    def with_model(words: list[str]) -> Resolved:
-        res = resolve(config, [*words, f"backend.name={backend}"], world_size=1, registry=registry)
+    def with_model(words: list[str], world: int) -> Resolved:
+        res = resolve(config, [*words, f"backend.name={backend}"], world_size=world, registry=registry)
         if model is None:
             return res
         data = res.config.model_dump()
         data["model"] = {**data["model"], **model}
-        return Resolved(validate_config(data, world_size=1, registry=res.registry), res.layers, res.registry, 1)
+        cfg = validate_config(data, world_size=world, registry=res.registry)
+        return Resolved(cfg, res.layers, res.registry, world)
 
     build = [*overrides, *OFFLINE_OVERRIDES, *IMPORT_OVERRIDES, f"logging.output_dir={scratch}"]
-    return with_model(overrides), with_model(build)
+    return with_model(overrides, layout_world(config, overrides, registry)), with_model(build, 1)
+
+
+def portable(res) -> dict:
+    """``res``'s config as a file to resume from on any number of devices: what the world size decided and the
+    user did not set (``parallel.dp_shard``, ``train.global_batch_size``) left to the resumed run's world."""
+    data = res.config.model_dump(mode="json")
+    set_ = {k for k, source in res.layers.sources.items() if source != "default"}
+    if "parallel.dp_shard" not in set_:
+        data["parallel"]["dp_shard"] = "auto"
+    if "train.global_batch_size" not in set_:
+        data["train"]["global_batch_size"] = None
+    return data
+
+
+def layout_world(config: str | None, overrides: list[str], registry=None) -> int:
+    """The devices the parallel sizes a config sets need (tp · pp · cp · dp_replicate, · dp_shard where it is a
+    number): the world the user's config is read at when nothing else says one (an import, written for a resume)."""
+    from primus.core.config.loader import load_layers
+    from primus.core.config.presets import resolver
+    from primus.core.contracts.plugins import get_registry
+
+    p = load_layers(config, overrides, resolver(registry or get_registry())).data.get("parallel") or {}
+    world = 1
+    for key in ("tp", "pp", "cp", "dp_replicate", "dp_shard"):
+        if isinstance(p.get(key), int):
+            world *= p[key]
+    return world
 
 
 def import_native_cli(
@@ -199,7 +229,7 @@ def _import_native(config, overrides, path, out, to_hf, registry, weights_only, 
     registry = registry or get_registry()
     backend, found = recognised_or_refused(path, registry)
     _out.print(f"found {found.what} ({backend})", highlight=False)
-    user, build = native_config(config, overrides, backend, found.model, scratch / "build", registry)
+    user, build = native_config(config, overrides, backend, found.model, scratch / "build", registry, found.overrides)
     cfg = user.config
     name = NAMING.folder(Path(), found.step).name
     if out is None and to_hf:  # the Hugging Face folder alone: the import in the scratch folder
@@ -221,14 +251,14 @@ def _import_native(config, overrides, path, out, to_hf, registry, weights_only, 
             shutil.rmtree(output_dir(cfg), ignore_errors=True)
         raise
     if out is None and not (output_dir(cfg) / "config.yaml").exists():  # export and --resume read it
-        (output_dir(cfg) / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        (output_dir(cfg) / "config.yaml").write_text(yaml.safe_dump(portable(user), sort_keys=False))
     _out.print(
         f"imported {found.folder} -> {done} ({backend}, model {cfg.model.name}, step {found.step})", highlight=False
     )
     if resumable and out is None:
         _out.print(f"continue it with: primus train {output_dir(cfg) / 'config.yaml'} --resume", highlight=False)
     elif not resumable:
-        why = "--weights-only" if found.optimizer else "the source holds no optimizer state"
+        why = "--weights-only" if found.optimizer else found.optimizer_dropped or "the source holds no optimizer state"
         _out.print(f"the weights alone ({why}): start a run from them with train.init_from={done}", highlight=False)
     if to_hf:
         written = export_checkpoint(cfg, done, to_hf, registry=user.registry)

@@ -28,7 +28,11 @@ class NativeCheckpoint:
     # model config fields (primus.core.config.schema.ModelConfig) the checkpoint records (Megatron-LM's args); None:
     # it records none, and the config given to the import names the model
     model: dict[str, Any] | None = None
-    optimizer: bool = False  # whether it holds optimizer state (an import then carries it over)
+    optimizer: bool = False  # whether it holds optimizer state an import carries over
+    # it holds optimizer state that cannot be carried over: why, with what would (None: none dropped)
+    optimizer_dropped: str | None = None
+    # ``key=value`` words the checkpoint implies beside its model (``train.precision=fp32``), applied below the user's
+    overrides: tuple[str, ...] = ()
     # anything else the engine's load_native needs from the recognition (key names, the layout it was saved at)
     details: dict[str, Any] = field(default_factory=dict)
 

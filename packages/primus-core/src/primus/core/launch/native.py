@@ -27,7 +27,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("primus.import")
 
 #: what the engine built for an import reads as data: nothing is trained, and the run's own data may not exist here
-IMPORT_OVERRIDES = ("data.source=mock", "eval.interval=0", "checkpoint.resume=false", "train.init_from=null")
+#: (and its initial weights are the engine's own, the cheapest: the checkpoint's replace them)
+IMPORT_OVERRIDES = (
+    "data.source=mock",
+    "eval.interval=0",
+    "checkpoint.resume=false",
+    "train.init_from=null",
+    "train.init=engine",
+)
 
 
 def formats(registry: Registry) -> dict[str, NativeFormat]:
