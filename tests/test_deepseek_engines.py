@@ -20,7 +20,7 @@ import json
 
 import pytest
 import torch
-from hf_helpers import hf_logits, max_diff, roundtrip, run_config, token_ids, train, train_logged
+from hf_helpers import hf_logits, max_diff, roundtrip, run_config, token_ids, train_logged
 from safetensors.torch import load_file
 
 ENGINE_TOL = 1e-5
@@ -78,25 +78,70 @@ def test_import_forward_export(tmp_path, hf_folder, backend):
     assert max_diff(hf_logits(exported, ids), ref) == 0.0
 
 
-@pytest.mark.parametrize("backend", ["torchtitan", "megatron"])
-def test_init_from_hf_folder(tmp_path, hf_folder, backend):
-    """A run of the tiny-deepseek preset starts from the HF folder (checked to match, filled layer by layer): its
-    first loss is transformers' loss on the same batch."""
+def as_transformers_writes(hf_folder, folder):
+    """A copy of ``hf_folder`` whose config.json names one multi-token-prediction depth and holds no weights of it,
+    as transformers writes every DeepseekV3Config it was not told otherwise (its default
+    num_nextn_predict_layers is 1; its model has no such layer)."""
+    import shutil
+
+    import transformers
+
+    assert transformers.DeepseekV3Config().num_nextn_predict_layers == 1
+    shutil.copytree(hf_folder, folder)
+    config = json.loads((folder / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _first_loss_of_transformers(run_folder, hf_folder) -> float:
+    """transformers' loss on the first global batch of the run in ``run_folder`` (core's order: both engines')."""
     import torch.nn.functional as F
 
     from primus.core.launch.train import resolve
     from primus.megatron.data import Batches, primus_dataset
 
+    cfg = resolve(str(run_folder / "config.yaml"), ["train.init_from=null", "model.mtp=null"]).config
+    micro = Batches(primus_dataset(cfg), cfg, 0, 1, "cpu").micro_batches(0)
+    tokens, labels = torch.cat([t for t, _ in micro]), torch.cat([y for _, y in micro])
+    logits = hf_logits(hf_folder, tokens)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
+
+
+@pytest.mark.parametrize("backend", ["torchtitan", "megatron"])
+def test_init_from_hf_folder(tmp_path, hf_folder, backend):
+    """A run of the tiny-deepseek preset starts from the HF folder (checked to match, filled layer by layer): its
+    first loss is transformers' loss on the same batch. The folder is as transformers writes it (config.json
+    num_nextn_predict_layers 1, no weights of that depth): the run has no multi-token prediction, and says so."""
+    folder = as_transformers_writes(hf_folder, tmp_path / "hf")
     config = tmp_path / "run.yaml"
     run_config(config, backend, train={"steps": 2})
     config.write_text(config.read_text().replace("tiny-llama", "tiny-deepseek"))
-    from_hf = train(config, tmp_path / "hf_run", f"train.init_from={hf_folder}")
-    cfg = resolve(str(tmp_path / "hf_run" / "config.yaml"), ["train.init_from=null"]).config
-    micro = Batches(primus_dataset(cfg), cfg, 0, 1, "cpu").micro_batches(0)  # core's order: the same on both engines
-    tokens, labels = torch.cat([t for t, _ in micro]), torch.cat([y for _, y in micro])
-    logits = hf_logits(hf_folder, tokens)
-    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
+    from_hf, said = train_logged(config, tmp_path / "hf_run", f"train.init_from={folder}")
+    assert "names 1 multi-token-prediction depth(s) (num_nextn_predict_layers) without their weights" in said, said
+    assert "mtp_loss" not in from_hf[0]
+    expected = _first_loss_of_transformers(tmp_path / "hf_run", folder)
     assert len(from_hf) == 2 and from_hf[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_init_from_hf_folder_with_its_prediction_depth_on_megatron(tmp_path, hf_folder):
+    """A folder that holds the weights of the depth its config.json names starts a run with model.mtp on (megatron;
+    TorchTitan builds no multi-token prediction): ``mtp_loss`` is logged, and the main loss of step 1 is still
+    transformers' (which reads no such depth)."""
+    from safetensors.torch import save_file
+
+    from primus.core.hf.config import model_config_from_hf
+    from primus.core.hf.contract import mtp_names
+    from primus.core.run import init
+
+    folder = as_transformers_writes(hf_folder, tmp_path / "hf")
+    m = model_config_from_hf(json.loads((folder / "config.json").read_text()))
+    save_file({n: init.tensor(n, m, 7) for n in mtp_names(m, 0).values()}, folder / "mtp.safetensors")
+    config = tmp_path / "run.yaml"
+    run_config(config, "megatron", train={"steps": 2})
+    config.write_text(config.read_text().replace("tiny-llama", "tiny-deepseek"))
+    rows, said = train_logged(config, tmp_path / "hf_run", f"train.init_from={folder}")
+    assert "without their weights" not in said and "mtp_loss" in rows[0]
+    assert rows[0]["loss"] == pytest.approx(_first_loss_of_transformers(tmp_path / "hf_run", folder), rel=1e-5)
 
 
 @pytest.mark.parametrize(

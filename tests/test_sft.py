@@ -1,8 +1,9 @@
 """Fine-tuning from a Hugging Face model in one command, on both engines (train.objective: sft, the `sft` recipe):
 chat records (rendered with the folder's chat template) and prompt / completion records, loss on the answers only.
 The first step's loss equals ``transformers``' loss on the same tokens with the context labels set to -100, and
-its gradient norm equals the norm of that masked loss's gradient (so context tokens contribute no gradient); the
-exported checkpoint generates with ``transformers``."""
+its gradient norm equals the norm of that masked loss's gradient (so context tokens contribute no gradient), for
+``messages`` + prompt / completion .jsonl files, Alpaca records in a ``datasets`` save_to_disk folder and ShareGPT
+records in a Parquet file; the exported checkpoint generates with ``transformers``."""
 
 from __future__ import annotations
 
@@ -19,11 +20,49 @@ TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-RECORDS = [
+CHATS = [
     {"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": f"{2 * i}"}]}
     for i in range(40)
-] + [{"prompt": f"Spell the number {i}:", "completion": f" the number {i} is spelled {i}"} for i in range(40)]
+]
+PROMPTS = [{"prompt": f"Spell the number {i}:", "completion": f" the number {i} is spelled {i}"} for i in range(40)]
+ALPACA = [
+    {
+        "instruction": f"Add {i} and {i}.",
+        "input": f"Numbers: {i}, {i}" if i % 2 else "",
+        "output": f"{i} + {i} = {2 * i}",
+    }
+    for i in range(40)
+]
+SHAREGPT = [
+    {
+        "conversations": [
+            {"from": "system", "value": "You count."},
+            {"from": "human", "value": f"What comes after {i}?"},
+            {"from": "gpt", "value": f"After {i} comes {i + 1}."},
+        ]
+    }
+    for i in range(40)
+]
 STEPS = 2
+
+
+def write_data(root, kind):
+    """The overrides that train on ``kind``'s records: messages and prompt / completion .jsonl files (a file holds
+    one kind), Alpaca records in a folder ``datasets`` saved (save_to_disk), ShareGPT records in a Parquet file."""
+    if kind == "alpaca":
+        import datasets
+
+        datasets.Dataset.from_list(ALPACA).save_to_disk(str(root / "alpaca"))
+        return [f"data.source={root / 'alpaca'}"]
+    if kind == "sharegpt":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(SHAREGPT), root / "sharegpt.parquet")
+        return [f"data.source={root / 'sharegpt.parquet'}"]
+    (root / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    return [f"data.source={root / 'chats.jsonl'}", f"data.paths=[{root / 'prompts.jsonl'}]"]
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +73,8 @@ def setup(tmp_path_factory):
     hf = make_hf(root / "hf", "llama", seed=3)
     load_tokenizer("bundled").save(str(hf / "tokenizer.json"))  # the model's tokenizer, with a chat template
     (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|endoftext|>"}))
-    data = root / "chats.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    overrides = [
+    base = [
         f"train.init_from={hf}",
-        f"data.source={data}",
         f"train.steps={STEPS}",
         "train.seq_len=48",
         "train.micro_batch_size=2",
@@ -50,32 +86,41 @@ def setup(tmp_path_factory):
         "logging.tensorboard=false",
         "logging.progress=false",
     ]
+    return {"root": root, "hf": hf, "base": base, "overrides": base + write_data(root, "messages")}
+
+
+@pytest.fixture(scope="module", params=["messages", "alpaca", "sharegpt"])
+def trained(request, setup):
+    """Two steps on each engine of the records of one kind (``write_data``): overrides and metrics rows."""
+    root = setup["root"] / request.param
+    root.mkdir()
+    overrides = setup["base"] + write_data(root, request.param)
     runs = {}
     for backend in ("torchtitan", "megatron"):
         out = root / backend
         args = ["train", "sft", *overrides, f"backend.name={backend}", f"logging.output_dir={out}"]
         primus(*args, timeout=300)
         runs[backend] = (out, [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()])
-    return {"root": root, "hf": hf, "data": data, "overrides": overrides, "runs": runs}
+    return {"kind": request.param, "overrides": overrides, "runs": runs}
 
 
-def _first_batch(setup):
+def _first_batch(overrides):
     """The first global batch, as core hands it to both engines (inputs, labels with -100 for context)."""
     from primus.core.data import GlobalOrder
     from primus.core.data.splits import training_samples
     from primus.core.launch.train import resolve
 
-    cfg = resolve("sft", setup["overrides"], world_size=1, check_plugins=False).config
+    cfg = resolve("sft", overrides, world_size=1, check_plugins=False).config
     samples = training_samples(cfg)
     order = GlobalOrder(len(samples), cfg.train.seed)
     rows = [samples[order[k]] for k in range(cfg.train.global_batch_size)]
     return torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows]))
 
 
-def test_first_step_is_transformers_masked_loss_and_gradient(setup):
+def test_first_step_is_transformers_masked_loss_and_gradient(setup, trained):
     import transformers
 
-    inputs, labels = _first_batch(setup)
+    inputs, labels = _first_batch(trained["overrides"])
     masked = (labels == -100).float().mean().item()
     assert 0.2 < masked < 0.9  # both context and answers in the batch
     model = transformers.AutoModelForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32)
@@ -85,10 +130,10 @@ def test_first_step_is_transformers_masked_loss_and_gradient(setup):
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
     unmasked = torch.nn.functional.cross_entropy(logits.flatten(0, 1), inputs.roll(-1, 1).flatten()).item()
     assert abs(unmasked - loss.item()) > 1e-3  # the mask matters for this batch
-    for backend, (_, rows) in setup["runs"].items():
+    for backend, (_, rows) in trained["runs"].items():
         assert rows[0]["loss"] == pytest.approx(loss.item(), rel=1e-5), backend
         assert rows[0]["grad_norm"] == pytest.approx(norm, rel=1e-4), backend
-    tt, mg = (setup["runs"][b][1] for b in ("torchtitan", "megatron"))
+    tt, mg = (trained["runs"][b][1] for b in ("torchtitan", "megatron"))
     assert [r["loss"] for r in tt] == pytest.approx([r["loss"] for r in mg], rel=1e-5)
 
 
@@ -100,10 +145,11 @@ def test_the_sft_recipe_takes_the_model_and_tokenizer_from_the_folder(setup):
     assert res.layers.sources["data.tokenizer"] == f"config.json {setup['hf']}"
 
 
-def test_export_generates_with_transformers(setup, tmp_path):
+@pytest.mark.parametrize("trained", ["messages"], indirect=True)  # the records' kind does not reach the checkpoint
+def test_export_generates_with_transformers(trained, tmp_path):
     import transformers
 
-    out = setup["runs"]["torchtitan"][0]
+    out = trained["runs"]["torchtitan"][0]
     exported = tmp_path / "hf"
     primus("checkpoint", "export", str(out / "checkpoints"), "--to-hf", str(exported))
     model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)

@@ -267,3 +267,85 @@ def test_a_folders_prediction_depths_are_read_only_by_a_model_with_them(registry
 
     assert "set model.mtp=null" in tensor_problem(with_mtp, Reader())
     assert tensor_problem(m, Reader()) is None
+
+
+@pytest.fixture(scope="module")
+def hf_as_transformers_writes(tmp_path_factory):
+    """transformers' DeepseekV3ForCausalLM of tiny-deepseek's shape, its config.json as transformers writes it when
+    not told otherwise: num_nextn_predict_layers 1 (its default), and no weights of that depth (its model has none).
+    A second folder holds the depth's weights too."""
+    import shutil
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from primus.core.contracts.plugins import get_registry
+    from primus.core.hf.config import hf_config, model_config_from_hf
+    from primus.core.hf.contract import mtp_names
+    from primus.core.run import init
+
+    skip = ("architectures", "model_type", "num_nextn_predict_layers", "num_mtp_layers")
+    cfg = hf_config(model_config("tiny-deepseek", get_registry()))
+    config = transformers.DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in skip})
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("hf_deepseek_default")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "hf")
+    hf = json.loads((root / "hf" / "config.json").read_text())
+    assert hf["num_nextn_predict_layers"] == 1
+    shutil.copytree(root / "hf", root / "hf_mtp")
+    m = model_config_from_hf(hf)
+    save_file({n: init.tensor(n, m, 7) for n in mtp_names(m, 0).values()}, root / "hf_mtp" / "mtp.safetensors")
+    return root / "hf", root / "hf_mtp"
+
+
+def _mtp(config, *overrides):
+    """model.mtp as train.init_from and `primus checkpoint import --from-hf` each take it (both must agree)."""
+    from primus.core.cli.checkpoint import config_with_hf_model
+    from primus.core.launch.train import resolve
+
+    folder = next(o.split("=", 1)[1] for o in overrides if o.startswith("train.init_from="))
+    res = resolve(config, list(overrides), world_size=1, check_plugins=False)
+    imported = config_with_hf_model(config, [o for o in overrides if not o.startswith("train.init_from=")], folder)
+    assert imported.model.mtp == res.config.model.mtp
+    return res.config.model.mtp, res.layers.notes
+
+
+def test_init_from_takes_multi_token_prediction_as_import_does(hf_as_transformers_writes, tmp_path):
+    """train.init_from of a folder as transformers writes it (num_nextn_predict_layers 1, no weights): no model.mtp,
+    said in a note; the user's model.mtp=null, on the command line or in their file, is taken; with the depth's
+    weights in the folder model.mtp is on unless the user says null. A model.mtp the user set that the folder cannot
+    supply is refused in one line naming model.mtp."""
+    bare, with_weights = hf_as_transformers_writes
+    start = f"train.init_from={bare}"
+    mtp, notes = _mtp("tiny-deepseek", start)
+    assert mtp is None
+    assert notes == [
+        f"train.init_from: {bare / 'config.json'} names 1 multi-token-prediction depth(s) (num_nextn_predict_layers) "
+        "without their weights, as transformers writes it: no model.mtp"
+    ]
+    assert _mtp("tiny-deepseek", start, "model.mtp=null") == (None, [])
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text(f"extends: [tiny-deepseek]\nmodel:\n  mtp: null\ntrain:\n  init_from: {bare}\n")
+    assert _mtp(str(yaml_file), start) == (None, [])
+
+    start = f"train.init_from={with_weights}"
+    mtp, notes = _mtp("tiny-deepseek", start, "backend.name=megatron")  # TorchTitan builds no multi-token prediction
+    assert mtp is not None and mtp.layers == 1 and notes == []
+    assert _mtp("tiny-deepseek", start, "backend.name=megatron", "model.mtp=null") == (None, [])
+    assert _mtp("tiny-deepseek", start, "backend.name=megatron", "model.mtp.loss_scale=0.3")[0].loss_scale == 0.3
+
+
+@pytest.mark.parametrize(
+    ("which", "override"),
+    [("bare", "model.mtp.layers=1"), ("bare", "model.mtp.loss_scale=0.3"), ("with", "model.mtp.layers=2")],
+)
+def test_init_from_refuses_a_prediction_depth_the_folder_cannot_supply(hf_as_transformers_writes, which, override):
+    from primus.core.launch.train import resolve
+
+    folder = hf_as_transformers_writes[0 if which == "bare" else 1]
+    with pytest.raises(ConfigError) as info:
+        resolve("tiny-deepseek", [f"train.init_from={folder}", override], world_size=1, check_plugins=False)
+    assert [i.path for i in info.value.issues] == ["model.mtp"]
+    assert f"model.mtp: {folder}: the folder holds no weights of model.mtp's" in str(info.value)
+    assert "set model.mtp=null" in str(info.value)

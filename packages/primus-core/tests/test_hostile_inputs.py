@@ -187,7 +187,11 @@ def test_the_largest_seed_and_a_path_like_name_with_an_output_dir_are_accepted(t
 GOOD = {"prompt": "Q: 1 + 1?", "completion": " 2"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 RECORD_CASES = {
-    "bad-record-late": ({"prompt": "Q"}, "a record has 'messages', or string 'prompt' and 'completion' fields"),
+    "bad-record-late": ({"prompt": "Q"}, "a record with keys ['prompt'] is none of the fine-tuning kinds"),
+    "other-kind-late": (
+        {"instruction": "Q", "output": "A"},
+        "a record of kind alpaca (keys ['instruction', 'output']) in a file of kind prompt_completion",
+    ),
     "unknown-role": (
         {"messages": [{"role": "usr", "content": "hi"}, {"role": "assistant", "content": "x"}]},
         "message 0 has role 'usr'; allowed roles: system, user, assistant, tool",
@@ -207,14 +211,22 @@ RECORD_CASES = {
 
 @pytest.mark.parametrize("case", sorted(RECORD_CASES))
 def test_every_fine_tuning_record_is_checked_before_the_run_folder(case, tmp_path, cli_registry):
+    from primus.core.data.tokenizer import load_tokenizer
+
     bad, fragment = RECORD_CASES[case]
     path = tmp_path / "records.jsonl"
-    lines = [json.dumps(GOOD)] * 40 + [bad if isinstance(bad, str) else json.dumps(bad)]
+    filler = CHAT if isinstance(bad, dict) and "messages" in bad else GOOD  # a file holds one kind of record
+    lines = [json.dumps(filler)] * 40 + [bad if isinstance(bad, str) else json.dumps(bad)]
     path.write_text("\n".join(lines) + "\n")
+    tokenizer = tmp_path / "tokenizer"  # with a chat template, which the first chat record is rendered with
+    tokenizer.mkdir()
+    load_tokenizer("bundled").save(str(tokenizer / "tokenizer.json"))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     out = tmp_path / "run"
     res = _invoke(
         "train", "tiny-llama", "backend.name=fake", "train.steps=2", "train.objective=sft",
-        f"data.source={path}", f"logging.output_dir={out}",
+        f"data.source={path}", f"data.tokenizer={tokenizer}", f"logging.output_dir={out}",
     )  # fmt: skip
     _refused(res, out, f"{path}:41: {fragment}")
 

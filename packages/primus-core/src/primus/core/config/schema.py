@@ -207,8 +207,8 @@ class TrainConfig(Section):
     )
     objective: Literal["pretrain", "sft"] = Field(
         "pretrain",
-        description="pretrain: next-token loss on every token; sft: fine-tuning on .jsonl chat (messages) or "
-        "prompt / completion records, loss on the answers only",
+        description="pretrain: next-token loss on every token; sft: fine-tuning on chat (messages, ShareGPT), "
+        "Alpaca or prompt / completion records (data.record_format), loss on the answers only",
     )
     init: Literal["canonical", "engine"] = Field(
         "canonical",
@@ -372,9 +372,20 @@ class DataConfig(Section):
         description="weighted sources instead of data.source: [{weight: 0.3, path: a}, ...] or Megatron's "
         "[0.3, a, 0.7, b]; each sample's source is drawn by weight from train.seed",
     )
-    paths: list[str] = Field(default_factory=list, description="extra files or folders (.jsonl/.txt/.parquet/.bin)")
-    format: Literal["auto", "jsonl", "txt", "parquet", "arrow", "megatron"] = Field("auto", description="file format")
-    text_key: str = Field("text", description="field holding the text in .jsonl/.parquet")
+    paths: list[str] = Field(
+        default_factory=list, description="extra files or folders (.jsonl/.json/.txt/.parquet/.arrow/.bin)"
+    )
+    format: Literal["auto", "jsonl", "json", "txt", "parquet", "arrow", "megatron"] = Field(
+        "auto",
+        description="file format (auto: by extension; json: a JSON array of records; a save_to_disk folder is arrow)",
+    )
+    record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] = Field(
+        "auto",
+        description="train.objective sft: the kind of record, auto = each file's first record's keys tell it; "
+        "messages {messages: [{role, content}]}, sharegpt {conversations: [{from, value}]} (from human / gpt / "
+        "system), alpaca {instruction, input, output}, prompt_completion {prompt, completion}; a file holds one kind",
+    )
+    text_key: str = Field("text", description="field holding the text in .jsonl/.json/.parquet/.arrow (pretraining)")
     tokenizer: str = Field("bundled", description="'bundled' or a folder / tokenizer.json path")
     num_workers: int = Field(0, ge=0, description="data loader worker processes")
     document_mask: bool = Field(

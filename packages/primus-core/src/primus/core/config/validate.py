@@ -210,6 +210,11 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         out.append(
             ConfigIssue(key, "data.blend names the training sources", value=d.paths or d.source, allowed="unset")
         )
+    if d.record_format != "auto" and t.objective != "sft":
+        why = "names fine-tuning records (train.objective sft); pretraining reads the text under data.text_key"
+        out.append(
+            ConfigIssue("data.record_format", why, value=d.record_format, allowed="auto, or train.objective sft")
+        )
     if d.document_mask and p.cp > 1:
         out.append(
             ConfigIssue(

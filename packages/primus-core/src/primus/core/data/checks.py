@@ -4,7 +4,7 @@ later, once the run folder exists.
 
 It resolves the inputs (existence, extension, folders, globs, Megatron pairs), reads every line of each .jsonl
 file (JSON, a string under ``data.text_key``; once per file version, remembered in the cache) and of each
-fine-tuning file (every record checked), the first document of the other text files (UTF-8, ``data.text_key``),
+fine-tuning file (every record checked, of one kind a file), the first document of the other text files (UTF-8, ``data.text_key``),
 the header of each Megatron index and the first tokens of its ``.bin``, and loads the tokenizer to compare its
 size with ``model.vocab_size``. Nothing is tokenized. What only a full read of a .txt / .parquet / .arrow file can
 find (bad UTF-8 deep in it) is still refused when the stream is built.
@@ -46,8 +46,9 @@ def check_data(cfg: PrimusConfig) -> None:
     sources = [b.path for b in cfg.data.blend] or [cfg.data.source]
     if cfg.train.objective == "sft" and {"bundled", "mock"} & set(sources):
         raise DataError(
-            "train.objective sft trains on .jsonl records (messages, or prompt / completion): set data.source "
-            "(or data.blend) to them; the bundled corpus and mock tokens hold none"
+            "train.objective sft trains on fine-tuning records (messages, ShareGPT, Alpaca or prompt / completion, in "
+            ".jsonl, .json, Parquet or save_to_disk folders): set data.source (or data.blend) to them; the bundled "
+            "corpus and mock tokens hold none"
         )
     for data, key, paths_key in blend_configs(cfg):
         _check_inputs(data, cfg.model.vocab_size, key, paths_key, cfg.train.objective)
@@ -56,14 +57,14 @@ def check_data(cfg: PrimusConfig) -> None:
 
 
 def check_records(item: Any, data: DataConfig) -> bool:
-    """Every record of a fine-tuning input parses and is one (:func:`~primus.core.data.sft.check_record`: a bad
-    record deep in the file is refused now, not once the run folder exists); the first chat record also renders
-    with the tokenizer's chat template. Whether the input holds any record."""
-    from primus.core.data.sft import check_record, records, renderer_for, segments
+    """Every record of a fine-tuning input parses and is one, of its file's one kind
+    (:func:`~primus.core.data.sft.records`: a bad record deep in the file is refused now, not once the run folder
+    exists); the first chat record also renders with the tokenizer's chat template. Whether the input holds any
+    record."""
+    from primus.core.data.sft import records, renderer_for, segments
 
     found = rendered = False
-    for record, where in records(item):
-        check_record(record, where)
+    for record, where in records(item, data.record_format):
         if not rendered and "messages" in record:
             segments(record, renderer_for(data.tokenizer, None), where)  # the template (and that there is one)
             rendered = True

@@ -3,13 +3,18 @@
 Formats, chosen by extension when ``format`` is ``"auto"``:
 
 - ``.jsonl``: one JSON object per line, the document is the string under ``text_key``; blank lines skipped.
+- ``.json``: a JSON array of such objects.
 - ``.txt``: the whole file is one document (split a corpus into several files for several documents).
 - ``.parquet``: one document per row, column ``text_key`` (needs pyarrow); null cells skipped.
 - ``.arrow``: the same, from Arrow IPC files read a batch at a time, memory-mapped (a Hugging Face ``datasets``
   folder written by ``save_to_disk`` is a folder of them; a ``DatasetDict`` folder is refused: name a split).
 - Megatron ``<prefix>.bin/.idx``: already tokenized; named by the prefix, the ``.bin`` or the ``.idx`` path.
 
-A folder stands for every supported file under it (recursively), a glob for its matches, both in sorted order.
+A folder stands for every supported file under it (recursively), a glob for its matches, both in sorted order;
+the files that describe a ``datasets`` folder (:data:`DATASETS_METADATA`) are not data and are skipped.
+
+:func:`iter_records` reads whole records (fine-tuning's, :mod:`.sft`) from the same files: a .jsonl line, a .json
+array's element, a Parquet or Arrow row (a dict of its columns, null cells left out).
 """
 
 from __future__ import annotations
@@ -20,19 +25,23 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from primus.core.data.errors import DataError
 from primus.core.data.indexed import is_prefix
 
 EXTENSIONS = {
     ".jsonl": "jsonl",
+    ".json": "json",
     ".txt": "txt",
     ".parquet": "parquet",
     ".arrow": "arrow",
     ".bin": "megatron",
     ".idx": "megatron",
 }
-FORMATS = ("jsonl", "txt", "parquet", "arrow", "megatron")
+FORMATS = ("jsonl", "json", "txt", "parquet", "arrow", "megatron")
+#: What Hugging Face ``datasets`` writes beside a folder's Arrow files (``save_to_disk``): metadata, not records.
+DATASETS_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,8 @@ def _from_folder(folder: Path, fmt: str, where: str, text_only: bool) -> list[In
         kind = EXTENSIONS.get(path.suffix.lower())
         if kind is None or (fmt != "auto" and kind != fmt) or (text_only and kind == "megatron"):
             continue
+        if path.name in DATASETS_METADATA:
+            continue
         if kind == "megatron" and not is_prefix(path.with_suffix("")):
             continue  # a lone .bin/.idx inside a folder is skipped; named directly it is an error
         found = _from_file(path, kind, where)
@@ -103,6 +114,8 @@ def resolve_inputs(specs: list[tuple[str, str]], fmt: str = "auto", text_only: b
                     found += _from_folder(match, fmt, where, text_only)
                     continue
                 kind = EXTENSIONS.get(match.suffix.lower()) if fmt == "auto" else fmt
+                if match.name in DATASETS_METADATA:
+                    continue
                 if kind is not None and not (text_only and kind == "megatron"):
                     found.append(_from_file(match, fmt, where))
         elif path.is_dir():
@@ -120,19 +133,41 @@ def resolve_inputs(specs: list[tuple[str, str]], fmt: str = "auto", text_only: b
 
 def iter_documents(item: Input, text_key: str = "text") -> Iterator[str]:
     """The documents of a text input, in file order."""
-    if item.format == "jsonl":
-        yield from _jsonl(item.path, text_key)
+    if item.format in ("jsonl", "json"):
+        for record, where in iter_records(item):
+            text = record.get(text_key) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"{where}: no string field {text_key!r} (data.text_key / --text-key)")
+            yield text
     elif item.format == "txt":
         try:
             yield item.path.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise DataError(f"{item.path}: not UTF-8 text ({exc})") from exc
-    elif item.format == "parquet":
-        yield from _parquet(item.path, text_key)
-    elif item.format == "arrow":
-        yield from _arrow(item.path, text_key)
+    elif item.format in ("parquet", "arrow"):
+        yield from _column(item, text_key)
     else:
         raise DataError(f"{item.path}: {item.format} inputs hold tokens, not text")
+
+
+def iter_records(item: Input) -> Iterator[tuple[Any, str]]:
+    """The records of an input, in file order, each with where it is: a .jsonl file's lines (``path:line``; blank
+    lines skipped), a .json file's array (``path: record i``), a Parquet or Arrow file's rows (``path: row i``, each
+    a dict of its columns; a null cell, and a null field of a struct in it, is left out, as a table holds every
+    record's keys)."""
+    if item.format == "jsonl":
+        yield from _jsonl(item.path)
+    elif item.format == "json":
+        yield from _json(item.path)
+    elif item.format in ("parquet", "arrow"):
+        read = _parquet_batches if item.format == "parquet" else _arrow_batches
+        row = 0
+        for batch in read(item.path, None):
+            for record in batch.to_pylist():
+                yield _present(record), f"{item.path}: row {row}"
+                row += 1
+    else:
+        raise DataError(f"{item.path}: {item.format} inputs hold no records")
 
 
 #: How much of a .txt file :func:`first_document` reads.
@@ -153,7 +188,7 @@ def first_document(item: Input, text_key: str = "text") -> str | None:
     return next((doc for doc in iter_documents(item, text_key) if doc), None)
 
 
-def _jsonl(path: Path, text_key: str) -> Iterator[str]:
+def _jsonl(path: Path) -> Iterator[tuple[Any, str]]:
     with open(path, encoding="utf-8") as stream:
         try:
             for lineno, line in enumerate(stream, 1):
@@ -163,15 +198,53 @@ def _jsonl(path: Path, text_key: str) -> Iterator[str]:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
-                text = record.get(text_key) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise DataError(f"{path}:{lineno}: no string field {text_key!r} (data.text_key / --text-key)")
-                yield text
+                yield record, f"{path}:{lineno}"
         except UnicodeDecodeError as exc:
             raise DataError(f"{path}: not UTF-8 text ({exc})") from exc
 
 
-def _parquet(path: Path, text_key: str) -> Iterator[str]:
+def _json(path: Path) -> Iterator[tuple[Any, str]]:
+    """A .json file: one JSON array of records (parsed whole)."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            records = json.load(stream)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc})") from exc
+    except json.JSONDecodeError as exc:
+        hint = ""
+        if exc.msg == "Extra data":  # an object a line: JSON Lines under the .json extension
+            hint = ": one record a line is JSON Lines (rename it .jsonl, or set data.format=jsonl)"
+        raise DataError(f"{path}: not valid JSON ({exc}){hint}") from exc
+    if not isinstance(records, list):
+        raise DataError(f"{path}: a .json file holds a JSON array of records, got a JSON {type(records).__name__}")
+    for i, record in enumerate(records):
+        yield record, f"{path}: record {i}"
+
+
+def _present(value: Any) -> Any:
+    """A table row's value without its null fields (a column or struct field the record does not have)."""
+    if isinstance(value, dict):
+        return {k: _present(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_present(v) for v in value]
+    return value
+
+
+def _column(item: Input, text_key: str) -> Iterator[str]:
+    """The non-null cells of column ``text_key`` of a Parquet or Arrow input."""
+    read = _parquet_batches if item.format == "parquet" else _arrow_batches
+    for batch in read(item.path, text_key):
+        for text in batch.column(batch.schema.get_field_index(text_key)).to_pylist():
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataError(f"{item.path}: column {text_key!r} holds {type(text).__name__}, not text")
+            yield text
+
+
+def _parquet_batches(path: Path, column: str | None) -> Iterator[Any]:
+    """A Parquet file's record batches: of ``column`` alone (refused, naming the columns, where there is none), or
+    of every column (``None``)."""
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
@@ -180,24 +253,17 @@ def _parquet(path: Path, text_key: str) -> Iterator[str]:
         table = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises its own error types
         raise DataError(f"cannot read parquet file {path}: {exc}") from exc
-    if text_key not in table.schema_arrow.names:
+    if column is not None and column not in table.schema_arrow.names:
         raise DataError(
-            f"{path}: no column {text_key!r} (columns: {', '.join(table.schema_arrow.names)}; "
-            "data.text_key / --text-key)"
+            f"{path}: no column {column!r} (columns: {', '.join(table.schema_arrow.names)}; data.text_key / --text-key)"
         )
-    for batch in table.iter_batches(columns=[text_key], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise DataError(f"{path}: column {text_key!r} holds {type(text).__name__}, not text")
-            yield text
+    yield from table.iter_batches(columns=None if column is None else [column], batch_size=1024)
 
 
-def _arrow(path: Path, text_key: str) -> Iterator[str]:
-    """An Arrow IPC file, memory-mapped and read a record batch at a time (what Hugging Face ``datasets`` writes:
-    ``save_to_disk`` folders hold ``data-NNNNN-of-NNNNN.arrow`` stream files, which a folder input reads in
-    order)."""
+def _arrow_batches(path: Path, column: str | None) -> Iterator[Any]:
+    """An Arrow IPC file's record batches, memory-mapped and read one at a time (what Hugging Face ``datasets``
+    writes: ``save_to_disk`` folders hold ``data-NNNNN-of-NNNNN.arrow`` stream files, which a folder input reads in
+    order); refused, naming the columns, where ``column`` (unless ``None``) is none of them."""
     try:
         import pyarrow as pa
     except ImportError as exc:
@@ -213,13 +279,6 @@ def _arrow(path: Path, text_key: str) -> Iterator[str]:
             schema = file.schema
     except Exception as exc:  # noqa: BLE001 - pyarrow raises its own error types
         raise DataError(f"cannot read Arrow file {path}: {exc}") from exc
-    if text_key not in schema.names:
-        raise DataError(f"{path}: no column {text_key!r} (columns: {', '.join(schema.names)}; data.text_key)")
-    column = schema.get_field_index(text_key)
-    for batch in batches:
-        for text in batch.column(column).to_pylist():
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise DataError(f"{path}: column {text_key!r} holds {type(text).__name__}, not text")
-            yield text
+    if column is not None and column not in schema.names:
+        raise DataError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)}; data.text_key)")
+    yield from batches

@@ -1,11 +1,24 @@
-"""Fine-tuning samples (``train.objective: sft``): chat or prompt / completion records, loss on the answers only.
+"""Fine-tuning samples (``train.objective: sft``): chat, instruction or prompt / completion records, loss on the
+answers only.
 
-Records (.jsonl, one per line) are either ``{"prompt": ..., "completion": ...}`` or ``{"messages": [{"role": ...,
-"content": ...}, ...]}``. A ``messages`` record is rendered with the tokenizer's chat template (the ``data.tokenizer``
-folder's ``chat_template.jinja``, as ``transformers`` 5 saves it, or the ``chat_template`` of its
-``tokenizer_config.json``, as 4.x did: :mod:`.chat_template`), as ``transformers`` renders it; each assistant
-message is trained on, everything before it (system, user turns, the template's assistant header) is context.
-A prompt / completion record trains on the completion and its end-of-sequence token.
+Records are read from .jsonl (one a line), .json (a JSON array), Parquet and Arrow files (a row a record; a folder
+``datasets`` wrote with ``save_to_disk`` is its Arrow files), by :func:`~primus.core.data.documents.iter_records`.
+A file holds one kind of record (:data:`KINDS`), told by its first record's keys or named by
+``data.record_format``:
+
+- ``messages`` (OpenAI's chat format): ``{"messages": [{"role": ..., "content": ...}, ...]}``;
+- ``sharegpt``: ``{"conversations": [{"from": ..., "value": ...}, ...]}``, ``from`` human / user, gpt / assistant or
+  system (:data:`SHAREGPT_ROLES`), taken as the ``messages`` record of those roles;
+- ``alpaca``: ``{"instruction": ..., "input": ..., "output": ...}``, taken as a user message (the instruction, then
+  the input after a blank line where there is one, as the Alpaca template puts them) and an assistant message (the
+  output);
+- ``prompt_completion``: ``{"prompt": ..., "completion": ...}``.
+
+A chat record is rendered with the tokenizer's chat template (the ``data.tokenizer`` folder's
+``chat_template.jinja``, as ``transformers`` 5 saves it, or the ``chat_template`` of its ``tokenizer_config.json``,
+as 4.x did: :mod:`.chat_template`), as ``transformers`` renders it; each assistant message is trained on,
+everything before it (system, user turns, the template's assistant header) is context. A prompt / completion record
+trains on the completion and its end-of-sequence token.
 
 Records are packed one after another into one stream of tokens with a parallel trainable mask, and cut into
 windows of ``train.seq_len + 1`` like pretraining text (:class:`~primus.core.data.packed.PackedDataset`); the label
@@ -16,14 +29,13 @@ attend to each other (no document masking).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from primus.core.data.chat_template import chat_template, special_tokens
-from primus.core.data.documents import Input
+from primus.core.data.documents import Input, iter_records
 from primus.core.data.errors import DataError
 
 IGNORE_INDEX = -100  # the label both engines skip (torch's cross_entropy default)
@@ -81,7 +93,8 @@ def check_record(record: Any, where: str) -> None:
 
 
 def segments(record: Any, render: ChatRenderer | None, where: str) -> list[tuple[str, bool]]:
-    """``record`` (checked by :func:`check_record`) as (text, trainable) pieces in order."""
+    """``record`` (a ``messages`` or ``prompt`` / ``completion`` record: :func:`as_chat`; checked by
+    :func:`check_record`) as (text, trainable) pieces in order."""
     check_record(record, where)
     if "messages" in record:
         messages = record["messages"]
@@ -106,25 +119,108 @@ def segments(record: Any, render: ChatRenderer | None, where: str) -> list[tuple
     return [(record["prompt"], False), (record["completion"], True)]
 
 
-def records(item: Input) -> Iterator[tuple[Any, str]]:
-    if item.format != "jsonl":
-        raise DataError(f"{item.path}: fine-tuning records are read from .jsonl files (got {item.format})")
-    with open(item.path, encoding="utf-8") as stream:
-        for lineno, line in enumerate(stream, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line), f"{item.path}:{lineno}"
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{item.path}:{lineno}: not valid JSON ({exc})") from exc
+#: The kinds of fine-tuning record, each by the keys that make one (the first kind whose keys a record has is its
+#: kind; ``data.record_format`` names one, else each file's first record tells it).
+KINDS = {
+    "messages": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+}
+#: The keys of each kind, as a refusal names them.
+EXPECTED = (
+    "messages {messages}, sharegpt {conversations}, alpaca {instruction, output; input optional}, "
+    "prompt_completion {prompt, completion}"
+)
+#: A ShareGPT turn's ``from`` -> the role of its message.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+#: The containers records are read from (:func:`~primus.core.data.documents.iter_records`).
+CONTAINERS = ("jsonl", "json", "parquet", "arrow")
 
 
-def encode(inputs: list[Input], tokenizer: Any, eos: int, render: ChatRenderer | None) -> tuple[np.ndarray, np.ndarray]:
-    """Every record of ``inputs`` as one token stream and its trainable mask (a prompt / completion record ends
-    with ``eos``, trainable; a chat record ends as its template renders it)."""
+def record_kind(record: dict[str, Any]) -> str | None:
+    """The kind (of :data:`KINDS`) whose keys ``record`` has, the first in that order; None for none."""
+    return next((kind for kind, keys in KINDS.items() if all(k in record for k in keys)), None)
+
+
+def as_chat(record: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    """A record of ``kind`` as the ``messages`` (or ``prompt`` / ``completion``) record it stands for, the fields
+    its kind reads checked (a :class:`DataError` naming ``where``); other keys are left out."""
+    if kind == "alpaca":
+        instruction, extra, output = record["instruction"], record.get("input"), record["output"]
+        if not isinstance(instruction, str) or not isinstance(output, str) or not isinstance(extra, str | None):
+            raise DataError(f"{where}: an alpaca record has string 'instruction' and 'output' (and 'input', if any)")
+        user = f"{instruction}\n\n{extra}" if extra else instruction  # the Alpaca template's blank line
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": output}]}
+    if kind == "sharegpt":
+        turns = record["conversations"]
+        if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t for t in turns):
+            raise DataError(f"{where}: 'conversations' is a list of {{from, value}} objects")
+        messages = []
+        for i, turn in enumerate(turns):
+            role = SHAREGPT_ROLES.get(turn["from"])
+            if role is None:
+                raise DataError(
+                    f"{where}: conversations[{i}] is from {turn['from']!r}; allowed: {', '.join(SHAREGPT_ROLES)}"
+                )
+            if not isinstance(value := turn.get("value"), str):
+                raise DataError(
+                    f"{where}: conversations[{i}] ({turn['from']}): 'value' is a string, got {type(value).__name__}"
+                )
+            messages.append({"role": role, "content": value})
+        return {"messages": messages}
+    if kind == "messages":
+        return {"messages": record["messages"]}
+    return {"prompt": record["prompt"], "completion": record["completion"]}
+
+
+def records(item: Input, kind: str = "auto") -> Iterator[tuple[dict[str, Any], str]]:
+    """The records of ``item``, each checked (:func:`check_record`) and as :func:`as_chat` gives it, with where it is
+    (``path:line``, ``path: record i``, ``path: row i``). Every record is of ``kind`` (``data.record_format``), or
+    with ``auto`` of its file's first record's kind; one that is not (another kind, or none) is refused, naming
+    its keys and the kinds' (:data:`EXPECTED`)."""
+    if item.format not in CONTAINERS:
+        raise DataError(
+            f"{item.path}: fine-tuning records are read from .jsonl, .json, .parquet and .arrow files (a save_to_disk "
+            f"folder); got {item.format}"
+        )
+    first: tuple[str, str] | None = None  # the file's kind, and where its first record is
+    for record, where in iter_records(item):
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: a record is a JSON object (or a table row), got {type(record).__name__}")
+        keys = list(record)
+        found = record_kind(record) if kind == "auto" else kind
+        if kind != "auto" and not all(k in record for k in KINDS[kind]):
+            raise DataError(
+                f"{where}: a record with keys {keys} is not of kind {kind} (data.record_format {kind}: keys "
+                f"{list(KINDS[kind])}); the kinds: {EXPECTED}"
+            )
+        if found is None:
+            what = "" if first is None else f" (this file's kind is {first[0]}, from its first record {first[1]})"
+            raise DataError(
+                f"{where}: a record with keys {keys} is none of the fine-tuning kinds{what}; expected {EXPECTED}"
+            )
+        if first is None:
+            first = (found, where)
+        elif found != first[0]:
+            raise DataError(
+                f"{where}: a record of kind {found} (keys {keys}) in a file of kind {first[0]} (from its first "
+                f"record {first[1]}): a file holds one kind of record"
+            )
+        chat = as_chat(record, found, where)
+        check_record(chat, where)
+        yield chat, where
+
+
+def encode(
+    inputs: list[Input], tokenizer: Any, eos: int, render: ChatRenderer | None, kind: str = "auto"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every record of ``inputs`` (of ``kind``: :func:`records`) as one token stream and its trainable mask (a
+    prompt / completion record ends with ``eos``, trainable; a chat record ends as its template renders it)."""
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
     for item in inputs:
-        for record, where in records(item):
+        for record, where in records(item, kind):
             pieces = segments(record, render, where)
             for text, trainable in pieces:
                 tokens = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -170,6 +266,7 @@ def sft_dataset(data: Any, tokenizer: Any, seq_len: int) -> SFTDataset:
 
     inputs = source_inputs(data)
     if not inputs:
-        raise DataError("data.source: fine-tuning reads records from .jsonl files (not the bundled corpus or mock)")
-    tokens, trainable = encode(inputs, tokenizer, eos_id(tokenizer), renderer_for(data.tokenizer, tokenizer))
+        raise DataError("data.source: fine-tuning reads records from files (not the bundled corpus or mock)")
+    render = renderer_for(data.tokenizer, tokenizer)
+    tokens, trainable = encode(inputs, tokenizer, eos_id(tokenizer), render, data.record_format)
     return SFTDataset(tokens, trainable, seq_len)

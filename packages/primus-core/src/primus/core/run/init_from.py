@@ -98,7 +98,8 @@ def apply_layers(layers: Layered) -> None:
     """Before validation: the deprecated ``train.init_from_hf`` becomes ``train.init_from`` (with a warning); with
     ``train.init_from`` a Hugging Face folder, its ``config.json`` becomes the model's layer (see the module
     docstring). Refuses a model field the user set in their own file or on the command line that disagrees with
-    ``config.json``, naming both values."""
+    ``config.json``, naming both values, and a folder whose tensors are not the model's. ``model.mtp`` is the user's
+    where they set it (refused, naming the key, where the folder lacks its weights), else :func:`settle_mtp`'s."""
     from primus.core.hf.config import model_fields_from_hf
 
     train = layers.data.get("train", {})
@@ -130,14 +131,14 @@ def apply_layers(layers: Layered) -> None:
         return
     hf = json.loads((src.path / "config.json").read_text())
     fields = model_fields_from_hf(hf, name=src.path.name)
-    _check_tensors(src.path, hf, value)
+    if note := settle_mtp(fields, src.path, layers.sources):
+        layers.notes.append(f"{KEY}: {note}")  # `primus train` says it
     label = f"config.json {src.path}"
     model = layers.data.setdefault("model", {})
     clashes = []
     for key, theirs in fields.items():
         where = layers.sources.get(f"model.{key}", "default")
-        user_set = not where.startswith(("preset ", "plugin ")) and where != "default"
-        if user_set:
+        if user_set(where):
             if key != "name" and model.get(key) != theirs:
                 clashes.append(f"model.{key} {model.get(key)!r} vs {theirs!r} (set in {where})")
             continue
@@ -149,6 +150,41 @@ def apply_layers(layers: Layered) -> None:
         raise ConfigError(
             [ConfigIssue(KEY, message, allowed="leave those fields out: the folder's config.json sets them")]
         )
+    _check_tensors(src.path, fields, model.get("mtp"), value, users_mtp=sets_mtp(layers.sources))
+
+
+def user_set(where: str | None) -> bool:
+    """Whether a config value's layer (``where``) is the user's own: their file or the command line, not a default,
+    preset or plugin."""
+    return where not in (None, "default") and not where.startswith(("preset ", "plugin "))
+
+
+def sets_mtp(sources: dict[str, str]) -> bool:
+    """Whether the user set ``model.mtp`` (or a field of it) in their file or on the command line (``sources``: the
+    config's layers)."""
+    return any(user_set(w) for k, w in sources.items() if k == "model.mtp" or k.startswith("model.mtp."))
+
+
+def settle_mtp(fields: dict[str, Any], folder: Path, sources: dict[str, str]) -> str | None:
+    """Decide ``model.mtp`` for a Hugging Face folder's model ``fields`` (:func:`model_fields_from_hf`, changed in
+    place), as ``train.init_from`` and ``primus checkpoint import --from-hf`` both take it: a ``model.mtp`` the user
+    set (``sources``: the config's layers; ``null`` included) stands, so ``fields`` lose theirs; else config.json's
+    multi-token-prediction depths (DeepSeek-V3's ``num_nextn_predict_layers``) where the folder holds their weights,
+    and none where it holds none (``transformers`` writes ``num_nextn_predict_layers: 1`` and never the weights).
+    Returns what to say in that last case, else None."""
+    from primus.core.hf.safetensors_io import HFReader
+
+    if sets_mtp(sources):
+        fields.pop("mtp", None)
+        return None
+    depths = (fields.get("mtp") or {}).get("layers", 0)
+    if depths and f"model.layers.{fields['num_layers']}.eh_proj.weight" not in HFReader(folder):
+        fields["mtp"] = None
+        return (
+            f"{folder / 'config.json'} names {depths} multi-token-prediction depth(s) (num_nextn_predict_layers) "
+            "without their weights, as transformers writes it: no model.mtp"
+        )
+    return None
 
 
 def takes_model_tokenizer(where: str | None) -> bool:
@@ -157,16 +193,24 @@ def takes_model_tokenizer(where: str | None) -> bool:
     return where in (None, "default") or where.startswith("preset ")
 
 
-def _check_tensors(folder: Path, hf: dict[str, Any], value: str) -> None:
-    """Refuse, before the run, a folder whose tensors are not the model's: missing, or some Primus would drop."""
-    from primus.core.hf.config import model_config_from_hf
+def _check_tensors(folder: Path, fields: dict[str, Any], mtp: Any, value: str, users_mtp: bool) -> None:
+    """Refuse, before the run, a folder whose tensors are not the model's (``fields`` with the run's ``mtp``):
+    missing, or some Primus would drop. Where only the ``model.mtp`` the user set (``users_mtp``) is what the
+    folder cannot supply, the refusal names that key."""
+    from primus.core.config.schema import ModelConfig
     from primus.core.hf.contract import tensor_problem
     from primus.core.hf.safetensors_io import HFReader
 
     try:
-        problem = tensor_problem(model_config_from_hf(hf), HFReader(folder))
-    except (UserError, ValueError):  # an architecture Primus cannot build: validation names it
+        reader = HFReader(folder)
+        problem = tensor_problem(ModelConfig.model_validate({**fields, "mtp": mtp}), reader)
+        only_mtp = bool(problem and users_mtp and mtp is not None) and not tensor_problem(
+            ModelConfig.model_validate({**fields, "mtp": None}), reader
+        )
+    except (UserError, ValueError):  # an architecture Primus cannot build, an unreadable file: named later
         return
+    if only_mtp:
+        raise ConfigError([ConfigIssue("model.mtp", f"{folder}: {problem}", value=mtp)])
     if problem:
         raise ConfigError([ConfigIssue(KEY, f"{folder}: {problem}", value=value)])
 
