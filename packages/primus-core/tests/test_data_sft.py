@@ -298,14 +298,17 @@ def test_record_format_is_validated_by_name_and_objective(tmp_path):
     path = write(ALPACA, tmp_path, "jsonl")
     sft = ["train.objective=sft", f"data.source={path}"]
     assert (
-        resolve("tiny-llama", [*sft, "data.record_format=alpaca"], world_size=1).config.data.record_format == "alpaca"
+        resolve(
+            "tiny-llama", [*sft, "data.record_format=alpaca"], world_size=1, check_plugins=False
+        ).config.data.record_format
+        == "alpaca"
     )
     with pytest.raises(ConfigError) as info:
-        resolve("tiny-llama", [*sft, "data.record_format=chatml"], world_size=1)
+        resolve("tiny-llama", [*sft, "data.record_format=chatml"], world_size=1, check_plugins=False)
     allowed = "'auto', 'messages', 'sharegpt', 'alpaca' or 'prompt_completion'"
     assert f"data.record_format: Input should be {allowed} (got 'chatml')" in str(info.value)
     with pytest.raises(ConfigError, match="data.record_format: names fine-tuning records .*train.objective sft"):
-        resolve("tiny-llama", [f"data.source={path}", "data.record_format=alpaca"], world_size=1)
+        resolve("tiny-llama", [f"data.source={path}", "data.record_format=alpaca"], world_size=1, check_plugins=False)
 
 
 def test_a_save_to_disk_folder_of_text_still_reads_for_pretraining(tmp_path):

@@ -306,7 +306,8 @@ def _mtp(config, *overrides):
 
     folder = next(o.split("=", 1)[1] for o in overrides if o.startswith("train.init_from="))
     res = resolve(config, list(overrides), world_size=1, check_plugins=False)
-    imported = config_with_hf_model(config, [o for o in overrides if not o.startswith("train.init_from=")], folder)
+    others = [o for o in overrides if not o.startswith("train.init_from=")]
+    imported = config_with_hf_model(config, others, folder, check_plugins=False)  # core's tests: no backend here
     assert imported.model.mtp == res.config.model.mtp
     return res.config.model.mtp, res.layers.notes
 

@@ -27,9 +27,10 @@ def fail(exc: Exception) -> typer.Exit:
     return typer.Exit(2)
 
 
-def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
+def config_with_hf_model(config: str, overrides: list[str], hf_dir: str, check_plugins: bool = True):
     """The resolved config of ``config`` + ``overrides`` whose model is the HF folder's architecture, and whose
-    tokenizer is the folder's (unless the user set ``data.tokenizer``, as with ``train.init_from``)."""
+    tokenizer is the folder's (unless the user set ``data.tokenizer``, as with ``train.init_from``).
+    ``check_plugins=False``: without the checks that need the installed backends (as ``resolve`` has it)."""
     import json
 
     from primus.core.config.validate import resolve_parallel, validate_config
@@ -37,7 +38,7 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
     from primus.core.launch.train import resolve
     from primus.core.run.init_from import settle_mtp, takes_model_tokenizer
 
-    res = resolve(config, overrides)
+    res = resolve(config, overrides, check_plugins=check_plugins)
     hf_json = Path(hf_dir) / "config.json"
     if not hf_json.is_file():
         from primus.core.hf.safetensors_io import HFCheckpointError
@@ -55,7 +56,7 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str):
     data["model"] = {**data["model"], **fields}
     if (Path(hf_dir) / "tokenizer.json").is_file() and takes_model_tokenizer(res.layers.sources.get("data.tokenizer")):
         data["data"]["tokenizer"] = str(Path(hf_dir).absolute())  # as train.init_from takes it: the embedding's own
-    cfg = validate_config(data, world_size=res.world_size, registry=res.registry)
+    cfg = validate_config(data, world_size=res.world_size, registry=res.registry if check_plugins else None)
     return resolve_parallel(cfg, res.world_size)
 
 
