@@ -335,12 +335,11 @@ def _train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _
                     ctx.step_end(step, row)
                 elif step == start + 1:  # the first step's line would wait for the first logging step
                     log.info(
-                        "step %d/%d done %.1f s after the engine build began (the build and the first kernels); "
-                        "metrics every %d steps (logging.interval)",
-                        step, t.steps, time.perf_counter() - began, cfg.logging.interval,
+                        "step %d/%d done %.1f s after the engine build began (start-up: %s); metrics every %d steps "
+                        "(logging.interval)",
+                        step, t.steps, time.perf_counter() - began, ", ".join(f"{k} {v}" for k, v in startup.items()),
+                        cfg.logging.interval,
                     )  # fmt: skip
-                if step == start + 1:
-                    log.info("start-up: %s", ", ".join(f"{k} {v} s" for k, v in startup.items()))
                 if _due(cfg, step) or (stopped and cfg.checkpoint.enabled):
                     where.at(f"saving the step-{step} checkpoint")
                     checkpoints.save(step, applied)
