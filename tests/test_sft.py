@@ -47,8 +47,8 @@ STEPS = 2
 
 
 def write_data(root, kind):
-    """The overrides that train on ``kind``'s records: messages and prompt / completion .jsonl files (a file holds
-    one kind), Alpaca records in a folder ``datasets`` saved (save_to_disk), ShareGPT records in a Parquet file."""
+    """The overrides that train on ``kind``'s records: messages and prompt / completion .jsonl files, Alpaca records
+    in a folder ``datasets`` saved (save_to_disk), ShareGPT records in a Parquet file."""
     if kind == "alpaca":
         import datasets
 

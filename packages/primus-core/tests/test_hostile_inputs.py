@@ -188,9 +188,9 @@ GOOD = {"prompt": "Q: 1 + 1?", "completion": " 2"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 RECORD_CASES = {
     "bad-record-late": ({"prompt": "Q"}, "a record with keys ['prompt'] is none of the fine-tuning kinds"),
-    "other-kind-late": (
-        {"instruction": "Q", "output": "A"},
-        "a record of kind alpaca (keys ['instruction', 'output']) in a file of kind prompt_completion",
+    "other-kind-late": (  # a record of another kind is read as its own, and checked as one
+        {"instruction": "Q", "output": 3},
+        "an alpaca record has string 'instruction' and 'output' (and 'input', if any)",
     ),
     "unknown-role": (
         {"messages": [{"role": "usr", "content": "hi"}, {"role": "assistant", "content": "x"}]},
@@ -215,7 +215,7 @@ def test_every_fine_tuning_record_is_checked_before_the_run_folder(case, tmp_pat
 
     bad, fragment = RECORD_CASES[case]
     path = tmp_path / "records.jsonl"
-    filler = CHAT if isinstance(bad, dict) and "messages" in bad else GOOD  # a file holds one kind of record
+    filler = CHAT if isinstance(bad, dict) and "messages" in bad else GOOD
     lines = [json.dumps(filler)] * 40 + [bad if isinstance(bad, str) else json.dumps(bad)]
     path.write_text("\n".join(lines) + "\n")
     tokenizer = tmp_path / "tokenizer"  # with a chat template, which the first chat record is rendered with

@@ -381,9 +381,9 @@ class DataConfig(Section):
     )
     record_format: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"] = Field(
         "auto",
-        description="train.objective sft: the kind of record, auto = each file's first record's keys tell it; "
+        description="train.objective sft: the kind of every record, auto = each record's keys tell it; "
         "messages {messages: [{role, content}]}, sharegpt {conversations: [{from, value}]} (from human / gpt / "
-        "system), alpaca {instruction, input, output}, prompt_completion {prompt, completion}; a file holds one kind",
+        "system), alpaca {instruction, input, output}, prompt_completion {prompt, completion}",
     )
     text_key: str = Field("text", description="field holding the text in .jsonl/.json/.parquet/.arrow (pretraining)")
     tokenizer: str = Field("bundled", description="'bundled' or a folder / tokenizer.json path")

@@ -4,7 +4,7 @@ later, once the run folder exists.
 
 It resolves the inputs (existence, extension, folders, globs, Megatron pairs), reads every line of each .jsonl
 file (JSON, a string under ``data.text_key``; once per file version, remembered in the cache) and of each
-fine-tuning file (every record checked, of one kind a file), the first document of the other text files (UTF-8, ``data.text_key``),
+fine-tuning file (every record checked, each of a kind), the first document of the other text files (UTF-8, ``data.text_key``),
 the header of each Megatron index and the first tokens of its ``.bin``, and loads the tokenizer to compare its
 size with ``model.vocab_size``. Nothing is tokenized. What only a full read of a .txt / .parquet / .arrow file can
 find (bad UTF-8 deep in it) is still refused when the stream is built.
@@ -57,7 +57,7 @@ def check_data(cfg: PrimusConfig) -> None:
 
 
 def check_records(item: Any, data: DataConfig) -> bool:
-    """Every record of a fine-tuning input parses and is one, of its file's one kind
+    """Every record of a fine-tuning input parses and is one, of the kind its keys (or data.record_format) say
     (:func:`~primus.core.data.sft.records`: a bad record deep in the file is refused now, not once the run folder
     exists); the first chat record also renders with the tokenizer's chat template. Whether the input holds any
     record."""

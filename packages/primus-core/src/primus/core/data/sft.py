@@ -3,8 +3,8 @@ answers only.
 
 Records are read from .jsonl (one a line), .json (a JSON array), Parquet and Arrow files (a row a record; a folder
 ``datasets`` wrote with ``save_to_disk`` is its Arrow files), by :func:`~primus.core.data.documents.iter_records`.
-A file holds one kind of record (:data:`KINDS`), told by its first record's keys or named by
-``data.record_format``:
+Each record is of a kind (:data:`KINDS`), told by its own keys (a file may mix them, as chats and prompt /
+completion records always could) or named for every record by ``data.record_format``:
 
 - ``messages`` (OpenAI's chat format): ``{"messages": [{"role": ..., "content": ...}, ...]}``;
 - ``sharegpt``: ``{"conversations": [{"from": ..., "value": ...}, ...]}``, ``from`` human / user, gpt / assistant or
@@ -120,7 +120,7 @@ def segments(record: Any, render: ChatRenderer | None, where: str) -> list[tuple
 
 
 #: The kinds of fine-tuning record, each by the keys that make one (the first kind whose keys a record has is its
-#: kind; ``data.record_format`` names one, else each file's first record tells it).
+#: kind; ``data.record_format`` names one for every record).
 KINDS = {
     "messages": ("messages",),
     "sharegpt": ("conversations",),
@@ -177,14 +177,13 @@ def as_chat(record: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
 def records(item: Input, kind: str = "auto") -> Iterator[tuple[dict[str, Any], str]]:
     """The records of ``item``, each checked (:func:`check_record`) and as :func:`as_chat` gives it, with where it is
     (``path:line``, ``path: record i``, ``path: row i``). Every record is of ``kind`` (``data.record_format``), or
-    with ``auto`` of its file's first record's kind; one that is not (another kind, or none) is refused, naming
-    its keys and the kinds' (:data:`EXPECTED`)."""
+    with ``auto`` of the kind its keys make; one that is not (another kind, or none) is refused, naming its keys and
+    the kinds' (:data:`EXPECTED`)."""
     if item.format not in CONTAINERS:
         raise DataError(
             f"{item.path}: fine-tuning records are read from .jsonl, .json, .parquet and .arrow files (a save_to_disk "
             f"folder); got {item.format}"
         )
-    first: tuple[str, str] | None = None  # the file's kind, and where its first record is
     for record, where in iter_records(item):
         if not isinstance(record, dict):
             raise DataError(f"{where}: a record is a JSON object (or a table row), got {type(record).__name__}")
@@ -196,17 +195,7 @@ def records(item: Input, kind: str = "auto") -> Iterator[tuple[dict[str, Any], s
                 f"{list(KINDS[kind])}); the kinds: {EXPECTED}"
             )
         if found is None:
-            what = "" if first is None else f" (this file's kind is {first[0]}, from its first record {first[1]})"
-            raise DataError(
-                f"{where}: a record with keys {keys} is none of the fine-tuning kinds{what}; expected {EXPECTED}"
-            )
-        if first is None:
-            first = (found, where)
-        elif found != first[0]:
-            raise DataError(
-                f"{where}: a record of kind {found} (keys {keys}) in a file of kind {first[0]} (from its first "
-                f"record {first[1]}): a file holds one kind of record"
-            )
+            raise DataError(f"{where}: a record with keys {keys} is none of the fine-tuning kinds; expected {EXPECTED}")
         chat = as_chat(record, found, where)
         check_record(chat, where)
         yield chat, where
