@@ -1,7 +1,9 @@
 """The GPU acceptance suite: every GPU path of both engines in one call, one JSON and one markdown table.
 
-    python3 benchmarks/gpu_suite.py --out DIR                 # on one H100 / H200, ~8.5 minutes (502 s on an H100;
-                                                              # pass --budget 540: parts starting later are skipped)
+    python3 benchmarks/gpu_suite.py --out DIR                 # on one H100 / H200, ~10.5 minutes: on the lent GPU
+                                                              # two calls, --skip startup,edges (502 s on an H100,
+                                                              # --budget 540: parts starting later are skipped) and
+                                                              # --only startup,edges (135 s)
     python3 benchmarks/gpu_suite.py --out DIR --only moe,fp8_dense
     python3 benchmarks/gpu_suite.py --out DIR --smoke         # the same code on CPU with the tiny presets (nox);
                                                               # where a part's two engine rows differ only by
