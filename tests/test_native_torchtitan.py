@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_helpers import hf_logits, max_diff, run_config
+from support import ok, primus_commands, refused
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LOGIT_TOL = 1e-5  # transformers' logits of the import vs torchtitan's of the source, fp32 (measured <= 3.8e-6)
@@ -174,33 +175,8 @@ def runs(tmp_path_factory) -> dict:
             *("--from", str(src["qwen3-moe"] / "checkpoint"), "--to-hf", str(root / "no")),
         ],
     }
-    results = root / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(FIXTURES / "primus_commands.py"), str(results), *map(json.dumps, commands.values())],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=_env(),
-        cwd=root,  # an engine's build writes into the default output folder (outputs/<model>): here, not the tree
-    )
-    if proc.returncode != 0 or not results.is_file():
-        pytest.fail(f"primus_commands.py exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    done = dict(zip(commands, json.loads(results.read_text()), strict=True))
+    done = primus_commands(root, commands, _env())
     return {"root": root, "src": src, "out": out, **done}
-
-
-def ok(result: dict) -> str:
-    """What a command printed, whitespace folded; the test fails where it did not exit 0."""
-    assert result["rc"] == 0, f"primus {' '.join(result['args'])} exited {result['rc']}:\n{result['out'][-4000:]}"
-    return " ".join(result["out"].split())
-
-
-def refused(result: dict) -> str:
-    """The one line a refused command printed (exit 2, no traceback)."""
-    assert result["rc"] == 2, f"primus {' '.join(result['args'])} exited {result['rc']}:\n{result['out'][-4000:]}"
-    errors = [line for line in result["out"].splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in result["out"], result["out"]
-    return errors[0]
 
 
 def read_dcp(folder: Path, keys: list[str]) -> dict:
