@@ -1,7 +1,7 @@
 """``train.init_from`` on the config side (no engine): a Hugging Face folder's config.json is the model's layer,
 named as such; what the user set themselves and disagrees is refused with both values; a Primus checkpoint is
 found (a folder of them: the newest complete one) with the engine that wrote it; anything else names the key;
-the deprecated ``train.init_from_hf`` still works. And core's canonical initial weights: deterministic per name,
+And core's canonical initial weights: deterministic per name,
 drawable by rows."""
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ def test_a_model_field_the_user_set_must_agree(hf_dir, registry, tmp_path):
         resolve("tiny-llama", ["backend.name=fake", f"train.init_from={hf_dir}", "model.vocab_size=4096"], 1, registry)
 
 
-def test_the_deprecated_key_still_works(hf_dir, registry, caplog):
-    res = resolve("tiny-llama", ["backend.name=fake", f"train.init_from_hf={hf_dir}"], world_size=1, registry=registry)
-    assert res.config.train.init_from == str(hf_dir) and res.config.model.hidden_size == 96
-    assert "train.init_from_hf" in caplog.text and "deprecated" in caplog.text
+def test_the_old_key_is_refused_naming_it(hf_dir, registry):
+    """``train.init_from_hf`` (renamed ``train.init_from`` before 0.1.0) is an unknown key now, refused by name."""
+    with pytest.raises(ConfigError, match=r"train\.init_from_hf"):
+        resolve("tiny-llama", ["backend.name=fake", f"train.init_from_hf={hf_dir}"], world_size=1, registry=registry)
 
 
 def test_checkpoints_and_refusals(tmp_path, registry):

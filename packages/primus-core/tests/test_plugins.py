@@ -278,7 +278,7 @@ def _run_context(*plugins_):
     return pm, RunContext(info=SimpleNamespace(rank=0), hooks=pm.hook)
 
 
-def test_run_context_calls_the_new_hooks_and_the_deprecated_ones(caplog):
+def test_run_context_calls_the_lifecycle_hooks_and_an_old_hook_name_is_refused(caplog):
     calls: list[tuple] = []
 
     class New:
@@ -292,30 +292,24 @@ def test_run_context_calls_the_new_hooks_and_the_deprecated_ones(caplog):
         def primus_on_log(step, metrics):
             calls.append(("log", step, metrics["loss"]))
 
-    class Old:
+    class Old:  # the names before primus_on_optimizer_step / primus_on_log (removed)
         @staticmethod
         @hookimpl
         def primus_on_train_step(step, info):
             calls.append(("train_step", step))
 
-        @staticmethod
-        @hookimpl
-        def primus_on_step_end(step, metrics, info):
-            calls.append(("step_end", step, metrics["loss"]))
-
-    with pytest.warns(DeprecationWarning) as warned, caplog.at_level(logging.WARNING, logger="primus.plugins"):
+    with caplog.at_level(logging.ERROR, logger="primus.plugins"):
         pm, ctx = _run_context(New, Old)
-    assert {str(w.message).split()[0] for w in warned} == {"primus_on_train_step", "primus_on_step_end"}
-    assert sum("primus-p1" in m and "deprecated" in m for m in caplog.messages) == 2
-    assert pm.records["p1"].status == "ok"
+    assert pm.records["p0"].status == "ok"
+    assert pm.records["p1"].status == "rejected"
+    assert pm.records["p1"].error == "primus-p1: implements hooks that Primus does not define: primus_on_train_step"
     ctx.train_step(1)
     ctx.step_end(1, {"loss": 2.0})
-    assert calls == [("optimizer_step", 1), ("train_step", 1), ("log", 1, 2.0), ("step_end", 1, 2.0)]
+    assert calls == [("optimizer_step", 1), ("log", 1, 2.0)]
 
 
 def test_core_and_tune_implement_only_current_hook_names(recwarn):
     pm = build_plugin_manager()
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "primus_on" in str(w.message)]
-    for old in ("primus_on_train_step", "primus_on_step_end"):
-        assert not getattr(pm.hook, old).get_hookimpls()
+    assert not hasattr(pm.hook, "primus_on_train_step") and not hasattr(pm.hook, "primus_on_step_end")
     assert "core" in {i.plugin_name for i in pm.hook.primus_on_log.get_hookimpls()}

@@ -11,8 +11,3 @@ __version__ = "0.1.0"
 hookimpl = pluggy.HookimplMarker("primus")
 
 __all__ = ["__version__", "hookimpl"]
-
-# modules imported from their paths before the rooms (primus.core.loop, ...) still import, with a warning
-from primus.core import _moved  # noqa: E402
-
-_moved.install()

@@ -6,7 +6,7 @@ keyword arguments, so an implementation may accept fewer arguments than its spec
 break no plugin).
 
 Groups, in the order a run meets them: registration, contributions (what a plugin offers),
-configuration, and the training lifecycle; last, deprecated names still called for one release.
+configuration, and the training lifecycle.
 """
 
 from __future__ import annotations
@@ -199,37 +199,4 @@ def primus_on_train_end(summary: dict[str, Any], info: RunInfo) -> None:
     :param info: as in ``primus_on_model_ready``.
 
     Use in plugins: called once per run, after the last step, or after an error.
-    """
-
-
-# -------------------------------------------------------------------------------------------------
-# Deprecated lifecycle hooks: still called at the same points as their new names, for one release.
-# Implementing one warns (DeprecationWarning) when the plugin is registered.
-# -------------------------------------------------------------------------------------------------
-
-
-@hookspec(
-    warn_on_impl=DeprecationWarning(
-        "primus_on_train_step is deprecated (removed in the next release): implement primus_on_optimizer_step"
-    )
-)
-def primus_on_train_step(step: int, info: RunInfo) -> None:
-    """Deprecated name of ``primus_on_optimizer_step``, called right after it (every optimizer step).
-
-    :param step: the step just finished (1-based).
-    :param info: as in ``primus_on_model_ready``.
-    """
-
-
-@hookspec(
-    warn_on_impl=DeprecationWarning(
-        "primus_on_step_end is deprecated (removed in the next release): implement primus_on_log"
-    )
-)
-def primus_on_step_end(step: int, metrics: dict[str, float], info: RunInfo) -> None:
-    """Deprecated name of ``primus_on_log``, called right after it (every logging interval).
-
-    :param step: the step just finished (1-based).
-    :param metrics: as in ``primus_on_log``.
-    :param info: as in ``primus_on_model_ready``.
     """

@@ -202,8 +202,7 @@ class RunContext:
 
     Core's loop reports through these methods, never by calling hooks itself: ``model_ready`` once the engine is
     built, ``train_step`` after every optimizer step (``primus_on_optimizer_step``), ``step_end`` at each logging
-    interval with its metrics (``primus_on_log``). Each also calls the deprecated hook of the old name
-    (``primus_on_train_step``, ``primus_on_step_end``) for one release.
+    interval with its metrics (``primus_on_log``).
     """
 
     info: RunInfo
@@ -217,14 +216,12 @@ class RunContext:
         self.hooks.primus_on_model_ready(config=self.config, model_parts=list(model_parts), info=self.info)
 
     def train_step(self, step: int) -> None:
-        """After every optimizer step: ``primus_on_optimizer_step``, then the deprecated ``primus_on_train_step``."""
+        """After every optimizer step: ``primus_on_optimizer_step``."""
         self.hooks.primus_on_optimizer_step(step=step, info=self.info)
-        self.hooks.primus_on_train_step(step=step, info=self.info)
 
     def step_end(self, step: int, metrics: dict[str, float]) -> None:
-        """At each logging interval: ``primus_on_log``, then the deprecated ``primus_on_step_end``."""
+        """At each logging interval: ``primus_on_log``."""
         self.hooks.primus_on_log(step=step, metrics=metrics, info=self.info)
-        self.hooks.primus_on_step_end(step=step, metrics=metrics, info=self.info)
 
 
 def validate_with(spec: BackendSpec, cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:

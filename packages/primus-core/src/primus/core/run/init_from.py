@@ -95,30 +95,13 @@ def source(value: str | Path) -> Source:
 
 
 def apply_layers(layers: Layered) -> None:
-    """Before validation: the deprecated ``train.init_from_hf`` becomes ``train.init_from`` (with a warning); with
-    ``train.init_from`` a Hugging Face folder, its ``config.json`` becomes the model's layer (see the module
-    docstring). Refuses a model field the user set in their own file or on the command line that disagrees with
-    ``config.json``, naming both values, and a folder whose tensors are not the model's. ``model.mtp`` is the user's
-    where they set it (refused, naming the key, where the folder lacks its weights), else :func:`settle_mtp`'s."""
+    """Before validation: with ``train.init_from`` a Hugging Face folder, its ``config.json`` becomes the model's
+    layer (see the module docstring). Refuses a model field the user set in their own file or on the command line
+    that disagrees with ``config.json``, naming both values, and a folder whose tensors are not the model's.
+    ``model.mtp`` is the user's where they set it (refused, naming the key, where the folder lacks its weights),
+    else :func:`settle_mtp`'s."""
     from primus.core.hf.config import model_fields_from_hf
 
-    train = layers.data.get("train", {})
-    if "init_from_hf" in train:
-        old = train.pop("init_from_hf")
-        where = layers.sources.pop("train.init_from_hf", "default")
-        if old:
-            log.warning("train.init_from_hf (%s) is deprecated: it is train.init_from, which takes it", where)
-            if train.get("init_from"):
-                raise ConfigError(
-                    [
-                        ConfigIssue(
-                            "train.init_from_hf",
-                            "deprecated, and train.init_from is set too",
-                            allowed="train.init_from",
-                        )
-                    ]
-                )
-            layers.merge({"train": {"init_from": old}}, where)
     value = layers.data.get("train", {}).get("init_from")
     if not value or not isinstance(value, str):
         return
