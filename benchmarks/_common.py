@@ -154,7 +154,7 @@ def steady(values: list[float], warmup: int, steps: list[int] | None = None, las
 def flops_per_token(shape: dict[str, Any], seq: int) -> float:
     """Training FLOPs a token of a Llama-like model: 6 x (matmul parameters, the output head included, the
     input embedding not) + 12 x layers x (heads x head dim) x seq for attention (no causal discount), as in
-    shared/notes/h200-baseline.md. ``shape``: layers, dim, heads, kv_heads, head_dim, ffn, vocab."""
+    results/h200_baseline.md. ``shape``: layers, dim, heads, kv_heads, head_dim, ffn, vocab."""
     attn_width = shape["heads"] * shape["head_dim"]
     kv_width = shape["kv_heads"] * shape["head_dim"]
     per_layer = shape["dim"] * (2 * attn_width + 2 * kv_width) + 3 * shape["dim"] * shape["ffn"]

@@ -10,7 +10,7 @@
                                                               # backend.name, one trains, the other is validated
 
 On the lent GPU machine, installing is one line before it (the wheels the image lacks, fetched here by
-``../shared/gpu/get-wheels.sh``): ``source .whl/install.sh && python3 benchmarks/gpu_suite.py --out $OUT``.
+``benchmarks/gpu/get-wheels.sh``, carried as ``.whl``): ``source benchmarks/gpu/install.sh && python3 benchmarks/gpu_suite.py --out $OUT``.
 
 Parts (``--only`` / ``--skip``), each run as ``primus`` processes or the benchmark scripts beside this one:
 

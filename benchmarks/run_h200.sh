@@ -3,7 +3,7 @@
 # engine-overhead benchmarks, each comparing Primus with the plain engine side by side in one process.
 # Results and logs land in $OUT (the device tool brings them back) and are committed under benchmarks/results/.
 set -uo pipefail
-source .whl/install.sh || exit 1
+source benchmarks/gpu/install.sh || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"

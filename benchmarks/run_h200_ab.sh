@@ -5,7 +5,7 @@
 #   git worktree add /tmp/old REV && for d in /tmp/old/packages/*/; do pip wheel --no-deps -w .whl_old "$d"; done
 # then carry .whl and .whl_old (both ignored by git). Results: $OUT/{new,old}_{torchtitan,megatron}_overhead.json.
 set -uo pipefail
-source .whl/install.sh || exit 1
+source benchmarks/gpu/install.sh || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_old .whl_old/*.whl || exit 1
 OUT=${OUT:-benchmarks/results}

@@ -227,7 +227,7 @@ def _untied(registry, name):
     [("llama3.2-1b", 4096, 2, 0.498), ("llama3.2-3b", 4096, 2, 0.557), ("llama3.2-1b", 8192, 1, 0.532)],
 )
 def test_step_time_reproduces_the_h200_baseline(registry, name, seq, micro, measured_mfu):
-    """The calibrated step-time model against TorchTitan eager on one H200 (h200-baseline.md). On one device no
+    """The calibrated step-time model against TorchTitan eager on one H200 (benchmarks/results/h200_baseline.md). On one device no
     engine fact enters the step time (the profile gives only the gradients' bytes on the wire)."""
     from primus.core.planner.search import evaluate
 

@@ -60,7 +60,7 @@ def test_gemm_and_attention_dominate(trace):
 def test_mfu_from_the_trace(trace):
     _, meta, r = trace
     assert r.mfu == pytest.approx(meta["model_flops_per_step_per_device"] / (r.step_us * 1e-6) / 989e12)
-    assert 0.3 < r.mfu < 0.7  # h200-baseline.md: 43-50% for this model and batch
+    assert 0.3 < r.mfu < 0.7  # benchmarks/results/h200_baseline.md: 43-50% for this model and batch
 
 
 def test_analyze_cli_on_the_stored_trace(tmp_path):

@@ -1,5 +1,5 @@
 """hipBLASLt's own offline tuning (ROCm), driven through its tools; selected only where ``hipblaslt-bench`` is on
-PATH. Three stages (hipBLASLt docs, "offline tuning"; shared/notes/kernel-apis.md §3):
+PATH. Three stages (hipBLASLt docs, "offline tuning"):
 
 1. dump: run training with :func:`dump_env` (``HIPBLASLT_LOG_MASK=32``): hipBLASLt logs every GEMM it runs as a
    ``hipblaslt-bench`` command line;

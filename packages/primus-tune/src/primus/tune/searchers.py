@@ -203,7 +203,7 @@ class TunableOpSearcher:
     the hipBLASLt and rocBLAS solutions (the default among them) and records the fastest. Then default (TunableOp
     off) and tuned (TunableOp on, tuning off) are measured interleaved.
 
-    Version differences (shared/notes/kernel-apis.md §2): ``write_file`` exists before torch 2.10 and must be
+    Version differences: ``write_file`` exists before torch 2.10 and must be
     called to save results; from 2.10 results are appended to the file as they are found."""
 
     name = "tunableop"

@@ -19,7 +19,7 @@ from typing import Any
 
 from primus.core.run.metrics import peak_flops
 
-THRESHOLD = 0.6  # of the datasheet rate; a healthy H200 reaches ~80% in GEMM (h200-baseline.md) and in copies
+THRESHOLD = 0.6  # of the datasheet rate; a healthy H200 reaches ~80% in GEMM (benchmarks/results/h200_baseline.md) and in copies
 
 # Datasheet HBM bandwidth, bytes/s, by device-name substring.
 PEAK_MEMORY_BW: list[tuple[str, float]] = [

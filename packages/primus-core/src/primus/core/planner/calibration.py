@@ -1,6 +1,6 @@
 """Every constant the planner's memory and step-time models are calibrated with, named, in one place.
 
-Where a number was measured, the line says where (``/work/shared/notes/h200-baseline.md``: one H200,
+Where a number was measured, the line says where (``benchmarks/results/h200_baseline.md``: one H200,
 torch 2.11, 2026-11-29; ``benchmarks/results/memory_validation.json``: predicted vs measured peak memory
 from ``benchmarks/memory_validation.py``). Where it was not, the line says so. To recalibrate, change the
 number here and re-run ``benchmarks/memory_validation.py`` (memory) or compare ``primus plan``'s MFU with a
@@ -66,7 +66,7 @@ HEADROOM = FIT_TOLERANCE
 
 # ------------------------------------------------------------------------------------------------ step time
 # Achieved fraction of the dense bf16 peak in large training GEMMs, per device. H200: median of the eight
-# bf16 GEMMs in h200-baseline.md (783, 693, 674, 691, 758, 656, 658, 696 TFLOP/s of 989) = 0.70. H100 shares
+# bf16 GEMMs in h200_baseline.md (783, 693, 674, 691, 758, 656, 658, 696 TFLOP/s of 989) = 0.70. H100 shares
 # the chip; the others are not measured here (set from public vendor GEMM results, to be replaced).
 GEMM_FRACTION = {
     "H100": 0.70,
@@ -94,7 +94,7 @@ ATTENTION_FRACTION = {
 # Memory-bound work per token and layer (norms, RoPE, SwiGLU, residual adds, casts, launch gaps), as passes of
 # 2 bytes over the layer's d + f activation elements at HBM bandwidth. Fitted (with the loss and optimizer
 # terms below in place) so that the model reproduces the three end-to-end TorchTitan eager runs of
-# h200-baseline.md: 1B-like s4096 mbs2 49.8% MFU (model 50.2%), 3B-like 55.7% (54.4%), 1B-like s8192
+# h200_baseline.md: 1B-like s4096 mbs2 49.8% MFU (model 50.2%), 3B-like 55.7% (54.4%), 1B-like s8192
 # 53.2% (53.8%); tests/test_planner.py::test_step_time_reproduces_the_h200_baseline keeps them within 5%.
 MEMORY_BOUND_PASSES = 60
 # torch.compile (train.compile: true): the share of the memory-bound passes above left once it fuses the elementwise
@@ -129,7 +129,7 @@ MOE_DISPATCH_PASSES = 60
 OPTIMIZER_BYTES_PER_PARAM = 30
 
 # FP8 GEMMs: rate relative to the device's FP8 dense peak, as a fraction of what bf16 GEMMs reach of the
-# bf16 peak. H200 (torch._scaled_mm, e4m3, h200-baseline.md): fp8/bf16 speed-up medians 1.98× tensorwise,
+# bf16 peak. H200 (torch._scaled_mm, e4m3, h200_baseline.md): fp8/bf16 speed-up medians 1.98× tensorwise,
 # 1.90× rowwise against a 2.0× peak ratio → 0.99 and 0.95.
 FP8_RATE_VS_BF16 = {"tensorwise": 0.99, "rowwise": 0.95}
 # The casts FP8 adds (memory-bound; not measured): read bf16 + write e4m3 = 3 bytes per element of each
