@@ -25,12 +25,9 @@ What torch's grouped kernel imposes, and so every path does:
 - current scaling only (the backends refuse delayed scaling with experts: one history per expert and group of
   tokens is not kept).
 
-On an H100 (torch 2.11, the GPU suite's ``moe_kernels`` part) it is slower than bf16's grouped GEMM at every measured
-expert shape, and ``benchmarks/fp8_grouped_breakdown.py`` says why: at Qwen3-30B-A3B's (128 experts, ~256 tokens
-each) torch's FP8 grouped GEMMs take 2.75 ms against bf16's 1.45 ms before any quantisation: the forward is 1.64x
-faster (0.28 vs 0.46 ms), the dgrad 0.56x (0.96 vs 0.54) and the wgrad, its groups along the contraction, 0.30x (1.51
-vs 0.46); at Mixtral's (8 experts of ~1,000 tokens) all three are faster (1.66x, 1.77x, 1.03x) but quantising the
-weights (2.4 ms, both layouts, every call) takes the gain. So core's ``fp8_experts`` rule keeps the experts bf16 (:data:`MEASURED_SPEEDUP`). The CPU tests check every
+On the GPUs measured so far it is slower than bf16's grouped GEMM at the expert shapes people train (the
+backward's kernels at a few hundred tokens an expert, and quantising the weights every call: the numbers are in
+benchmarks/README.md), so core's ``fp8_experts`` rule keeps the experts bf16 (:data:`MEASURED_SPEEDUP`). The CPU tests check every
 grouped-kernel call's operands against torch's own meta function for ``_scaled_grouped_mm`` (dtypes, layouts, scale
 shapes) and the numbers through the per-expert path.
 
