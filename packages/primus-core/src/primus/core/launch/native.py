@@ -26,14 +26,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("primus.import")
 
-#: what the engine built for an import reads as data: nothing is trained, and the run's own data may not exist here
-#: (and its initial weights are the engine's own, the cheapest: the checkpoint's replace them)
+#: the engine an import builds: it reads no data (the run's own may not exist here), its initial weights are the
+#: engine's own (the cheapest: the checkpoint's replace them), and it runs no step, so the fit check, which counts a
+#: step's activations, does not refuse it (whether it fits is the build's to find: out of memory, one line)
 IMPORT_OVERRIDES = (
     "data.source=mock",
     "eval.interval=0",
     "checkpoint.resume=false",
     "train.init_from=null",
     "train.init=engine",
+    "train.allow_tight_fit=true",
 )
 
 
