@@ -6,8 +6,9 @@ primus.core.run.expert_load, from each engine's routers). Expert parallelism equ
 trains this curve too (checked once, when this test was written: both EP 2 runs within the tolerances below).
 
 With one shared expert beside the routed ones (core's names for it, DeepSeek's) the two engines train the same
-curve too. No load balancing here: megatron's is an auxiliary loss or a sigmoid router's bias, TorchTitan's a bias update, and
-the two are different algorithms (each engine's own balancing is tested in its package). Measured (fp32, CPU):
+curve too. No load balancing here (loss-free balancing's bias updates are each engine's own algorithm, tested in its
+package); with the auxiliary losses the engines train the same curve too: tests/test_moe_balancing_same_run.py,
+within this file's tolerances. Measured (fp32, CPU):
 the engines' losses within 2e-6 relative over 6 steps, grad norms within 5e-5 but at one step: 7.2e-4 at step 6 on
 the bundled corpus as a clean interpreter walks it (the layouts of each engine's own MoE tests move at that step too).
 """

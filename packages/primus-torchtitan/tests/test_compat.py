@@ -469,6 +469,30 @@ def test_router_forward_still_scores_chooses_and_weighs_as_the_provider_contract
     assert list(inspect.signature(TokenChoiceTopKRouter.forward).parameters) == ["self", "x", "expert_bias"]
 
 
+def test_router_scores_what_its_gate_returns():
+    """balancing.Balancing hooks each router's gate: torchtitan's router (and ProviderRouter, which calls the same
+    gate) must route by the hooked gate's output, and the gradient of what the hook returns must reach the gate."""
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+    torch.manual_seed(0)
+    router = TokenChoiceTopKRouter(16, 8, None, None, 2, "softmax", route_norm=False, route_scale=1.0, gate_bias=False)
+    x = torch.randn(32, 16)
+    _, before, _ = router(x)
+    assert not bool((before == 3).any(dim=-1).all())
+    seen = []
+
+    def hook(module, args, logits):
+        seen.append(logits)
+        return logits + 100.0 * torch.nn.functional.one_hot(torch.tensor(3), 8)  # expert 3 for every token
+
+    handle = router.gate.register_forward_hook(hook)
+    top_scores, chosen, counts = router(x)
+    handle.remove()
+    assert len(seen) == 1 and bool((chosen == 3).any(dim=-1).all()) and int(counts[3]) == 32
+    top_scores.sum().backward()
+    assert router.gate.weight.grad is not None and float(router.gate.weight.grad.abs().sum()) > 0
+
+
 def test_qwen3_adapter_maps_layer_keys_through_from_hf_map():
     """hf.Qwen3SharedExpertsStateDictAdapter adds shared-expert entries to from_hf_map: both directions of torchtitan's
     qwen3 adapter must still read a layer's non-expert keys from it (and the experts' keys by their own path)."""

@@ -32,15 +32,8 @@ def issues(config: str, *overrides: str, world_size: int = 1) -> str:
         (["model.family=qwen3", "model.qkv_bias=true"], 1, "model.qkv_bias", "qwen3 model has no qkv bias"),
         (["parallel.fsdp=false"], 2, "parallel.fsdp", "only with FSDP2"),
         (["model.moe.num_experts=4", "train.init=engine"], 1, "model.family", "builds mixture-of-experts layers in"),
-        (MOE + ["model.moe.balancing=aux_loss"], 1, "model.moe.balancing", "has no auxiliary loss"),
         (MOE + ["model.moe.first_dense_layers=1"], 1, "model.moe.first_dense_layers", "every layer"),
         (MOE + ["model.moe.capacity_factor=1.5"], 1, "model.moe.capacity_factor", "drops no tokens"),
-        (
-            MOE + ["model.moe.seq_aux_loss_coeff=1e-4"],
-            1,
-            "model.moe.seq_aux_loss_coeff",
-            "no sequence-wise auxiliary loss",
-        ),
         (
             MOE
             + ["parallel.tp=2", "parallel.dp_shard=2", "parallel.ep=2"]
@@ -122,6 +115,9 @@ def test_refused_with_reason(overrides, world_size, key, why):
         ("llama3.1-70b-torchtitan-fsdp", 8),
         ("tiny-qwen2", 2),
         (str(CONFIGS / "tiny_moe.yaml"), 2),
+        ("tiny-qwen3-moe", 1),  # auxiliary-loss balancing (primus.torchtitan.balancing), as every Qwen3-MoE preset
+        ("qwen3-30b-a3b", 8),
+        ("deepseek-v2-lite", 8),  # DeepSeek-V2's softmax router with its auxiliary loss
         ("llama3.2-1b-torchtitan-fsdp-h200-1x1", 8),  # primus-tune's recipe, when installed
     ],
 )
@@ -134,6 +130,23 @@ def test_runnable_presets_pass(config, world_size):
     overrides = ["backend.name=torchtitan"]
     res = resolve(config, overrides, world_size)
     assert res.config.backend.name == "torchtitan"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size"),
+    [
+        (MOE + ["model.moe.balancing=aux_loss"], 1),
+        (MOE + ["model.moe.seq_aux_loss_coeff=1e-4"], 1),  # DeepSeek-V3's, beside loss-free balancing
+        (MOE + ["model.moe.balancing=aux_loss", "model.moe.seq_aux_loss_coeff=1e-4", "parallel.tp=2"], 2),
+        (MOE + ["model.moe.balancing=aux_loss", "parallel.cp=2", "parallel.ep=2"], 2),
+        (MOE + ["model.moe.balancing=aux_loss", "model.num_layers=4", "parallel.pp=2"], 2),
+    ],
+)
+def test_auxiliary_loss_balancing_passes_in_every_layout(overrides, world_size):
+    """Refused until torchtitan had Primus's auxiliary losses (its 0.2.2 MoE has none); each layout trains one rank's
+    curve with them (test_balancing.py)."""
+    moe = resolve(TINY, overrides, world_size).config.model.moe
+    assert moe.balancing == "aux_loss" or moe.seq_aux_loss_coeff > 0
 
 
 @pytest.mark.parametrize(

@@ -108,8 +108,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "trainer.PrimusTrainer.forward_backward_step",
         "override of Trainer.forward_backward_step (same keyword-only signature, calls super)",
-        "hands the labels to a fused output head, records the micro-batch loss for the health check, applies "
-        "the gradient-scale correction after the step's last micro-batch",
+        "hands the labels to a fused output head, records the micro-batch loss for the health check, sets the "
+        "auxiliary balancing losses' gradient scale for the layout, applies the gradient-scale correction after the "
+        "step's last micro-batch",
         "test_compat.py::test_trainer_overrides_keep_torchtitans_signatures",
     ),
     Patch(
@@ -195,6 +196,15 @@ PATCHES: tuple[Patch, ...] = (
         "router's gradient misses the other ranks' part and the gate weights part across ranks (torchtitan#2387, "
         "fixed after 0.2.2 by #2416, whose fix this is)",
         "test_compat.py::test_router_gate_style_still_marks_its_output_gradient_replicated",
+    ),
+    Patch(
+        "balancing.Balancing (its forward hook on each router's gate)",
+        "no engine attribute: a forward hook on TokenChoiceTopKRouter.gate (torchtitan's nn.Linear), registered after "
+        "the model is parallelized, returning the gate's logits with the auxiliary losses attached",
+        "torchtitan 0.2.2's MoE has no auxiliary loss; its router scores what the gate returns (under TP a local "
+        "tensor, its gradient summed over TP: router_gate_partial_grad), so the losses see the router's logits and "
+        "their gradient reaches the gate in every layout",
+        "test_compat.py::test_router_scores_what_its_gate_returns",
     ),
     Patch(
         "hf.Qwen3SharedExpertsStateDictAdapter",

@@ -142,6 +142,12 @@ class TorchTitanEngine:
 
             load_init_from(trainer, cfg)
         self.data = trainer.batch_generator(trainer.dataloader)
+        from primus.torchtitan.balancing import Balancing, coefficients
+
+        if coefficients(cfg):  # auxiliary-loss balancing: the routers' losses join the objective
+            dims = trainer.parallel_dims
+            cp_group = dims.get_mesh("cp").get_group() if dims.cp_enabled else None
+            trainer.balancing = Balancing(cfg, self.expert_routers(), trainer.device, cp_group, dims.pp_enabled)
 
     def expert_routers(self) -> list[tuple[int, Any, Any]]:
         """torchtitan's routers on this rank (``layers.{i}.moe.router``: torchtitan keeps global layer names in
@@ -154,6 +160,12 @@ class TorchTitanEngine:
             for name, m in part.named_modules()
             if isinstance(m, TokenChoiceTopKRouter)
         ]
+
+    def interval_metrics(self) -> dict[str, float]:
+        """``moe_aux_loss`` / ``moe_seq_aux_loss`` (core's definitions, primus.core.run.expert_load.METRICS) over the
+        steps since the last call, from the routers' hooks (:mod:`primus.torchtitan.balancing`)."""
+        balancing = self.trainer.balancing
+        return balancing.metrics() if balancing is not None else {}
 
     def train_step(self, step: int, lr: float, gate: Any) -> StepResult:
         trainer = self.trainer

@@ -69,6 +69,7 @@ class PrimusTrainer(Trainer):
         self.gate: Any = None  # core's health gate of the running step: gate(loss, grad_norm) -> apply?
         self.last_loss, self.last_grad_norm, self.skipped = math.nan, None, False
         self.document_eos: int | None = None  # data.document_mask: the EOS id that ends a document (the engine sets it)
+        self.balancing: Any = None  # auxiliary-loss balancing (primus.torchtitan.balancing; the engine sets it)
         exempt_from_weight_decay(self.optimizers)
         # a step the health gate refuses: the optimizer does not step; core's loop owns the learning rate
         optimizer_step = self.optimizers.step
@@ -134,6 +135,10 @@ class PrimusTrainer(Trainer):
     def forward_backward_step(
         self, *, input_dict: dict[str, torch.Tensor], labels: torch.Tensor, global_valid_tokens: torch.Tensor
     ) -> torch.Tensor:
+        if self.balancing is not None:  # the routers' losses: their gradient scale in this layout, for this step
+            dims = self.parallel_dims
+            pp = compat.pp_grad_scale(float(global_valid_tokens)) if dims.pp_enabled else 1.0
+            self.balancing.set_layout(dims.tp, pp)
         with head_targets(self.model_parts, labels):  # a fused output layer computes the loss in its forward
             loss = super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
@@ -182,6 +187,8 @@ class PrimusTrainer(Trainer):
             for part in self.model_parts:
                 part.train()
                 reshard(part)
+            if self.balancing is not None and dims.pp_enabled:  # the schedule infers its shapes again
+                self.balancing.shape_inference()
         return global_token_loss(sums)
 
     def train_step(self, data_iterator: Any) -> None:

@@ -175,8 +175,9 @@ def _deepseek_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
 
 
 def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
-    """What torchtitan 0.2.2's MoE (in its qwen3 model: every layer, no auxiliary loss, no token dropping) and this
-    backend's wiring of it do not cover."""
+    """What torchtitan 0.2.2's MoE (in its qwen3 model: every layer, no token dropping) and this backend's wiring of
+    it do not cover. Auxiliary-loss balancing (``balancing: aux_loss``, ``seq_aux_loss_coeff``) is Primus's, on its
+    routers (:mod:`primus.torchtitan.balancing`), in every layout."""
     m, p, e = cfg.model, cfg.parallel, cfg.model.moe
     out: list[ConfigIssue] = []
     if m.family not in ("qwen3", "deepseek"):
@@ -190,12 +191,6 @@ def _moe_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         value = e.first_dense_layers or e.layer_frequency
         why = "torchtitan's qwen3 model makes every layer a mixture-of-experts layer"
         out.append(ConfigIssue(key, why, value=value, allowed="0" if e.first_dense_layers else "1"))
-    if e.balancing == "aux_loss":
-        why = "torchtitan 0.2.2's MoE has no auxiliary loss; it balances by an expert-bias update (loss_free)"
-        out.append(ConfigIssue("model.moe.balancing", why, value="aux_loss", allowed="loss_free, none"))
-    if e.seq_aux_loss_coeff > 0:
-        why = "torchtitan 0.2.2's MoE has no sequence-wise auxiliary loss (DeepSeek-V3's balancing is its expert bias)"
-        out.append(ConfigIssue("model.moe.seq_aux_loss_coeff", why, value=e.seq_aux_loss_coeff, allowed="0"))
     if e.capacity_factor is not None:
         why = "torchtitan 0.2.2's MoE drops no tokens (no expert capacity)"
         out.append(ConfigIssue("model.moe.capacity_factor", why, value=e.capacity_factor, allowed="null"))

@@ -10,7 +10,8 @@ tokens, pipeline stages hold different layers) and reports, per layer, each expe
 - ``moe_load_min``: the idlest expert's tokens / the mean expert's, the worst layer (0.0: an expert got no token);
 - ``moe_dropped`` (with ``model.moe.capacity_factor``): the share of token-to-expert assignments the capacity dropped,
   all layers (each router's input tokens × top-k against what it routed);
-- ``moe_aux_loss`` (defined here, measured by an engine whose router computes it: ``Engine.interval_metrics()``).
+- ``moe_aux_loss`` / ``moe_seq_aux_loss`` (defined here and in :mod:`primus.core.run.balancing`, measured by the engine
+  whose routers compute the losses: ``Engine.interval_metrics()``).
 
 A recomputed forward (activation checkpointing) or tensor-parallel ranks routing the same tokens count a layer's
 tokens again for every expert alike: the ratios do not change.
