@@ -1,6 +1,7 @@
-"""Primus sessions. `nox` runs the default set: lint, the tests of each package alone, then integration.
+"""Primus sessions. `nox` runs the default set: lint, the tests of each package alone, megatron_compat (primus-megatron
+against the megatron-core release of Python >= 3.12), then integration.
 
-    nox                      lint + tests(core), tests(megatron), ... + integration (what CI runs)
+    nox                      lint + tests(core), tests(megatron), ... + megatron_compat + integration (what CI runs)
     nox -s demo              train the tiny-demo recipe on CPU (not in the default set: it is the main job,
                              not a test; the backends' own sessions train tiny models already)
     nox -s "tests(turbo)"    one package's tests; `nox -l` lists the sessions
@@ -28,7 +29,7 @@ from packaging.requirements import Requirement
 
 nox.needs_version = ">=2025.2.9"  # nox.project.dependency_groups
 nox.options.default_venv_backend = "virtualenv"
-nox.options.sessions = ["lint", "core_alone", "tests", "integration"]
+nox.options.sessions = ["lint", "core_alone", "tests", "megatron_compat", "integration"]
 nox.options.error_on_missing_interpreters = True  # no Python 3.11 must fail the run, not skip every session
 
 ROOT = Path(__file__).parent
@@ -66,6 +67,33 @@ CORE_WITH_ENGINES = [
 INTEGRATION_BARE = {"loggers"}
 # Extras integration leaves out: primus-core[profile] (HolisticTraceAnalysis brings jupyterlab, ~2 min to install).
 INTEGRATION_SKIP_EXTRAS = {"profile"}
+# primus-megatron takes megatron-core 0.16.1 on Python < 3.12 and 0.19.2 on >= 3.12 (every release from 0.17 requires
+# it). megatron_compat installs 0.19.2's cp311 wheel on CI's 3.11 past that Requires-Python, with the one dependency
+# 0.19.2 declares that 0.16.1's environment may lack.
+MEGATRON_NEXT = ["megatron-core==0.19.2", "packaging>=24.2"]
+# What megatron_compat runs against it (the package's whole set takes ~10 minutes here): what differs between the two
+# releases. Left out: the other layouts (tp2_pp2 / dp_replicate x dp_shard / tp2_sp x cp2 on 4 ranks, pp2 1F1B),
+# FSDP2, FP8 runs, the other MoE layouts (EP 4, TP 2, TP 2 x EP 2, CP 2 x EP 2) and refusals, HF and Megatron-LM
+# imports (tests/, integration), crash safety, health, profiling, the console and families' data.
+MEGATRON_NEXT_TESTS = [
+    "test_compat.py",  # each API the package calls, on the installed release; kernel numerics; MLA (+ MTP) built
+    "test_cpu_redirect.py",  # what the CPU redirection assumes of megatron
+    "test_validate.py",
+    "test_train_layouts.py::test_world_size_1_trains_and_reports",
+    # one run per parallel layout kind: DP + distributed optimizer, TP + SP, PP + VPP, CP (against world size 1)
+    "test_train_layouts.py::test_layout_matches_world_size_1[dp2_distopt_overlap]",
+    "test_train_layouts.py::test_layout_matches_world_size_1[tp2_sp_selective_recompute]",
+    "test_train_layouts.py::test_layout_matches_world_size_1[pp2_vpp2_interleaved]",
+    "test_train_layouts.py::test_layout_matches_world_size_1[cp2]",
+    # checkpoints: save / resume, the manifest, the common state read back (dp 1 -> 2)
+    "test_checkpoint_resume.py::test_resume_equals_straight_through",
+    "test_checkpoint_resume.py::test_manifest",
+    "test_checkpoint_resume.py::test_resume_at_dp2_of_a_dp1_checkpoint",
+    "test_checkpoint_resume.py::test_a_checkpoint_of_megatron_core_0_16_resumes_on_the_installed_release",
+    # mixture of experts: EP 2 against one rank, and its distributed-optimizer checkpoint resumed
+    "test_moe.py::test_expert_parallel_layouts_match_world_size_1[ep2]",
+    "test_moe.py::test_resume_under_ep2_equals_straight_through",
+]
 
 
 def list_packages() -> dict[str, Path]:
@@ -208,6 +236,21 @@ def tests(session: nox.Session, package: str) -> None:
     install_packages(session, [package, *TEST_PACKAGES.get(package, [])], *test_deps(package), *xdist)
     parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
     pytest(session, *parallel, str(PACKAGES[package] / "tests"))
+
+
+@nox.session(python=PYTHON, reuse_venv=True)
+def megatron_compat(session: nox.Session) -> None:
+    """Compatibility check: primus-megatron against megatron-core 0.19.2, the release `pip install primus-megatron`
+    takes on Python >= 3.12 (the real target: the GPU images run 3.12), on CI's Python 3.11 with 0.19.2's cp311 wheel
+    installed past its Requires-Python (>= 3.12). The package as tests(megatron) installs it (which takes 0.16.1 here),
+    then 0.19.2 over it; pip says primus-megatron asks for 0.16.1 on this Python, which is so. Runs
+    MEGATRON_NEXT_TESTS, a subset of the package's tests (what differs between the releases)."""
+    install_packages(session, ["megatron", *TEST_PACKAGES["megatron"]], *test_deps("megatron"), XDIST)
+    install(session, "--no-deps", "--ignore-requires-python", *MEGATRON_NEXT)
+    session.run("python", "-c", "import primus.megatron.compat as c; assert c.MCORE_0_19, c.INSTALLED", silent=True)
+    tests = PACKAGES["megatron"] / "tests"
+    workers = ["-n", str(WORKERS["megatron"]), "--dist", "loadfile"]
+    pytest(session, *workers, *(str(tests / t) for t in MEGATRON_NEXT_TESTS))
 
 
 @nox.session(python=PYTHON, reuse_venv=True)

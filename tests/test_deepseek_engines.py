@@ -153,7 +153,6 @@ def test_init_from_hf_folder_with_its_prediction_depth_on_megatron(tmp_path, hf_
             {"rope_scaling": {"type": "yarn", "mscale": 0.5, "mscale_all_dim": 1.0}},
             "model.rope_scaling.mscale",
         ),
-        ("torchtitan", {"moe": {"balancing": "aux_loss"}}, "model.moe.balancing"),
         ("torchtitan", {"mtp": {"layers": 1}}, "model.mtp"),
     ],
 )

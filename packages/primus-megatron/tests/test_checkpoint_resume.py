@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from megatron_helpers import LOSS_TOL, TINY, losses, primus, train
@@ -63,7 +64,8 @@ def test_manifest(reference):
     man = json.loads((reference["out"] / "checkpoints" / "step_00000006" / "manifest.json").read_text())
     assert man["step"] == 6 and len(man["config_hash"]) == 64
     assert man["model_shape"]["num_layers"] == 4 and man["layout"]["world"] == 1
-    assert man["versions"]["megatron-core"] == "0.16.1" and man["versions"]["torch"] == version("torch")
+    assert man["versions"]["megatron-core"] == version("megatron-core") in ("0.16.1", "0.19.2")
+    assert man["versions"]["torch"] == version("torch")
     seed = json.loads((reference["seed"] / "manifest.json").read_text())  # train.save_initial's: the model alone
     assert seed["step"] == 0 and seed["weights_only"]["init"] == "canonical" and "weights_only" not in man
 
@@ -130,3 +132,31 @@ def test_resume_at_dp1_of_a_dp2_checkpoint(dp2_straight, tmp_path):
     rows = train(TINY, tmp_path / "dist", 1, *common, "parallel.distributed_optimizer=true", resume=True)
     assert [r["step"] for r in rows] == [5, 6]
     assert losses(rows) == pytest.approx(dp2_straight["losses"][4:], abs=LOSS_TOL)
+
+
+OLD_PIN = Path(__file__).parent / "fixtures" / "megatron-core-0.16.1"
+# the model of the fixture's run (tiny.yaml's training, a smaller model: a committed checkpoint of ~0.9 MB)
+OLD_PIN_MODEL = ["model.hidden_size=16", "model.num_layers=1", "model.ffn_hidden_size=32",
+                 "model.num_attention_heads=2", "model.num_kv_heads=2", "model.head_dim=8"]  # fmt: skip
+
+
+def test_a_checkpoint_of_megatron_core_0_16_resumes_on_the_installed_release(tmp_path):
+    """A committed step-3 checkpoint written by megatron-core 0.16.1 (the pin before 0.19; its command is in
+    fixtures/megatron-core-0.16.1/straight_through.json) resumes on the installed release (0.16.1 or 0.19.2, whose
+    torch_dist format keeps the common state in the DCP files): steps 4-6 equal that run's straight-through ones, and
+    the run says which versions wrote it, with no engine warning (megatron's and torch's own deprecations)."""
+    from importlib.metadata import version
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(OLD_PIN / "step_00000003", ckpt / "step_00000003")
+    expected = json.loads((OLD_PIN / "straight_through.json").read_text())["straight_through"]
+    proc = primus("train", TINY, tmp_path / "run", 1, *OLD_PIN_MODEL, f"checkpoint.dir={ckpt}",
+                  "checkpoint.enabled=true", resume=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 5, 6]
+    assert losses(rows) == pytest.approx([expected[str(s)]["loss"] for s in (4, 5, 6)], abs=1e-6)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([expected[str(s)]["grad_norm"] for s in (4, 5, 6)], rel=1e-4)
+    said = proc.stdout + proc.stderr
+    assert ("'megatron-core': '0.16.1'" in said) == (version("megatron-core") != "0.16.1"), said[-3000:]
+    assert "Warning" not in said, said[-3000:]

@@ -1,6 +1,7 @@
-"""megatron-core 0.16.1 specifics (primus.megatron.compat, layer_spec): the pin, the API shapes the
-backend relies on, and the kernel modules' numerics against megatron's own local modules. Each patch and
-private override in compat.PATCHES names its test here (or in test_cpu_redirect.py)."""
+"""megatron-core specifics (primus.megatron.compat, layer_spec) on the installed release, 0.16.1 or 0.19.2: the
+version check, the API shapes the backend relies on, and the kernel modules' numerics against megatron's own local
+modules. Each patch and private override in compat.PATCHES names its test here (or in test_cpu_redirect.py); where
+the two releases differ, a test asserts what the installed one does (``mc.MCORE_0_19``)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,28 @@ from primus.megatron import compat as mc
 def test_patch_table_names_a_test_for_every_patch():
     from primus.core.contracts.patches import table_problems
 
-    assert table_problems(mc, Path(__file__).parent) == []
+    assert table_problems(mc, Path(__file__).parent, exempt=("check_version",)) == []
 
 
-def test_pinned_version_installed():
-    assert mc.INSTALLED == mc.PINNED == "0.16.1"
+def test_supported_version_installed_and_others_refused():
+    """0.16.1 on Python < 3.12, 0.19.2 from 3.12 (the pyproject's markers); the one-line refusal of any other."""
+    import tomllib
+
+    import pytest
+
+    assert mc.INSTALLED in ("0.16.1", "0.19.2") and mc.MCORE_0_19 == (mc.INSTALLED == "0.19.2")
+    if sys.version_info >= (3, 12):  # (on 3.11 the compatibility session installs 0.19.2 past its Requires-Python)
+        assert mc.INSTALLED == "0.19.2"
+    deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = {r.replace(" ", "").replace('"', "'") for r in deps if r.startswith("megatron-core")}
+    assert pins == {"megatron-core==0.16.1;python_version<'3.12'", "megatron-core==0.19.2;python_version>='3.12'"}
+    for found in ("0.16.1", "0.19.2"):
+        assert mc.check_version(found) == found
+    for found in ("0.15.0", "0.17.0", "0.19.3", "0.20.0"):
+        with pytest.raises(RuntimeError) as err:
+            mc.check_version(found)
+        assert str(err.value).startswith("primus-megatron supports megatron-core 0.16.1 (Python < 3.12) and 0.19.2 ")
+        assert f"found {found}: pip install 'megatron-core==" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_gpt_model_rope_arguments():
@@ -55,7 +73,13 @@ def test_spec_slots_the_backend_fills():
 
     # the MLP builds and calls the activation module only under this flag
     assert f"self.config.{mc.PLUGGABLE_ACTIVATION_FLAG}" in inspect.getsource(mlp.MLP.forward)
-    assert "build_module(submodules.activation_func, config=self.config)" in inspect.getsource(mlp.MLP.__init__)
+    # 0.16 builds the slot with build_module, 0.19 calls it (a ModuleSpec's __call__ is build_module)
+    build = (
+        "submodules.activation_func(config=self.config)"
+        if mc.MCORE_0_19
+        else "build_module(submodules.activation_func, config=self.config)"
+    )
+    assert build in inspect.getsource(mlp.MLP.__init__)
     # core attention is called as a class (not build_module) with these keywords
     src = inspect.getsource(attention.Attention.__init__)
     assert "submodules.core_attention(" in src
@@ -81,8 +105,19 @@ def test_distributed_optimizer_step_workarounds_still_needed():
 
     assert "assert len(steps) == 1" in inspect.getsource(DistributedOptimizer.state_dict)
     assert hasattr(DistributedOptimizer, "_init_optimizer_states_with_dummy_values")
+    # the per-parameter step is not saved (the request's dummy one comes back) ...
+    dp_reshardable = inspect.getsource(DistributedOptimizer.sharded_param_state_dp_reshardable)
+    assert (
+        "if key == 'step':" in dp_reshardable
+        and "tensors[key] = LocalNonpersistentObject(tensors[key])" in dp_reshardable
+    )
+    # ... and is copied over the restored one with the other optimizer states
     setter = inspect.getsource(DistributedOptimizer._set_main_param_and_optimizer_states)
-    assert 'dst_tensors = {"param": main_param, **optim_state}' in setter
+    if mc.MCORE_0_19:  # every tensor of the state, step included
+        assert 'dst_tensors = {"param": main_param}\n            for k, v in optim_state.items():' in setter
+        assert "dst_tensors[k] = v" in setter and "dst_tensors[key].copy_(tensors[key])" in setter
+    else:
+        assert 'dst_tensors = {"param": main_param, **optim_state}' in setter
 
 
 def test_optimizer_step_runs_norm_then_update():
@@ -146,9 +181,7 @@ def test_foreach_multi_tensor_replaces_megatrons_local_fallbacks(monkeypatch):
     assert clip_grads.multi_tensor_scale_impl is mp_optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale
     assert clip_grads.multi_tensor_applier is utils.local_multi_tensor_applier
     assert "torch.tensor(l2)" in inspect.getsource(utils.local_multi_tensor_l2_norm)
-    assert "multi_tensor_applier(\n                    l2_norm_impl," in inspect.getsource(
-        clip_grads.get_grad_norm_fp32
-    )
+    assert "multi_tensor_applier( l2_norm_impl," in " ".join(inspect.getsource(clip_grads.get_grad_norm_fp32).split())
     for module, name in ((clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     monkeypatch.setattr(mp_optimizer, "multi_tensor_scale_impl", mp_optimizer.multi_tensor_scale_impl)
@@ -186,9 +219,10 @@ def test_checkpoint_writer_results_queue_is_a_module_global():
     """compat.checkpoint_writer_dies_with_rank pre-fills the global megatron's save reuses."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    src = inspect.getsource(filesystem_async._get_write_results_queue)
+    name = "get_write_results_queue" if mc.MCORE_0_19 else "_get_write_results_queue"  # made public in 0.19
+    src = inspect.getsource(getattr(filesystem_async, name))
     assert "global _results_queue" in src and "if _results_queue is None" in src and ".Manager()" in src
-    assert "_get_write_results_queue()" in inspect.getsource(filesystem_async.FileSystemWriterAsync)
+    assert f" = {name}()" in inspect.getsource(filesystem_async.FileSystemWriterAsync)
 
 
 NUMERICS = textwrap.dedent("""
@@ -331,7 +365,14 @@ def test_fused_loss_postprocess_matches_gptmodel():
         assert f"{kw}={kw}," in call, kw
     post = inspect.getsource(GPTModel._postprocess)
     assert "if not self.post_process:\n            return hidden_states" in post
-    assert "if self.config.mtp_num_layers is not None:" in post
+    if mc.MCORE_0_19:  # MTP runs inside _postprocess (the fused path is never taken with MTP: core's rule), MuP off
+        assert post.index("hidden_states = self.mtp(") < post.index("if not self.post_process:")
+        assert "if self.config.mtp_num_layers:" in post and "if output_processor is not None:" in post
+        assert "logits = self._scale_logits(logits)" in post
+        assert TransformerConfig.__dataclass_fields__["use_mup"].default is False
+        assert "output_processor=output_processor," in call
+    else:
+        assert "if self.config.mtp_num_layers is not None:" in post
     assert "output_weight = self.shared_embedding_or_output_weight()" in post
     assert "self.output_layer(\n            hidden_states, weight=output_weight" in post
     assert "loss = self.compute_language_model_loss(labels, logits)" in post and "[s b h] => [b s h]" in post
@@ -401,7 +442,7 @@ def test_fp8_linears_override_megatrons_forward_impl():
         keywords = {k.arg for k in calls[0].keywords}
         assert keywords <= ours, (cls, keywords - ours)
         passed |= keywords
-    assert ours <= passed, ours - passed
+    assert ours - passed == (set() if mc.MCORE_0_19 else {"gtp_remat_size"}), ours - passed  # new in 0.19
     assert "allreduce_dgrad = False if self.explicit_expert_comm else self.allreduce_dgrad" in inspect.getsource(
         layers.ColumnParallelLinear.forward
     )
@@ -463,3 +504,232 @@ def test_megatrons_optimizer_takes_cores_weight_decay_rule():
         "decoder.layers.0.self_attention.linear_qkv.bias": True,
     }
     assert override == {"wd_mult": 0.0}
+
+
+def test_stacked_experts_are_built_and_called_as_megatrons_experts():
+    """experts.StackedExperts in the MoE layer's experts slot: megatron builds it with the arguments it builds
+    SequentialMLP with (0.16 through build_module, 0.19 by calling the spec and adding ``name=``) and calls it with
+    SequentialMLP's three tensors."""
+    from megatron.core.transformer.moe import moe_layer
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from primus.megatron.experts import StackedExperts
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(moe_layer.MoELayer.__init__)))
+    (call,) = [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "self.experts" and isinstance(n.value, ast.Call)
+    ]
+    args = [ast.unparse(a) for a in call.args]
+    if mc.MCORE_0_19:
+        assert ast.unparse(call.func) == "self.submodules.experts"
+    else:
+        assert ast.unparse(call.func) == "build_module" and args.pop(0) == "self.submodules.experts"
+    assert args == ["self.num_local_experts", "self.config"]
+    keywords = {k.arg for k in call.keywords}
+    assert keywords == ({"pg_collection", "name"} if mc.MCORE_0_19 else {"pg_collection"})
+    ours = inspect.signature(StackedExperts.__init__).parameters
+    assert list(ours)[1:3] == ["num_local_experts", "config"] and keywords | {"submodules"} <= set(ours)
+    theirs = inspect.signature(SequentialMLP.forward).parameters
+    assert list(inspect.signature(StackedExperts.forward).parameters) == list(theirs)
+    forward = " ".join(inspect.getsource(moe_layer.MoELayer).split())
+    if mc.MCORE_0_19:  # its extra keywords only for NCCL-EP's zero-copy buffers (not the all-to-all dispatcher)
+        assert "apply_module(self.experts)( dispatched_input, tokens_per_expert, permuted_probs, **expert_kwargs )" in (
+            forward
+        )
+        assert "if output_buffer is not None:" in forward
+    else:
+        assert "self.experts(dispatched_input, tokens_per_expert, permuted_probs)" in forward
+
+
+def test_cp_batch_arguments():
+    """compat.batch_on_this_cp_rank passes get_batch_on_this_cp_rank the context-parallel group (and 0.19's required
+    is_hybrid_cp): 0.16 looks the group up for None, 0.19 takes the size of None's group, the whole world. (Its
+    numbers: the cp2 layouts of test_train_layouts.py::test_layout_matches_world_size_1.)"""
+    from megatron.core import utils
+
+    params = list(inspect.signature(utils.get_batch_on_this_cp_rank).parameters)
+    if mc.MCORE_0_19:
+        assert params[:3] == ["batch", "is_hybrid_cp", "cp_group"]
+        assert inspect.signature(utils.get_batch_on_this_cp_rank).parameters["is_hybrid_cp"].default is (
+            inspect.Parameter.empty
+        )
+        split = inspect.getsource(utils._get_batch_on_this_cp_rank_per_sequence_balancing)
+        assert "cp_size = torch.distributed.get_world_size(cp_group)" in split and "parallel_state" not in split
+        assert 'batch.get("cu_seqlens") is None' in inspect.getsource(utils.get_batch_on_this_cp_rank)
+    else:
+        assert params == ["batch", "cp_group"]
+        assert "cp_size = parallel_state.get_context_parallel_world_size()" in inspect.getsource(
+            utils.get_batch_on_this_cp_rank
+        )
+
+
+def test_mla_reads_its_linear_types_from_module_globals():
+    """compat.mla_without_te: MLASelfAttention type-checks its output projection against the module's TELinear (under
+    HAVE_TE) and its down projections against TELinear / Linear / TEColumnParallelLinear, module globals. Without TE
+    0.16 holds TE's placeholders there, 0.19 None in all of them, Linear (the replicated one deepseek.whole_linear
+    takes) included; after the patch the TE names are None and Linear modelopt's class, on either release."""
+    from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    assert "HAVE_TE\n            and isinstance(self.linear_proj, TELinear)" in inspect.getsource(
+        mla.MultiLatentAttention.__init__
+    )
+    init = " ".join(inspect.getsource(mla.MLASelfAttention.__init__).split())
+    for proj in ("linear_q_down_proj", "linear_kv_down_proj"):
+        assert f"if submodules.{proj} in [TELinear]:" in init
+        assert f"elif submodules.{proj} in [ Linear, TEColumnParallelLinear, ColumnParallelLinear, ]:" in init
+    before = (mla.HAVE_TE, mla.TELinear, mla.Linear)
+    changed = mc.mla_without_te()
+    if changed:  # (not where an earlier test of this process applied it)
+        if mc.MCORE_0_19:
+            assert changed == ["Linear"] and before == (False, None, None)
+        else:
+            assert changed == ["HAVE_TE", "TELinear", "TEColumnParallelLinear"] and before[0] and before[2] is Linear
+    assert (mla.HAVE_TE, mla.TELinear, mla.TEColumnParallelLinear, mla.Linear) == (False, None, None, Linear)
+    assert mc.mla_without_te() == []
+
+
+MLA_BUILD = textwrap.dedent("""
+    import socket, sys, torch
+    import torch.distributed as dist
+    from primus.megatron.cpu import redirect_to_cpu
+    redirect_to_cpu()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from primus.core.config.presets import model_config
+    from primus.core.config.schema import PrimusConfig
+    from primus.core.contracts.plugins import get_registry
+    from primus.megatron.dist import init_parallel, seed
+    from primus.megatron.layer_spec import KernelRMSNorm, block_spec, mtp_block_spec
+    from primus.megatron.model import gpt_model, transformer_config
+    from megatron.core.transformer.moe.router import TopKRouter
+    from primus.megatron import compat
+    init_parallel(1, 1, 1, 1)
+    seed(0)
+    reg = get_registry()
+    names = {"attention": "sdpa", "rms_norm": "torch", "swiglu": "torch", "grouped_gemm": "torch"}  # CPU's own
+    kernels = {op: next(p for p in reg.providers(op) if p.name == name) for op, name in names.items()}
+    model = model_config("tiny-deepseek", reg).model_dump()
+    # DeepSeek-V3's query latent with a multi-token-prediction depth; DeepSeek-V2-Lite's full q projection
+    for q_lora, mtp in ((64, {"layers": 1}), (None, None)):
+        model["mla"]["q_lora_rank"], model["mtp"] = q_lora, mtp
+        cfg = PrimusConfig.model_validate({"model": model, "train": {"seq_len": 32}})
+        m, config = cfg.model, transformer_config(cfg)
+        spec = block_spec(config, kernels, qk_norm=m.qk_norm, vp_stage=None, mla=True)
+        gpt = gpt_model(config, spec, vocab_size=m.vocab_size, max_seq=32, tied=False, rope_theta=m.rope_theta,
+                        rope_scaling=None, vp_stage=None, mtp=mtp_block_spec(config, spec, kernels, None))
+        attn = gpt.decoder.layers[0].self_attention
+        assert isinstance(attn.kv_layernorm, KernelRMSNorm), attn
+        assert isinstance(getattr(attn, "q_layernorm", None), KernelRMSNorm) == (q_lora is not None), attn
+        assert hasattr(attn, "linear_q_up_proj" if q_lora else "linear_q_proj"), attn
+        ids = torch.randint(0, m.vocab_size, (2, 32))
+        loss = gpt(ids, torch.arange(32).expand(2, 32), None, labels=ids, **({"loss_mask": None} if mtp else {}))
+        loss.float().mean().backward()
+        assert loss.shape == (2, 32) and attn.kv_layernorm.weight.grad is not None
+        if mtp:  # the depth trained beside the main loss, and megatron recorded its loss
+            assert gpt.mtp.layers[0].eh_proj.weight.grad is not None
+            recorded = compat.take_mtp_losses()
+            assert recorded.shape == (1,) and float(recorded[0]) > 0 and compat.take_mtp_losses().sum() == 0
+            # the routers' rows: the decoder's MoE layers 1 and 2 (layer 0 dense), then the depth's, 3
+            routers = [r for r in gpt.modules() if isinstance(r, TopKRouter)]
+            assert [compat.router_layer(r) for r in routers] == [1, 2, 3], [r.layer_number for r in routers]
+    print("ok")
+""")
+
+
+def test_mla_latent_norms_come_from_the_spec():
+    """compat.mla_self_attention: 0.16's MLASelfAttention builds its latent norms and up projections from the spec;
+    0.19's asks _resolve_qk_norm_config (megatron's QKNormConfigResolver, by config.qk_layernorm), which refuses the
+    spec's norms with it off and, with it on and no q_lora_rank, wants TE's fused norm + linear. The class compat
+    returns on 0.19 gives the spec's modules back; a tiny DeepSeek-V3 (with a multi-token-prediction depth) and a
+    V2-Lite-shaped (no query latent) MLA build with both latent norms (the query's only with its latent) and train."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    cls = mc.mla_self_attention()
+    init = inspect.getsource(mla.MLASelfAttention.__init__)
+    if mc.MCORE_0_19:
+        from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+
+        assert issubclass(cls, mla.MLASelfAttention) and cls is not mla.MLASelfAttention
+        assert "layer_classes = self._resolve_qk_norm_config(submodules)" in init
+        for name in mc.MLA_RESOLVED:
+            assert f'layer_classes["{name}"]' in init, name
+        assert "qk_layernorm/qk_l2_norm are supposed to be disabled" in inspect.getsource(QKNormConfigResolver)
+        submodules = SimpleNamespace(**{name: object() for name in mc.MLA_RESOLVED})
+        assert cls._resolve_qk_norm_config(None, submodules) == vars(submodules)
+    else:
+        assert cls is mla.MLASelfAttention and not hasattr(cls, "_resolve_qk_norm_config")
+        for name in mc.MLA_RESOLVED:
+            assert f"submodules.{name}," in init, name
+    proc = subprocess.run([sys.executable, "-c", MLA_BUILD], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_dense_mlp_slot():
+    """compat.dense_mlp: the transformer layer builds its mlp slot from a ModuleSpec of MLP with MLP's own keywords
+    (0.16); 0.19 calls the slot with (config, pg_collection, is_mtp_layer, name) and rewraps a ModuleSpec of MLP into
+    MLP.as_mlp_submodule, the builder compat hands it directly."""
+    import functools
+
+    from megatron.core.transformer import transformer_layer
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    init = inspect.getsource(transformer_layer.TransformerLayer.__init__)
+    submodules = MLPSubmodules(linear_fc1=None, linear_fc2=None)
+    slot = mc.dense_mlp(submodules)
+    if mc.MCORE_0_19:
+        assert "submodules.mlp.module.as_mlp_submodule," in init and "Rewrapping ModuleSpec" in init
+        call = init[init.index("self.mlp = submodules.mlp(") :]
+        call = call[: call.index("\n        )")]
+        for kw in ("config", "pg_collection", "is_mtp_layer", "name"):
+            assert f"{kw}=" in call, kw
+        params = inspect.signature(MLP.as_mlp_submodule).parameters
+        assert list(params)[:4] == ["submodules", "config", "pg_collection", "is_mtp_layer"] and "name" in params
+        assert isinstance(slot, functools.partial) and slot.func == MLP.as_mlp_submodule
+        assert slot.keywords == {"submodules": submodules}
+    else:
+        assert "elif submodules.mlp.module == MLP:" in init
+        assert "self.mlp = build_module(submodules.mlp, config=self.config, **additional_mlp_kwargs)" in init
+        assert slot.module is MLP and slot.submodules is submodules and not hasattr(MLP, "as_mlp_submodule")
+
+
+def test_mtp_depth_slot_and_router_rows():
+    """compat.mtp_layer_submodules: the multi-token-prediction layer builds its transformer layer from the slot 0.16
+    names transformer_layer and 0.19 mtp_model_layer (0.19 maps the checkpoint keys back to transformer_layer.).
+    compat.router_layer: the row of megatron's per-layer MoE records a depth's router writes to (its numbers on a tiny
+    DeepSeek-V3: test_mla_latent_norms_come_from_the_spec)."""
+    from megatron.core.transformer.moe import router
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    slot = "mtp_model_layer" if mc.MCORE_0_19 else "transformer_layer"
+    init = inspect.getsource(MultiTokenPredictionLayer.__init__)
+    assert f"self.{slot} = build_module(\n                self.submodules.{slot}," in init or (
+        f"self.{slot} = build_module(\n            self.submodules.{slot}," in init
+    )
+    built = mc.mtp_layer_submodules("layer", enorm="norm", hnorm="norm", eh_proj="proj", layer_norm="norm")
+    assert getattr(built, slot) == "layer"
+    helper = inspect.getsource(__import__("megatron.core.transformer.multi_token_prediction", fromlist=["x"]))
+    if mc.MCORE_0_19:  # what compat.take_mtp_losses reads and clears
+        assert 'tracker["loss_values"][layer_number] += loss.detach()' in helper
+        assert "def clean_metrics_in_tracker():" in helper
+    else:
+        assert 'tracker["values"][layer_number] += loss.detach()' in helper and "def clean_loss_in_tracker():" in helper
+    record = inspect.getsource(router.TopKRouter)
+    if mc.MCORE_0_19:
+        assert "prefix}mtp_model_layer.': f'{prefix}transformer_layer.'" in inspect.getsource(
+            MultiTokenPredictionLayer.sharded_state_dict
+        )
+        assert "layer_number = self.layer_number + self.config.num_layers" in record  # where it records
+        assert "is_mtp_layer or not add_layer_offset:\n            self.layer_number = layer_number" in (
+            inspect.getsource(
+                __import__("megatron.core.transformer.transformer_layer", fromlist=["x"]).TransformerLayer
+            )
+        )
+    else:
+        assert "self.layer_number + diff_transformer_layer_offset" in init and "is_mtp_layer" not in record
+    depth = SimpleNamespace(layer_number=1, is_mtp_layer=True, config=SimpleNamespace(num_layers=3))
+    assert mc.router_layer(depth) == (3 if mc.MCORE_0_19 else 0)  # (0.16 numbers it 4 itself)

@@ -32,33 +32,63 @@ SEQ = "model.moe.seq_aux_loss_coeff=1e-2"
 REFERENCE = {"ep2": "ref", "ep4": "ref_seq", "tp2": "ref", "tp2_ep2": "ref", "cp2_ep2": "ref"}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("megatron_moe")
-    save, seed = f"train.save_initial={root / 'seed'}", f"train.init_from={root / 'seed'}"
-    out = {"root": root, "ref": train(MOE, root / "ref", 1, save, "checkpoint.enabled=true", "checkpoint.interval=3")}
-    out["ref_seq"] = train(MOE, root / "ref_seq", 1, seed, SEQ)
+def _seed(runs: dict) -> str:
+    runs["ref"]  # (writes the seed checkpoint)
+    return f"train.init_from={runs['root'] / 'seed'}"
+
+
+def _ref_checkpoint(runs: dict) -> list[str]:
+    runs["ref"]
+    return [f"checkpoint.dir={runs['root'] / 'ref' / 'checkpoints'}"]
+
+
+def _ep2_checkpoint(runs: dict) -> list[str]:
+    """EP 2's step-3 checkpoint alone, in a folder of its own (a resume there writes its later steps)."""
+    ckpt = runs["root"] / "ckpt"
+    if not ckpt.exists():
+        runs["ep2"]
+        ckpt.mkdir()
+        shutil.copytree(runs["root"] / "ep2" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
+    return [f"checkpoint.dir={ckpt}", "checkpoint.enabled=true"]
+
+
+# name -> (runs, its folder) -> what the tests read: metrics rows (train) or the finished process (primus)
+RUNS = {
+    "ref": lambda runs, out: train(MOE, out, 1, f"train.save_initial={runs['root'] / 'seed'}",
+                                   "checkpoint.enabled=true", "checkpoint.interval=3"),
+    "ref_seq": lambda runs, out: train(MOE, out, 1, _seed(runs), SEQ),
     # its stacked experts' checkpoint, resumed with megatron's per-expert SequentialMLP: refused
-    per_expert = [f"checkpoint.dir={root / 'ref' / 'checkpoints'}", "kernels.grouped_gemm=torch"]
-    out["per_expert_resume"] = primus("train", MOE, root / "per_expert_resume", 1, *per_expert, resume=True)
-    out["ep2"] = train(MOE, root / "ep2", 2, seed, "parallel.ep=2", "checkpoint.enabled=true", "checkpoint.interval=3")
-    out["ep4"] = train(MOE, root / "ep4", 4, seed, SEQ, "parallel.ep=4")  # 2 of the 8 experts a rank
+    "per_expert_resume": lambda runs, out: primus("train", MOE, out, 1, *_ref_checkpoint(runs),
+                                                  "kernels.grouped_gemm=torch", resume=True),
+    "ep2": lambda runs, out: train(MOE, out, 2, _seed(runs), "parallel.ep=2", "checkpoint.enabled=true",
+                                   "checkpoint.interval=3"),
+    "ep4": lambda runs, out: train(MOE, out, 4, _seed(runs), SEQ, "parallel.ep=4"),  # 2 of the 8 experts a rank
     # every expert whole on both tensor-parallel ranks, each routing its half of the tokens (their gradients summed
     # over the experts' data-parallel group: primus.megatron.experts.experts_apart)
-    out["tp2"] = train(MOE, root / "tp2", 2, seed, "parallel.tp=2", "parallel.sequence_parallel=true")
+    "tp2": lambda runs, out: train(MOE, out, 2, _seed(runs), "parallel.tp=2", "parallel.sequence_parallel=true"),
     # megatron's own loop of experts (SequentialMLP: core's reference grouped_gemm) here, grouped GEMMs elsewhere
-    out["tp2_ep2"] = train(MOE, root / "tp2_ep2", 4, seed, "parallel.tp=2", "parallel.sequence_parallel=true",
-                           "parallel.ep=2", "kernels.grouped_gemm=torch")  # fmt: skip
+    "tp2_ep2": lambda runs, out: train(MOE, out, 4, _seed(runs), "parallel.tp=2", "parallel.sequence_parallel=true",
+                                       "parallel.ep=2", "kernels.grouped_gemm=torch"),
     # each rank half of every sequence (the primus ring attention), the experts split over the same two ranks
-    out["cp2_ep2"] = train(MOE, root / "cp2_ep2", 2, seed, "parallel.cp=2", "parallel.ep=2")
-    ckpt = root / "ckpt"
-    ckpt.mkdir()
-    shutil.copytree(root / "ep2" / "checkpoints" / "step_00000003", ckpt / "step_00000003")
-    resume = [f"checkpoint.dir={ckpt}", "checkpoint.enabled=true"]
-    out["ep1_resume"] = primus("train", MOE, root / "ep1_resume", 1, *resume, resume=True)
-    out["ep2_resume"] = train(MOE, root / "ep2_resume", 2, "parallel.ep=2", *resume, resume=True)
-    out["mixtral"] = train(MIXTRAL, root / "mixtral", 1, "model.moe.capacity_factor=1.0")  # tokens dropped
-    return out
+    "cp2_ep2": lambda runs, out: train(MOE, out, 2, _seed(runs), "parallel.cp=2", "parallel.ep=2"),
+    "ep1_resume": lambda runs, out: primus("train", MOE, out, 1, *_ep2_checkpoint(runs), resume=True),
+    "ep2_resume": lambda runs, out: train(MOE, out, 2, "parallel.ep=2", *_ep2_checkpoint(runs), resume=True),
+    "mixtral": lambda runs, out: train(MIXTRAL, out, 1, "model.moe.capacity_factor=1.0"),  # tokens dropped
+}  # fmt: skip
+
+
+class _Runs(dict):
+    """The runs of this module, each made the first time a test asks for it (in ``root / name``), so that a selection
+    of the tests makes only the runs it reads."""
+
+    def __missing__(self, name: str):
+        self[name] = RUNS[name](self, self["root"] / name)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _Runs(root=tmp_path_factory.mktemp("megatron_moe"))
 
 
 def test_moe_models_train(runs):
@@ -99,8 +129,10 @@ def test_expert_parallel_layouts_match_world_size_1(runs, layout):
 def test_experts_run_as_grouped_gemms_or_megatrons_loop(runs):
     """primus-turbo's grouped_mm over stacked weights by default (auto), megatron's SequentialMLP with core's loop (from
     the stacked run's seed checkpoint: the weights' format is SequentialMLP's): the same curve (above)."""
-    applied = {name: json.loads((runs["root"] / name / "summary.json").read_text())["kernels_applied"]["experts"]
-               for name in ("ref", "tp2_ep2")}  # fmt: skip
+    applied = {}
+    for name in ("ref", "tp2_ep2"):
+        runs[name]  # (made, with its summary)
+        applied[name] = json.loads((runs["root"] / name / "summary.json").read_text())["kernels_applied"]["experts"]
     assert applied["ref"].startswith("grouped GEMMs of provider 'grouped_mm' over all local experts' stacked"), applied
     assert "megatron's SequentialMLP" in applied["tp2_ep2"], applied
 

@@ -1,15 +1,21 @@
-"""The patches primus-megatron makes on megatron-core 0.16.1, in one table, and the version check.
+"""The patches primus-megatron makes on megatron-core, in one table, and the version check.
+
+Two releases are supported, chosen by the interpreter (pyproject's environment markers): megatron-core 0.16.1 on
+Python < 3.12 (the newest release there) and 0.19.2 on Python >= 3.12 (every release from 0.17 requires it).
+:func:`check_version` refuses any other, and :data:`MCORE_0_19` is the one place the package branches on which is
+installed: the functions here that read it are the only version-specific code (each names its release).
 
 :data:`PATCHES` lists each patch or private override the package makes on megatron-core (here, and in cpu.py,
-gpt.py, rope.py, fp8.py, layer_spec.py, model.py): what it replaces, why, and the test that fails when the engine
-changes under it. A patch is a last resort: one small named function per engine behaviour. Everything else that
-talks to megatron-core imports it where it is used (process groups: dist.py, the model: model.py, sharded state
-dicts: checkpoint.py).
+gpt.py, rope.py, fp8.py, layer_spec.py, model.py), and each adapter to an API that differs between the two releases:
+what it replaces, why, and the test that fails when the engine changes under it. A patch is a last resort: one small
+named function per engine behaviour. Everything else that talks to megatron-core imports it where it is used
+(process groups: dist.py, the model: model.py, sharded state dicts: checkpoint.py).
 """
 
 from __future__ import annotations
 
-import warnings
+import functools
+import sys
 from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
@@ -22,7 +28,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "compat.optimizer_step",
         "get_grad_norm / step_with_ready_grads of megatron's ChainedOptimizer, replaced on the instance for one step()",
-        "0.16's step() runs grad norm, clip and update in one method; the health gate decides between norm and update",
+        "step() runs grad norm, clip and update in one method (0.16, 0.19); the health gate decides between norm and "
+        "update",
         "test_compat.py::test_optimizer_step_runs_norm_then_update",
     ),
     Patch(
@@ -42,27 +49,29 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "compat.prepare_optimizer_for_load",
         "calls the private DistributedOptimizer._init_optimizer_states_with_dummy_values before a load",
-        "0.16's DistributedOptimizer.state_dict asserts one Adam step across parameters; torch's AdamW has no state "
-        "before its first step",
+        "DistributedOptimizer.state_dict asserts one Adam step across parameters (0.16, 0.19); torch's AdamW has no "
+        "state before its first step",
         "test_compat.py::test_distributed_optimizer_step_workarounds_still_needed",
     ),
     Patch(
         "compat.restore_adam_step",
         "torch AdamW's per-parameter state['step'] after a distributed-optimizer load",
-        "0.16's dp_reshardable format drops the per-parameter step and copies the dummy one over the restored value: "
-        "Adam's bias correction would restart at 1",
+        "the dp_reshardable format drops the per-parameter step and copies the dummy one over the restored value "
+        "(0.16, 0.19): Adam's bias correction would restart at 1",
         "test_compat.py::test_distributed_optimizer_step_workarounds_still_needed",
     ),
     Patch(
         "compat.checkpoint_writer_dies_with_rank",
         "the module global megatron.core.dist_checkpointing.strategies.filesystem_async._results_queue, pre-filled",
-        "the Manager server megatron spawns on the first save outlives a SIGKILLed rank, holding its stdout/stderr",
+        "the Manager server megatron spawns on the first save (0.16: _get_write_results_queue, 0.19: "
+        "get_write_results_queue) outlives a SIGKILLed rank, holding its stdout/stderr",
         "test_compat.py::test_checkpoint_writer_results_queue_is_a_module_global",
     ),
     Patch(
         "compat.llama3_rope_constants",
         "model.rotary_pos_emb.inv_freq, recomputed with the private RotaryEmbedding._apply_scaling",
-        "0.16's GPTModel takes only the llama3 scaling factor; low/high freq factors and original length are fixed",
+        "GPTModel takes only the llama3 scaling factor (0.16, 0.19); low/high freq factors and original length are "
+        "fixed",
         "test_compat.py::test_gpt_model_rope_arguments, test_compat.py::test_kernel_modules_match_megatron_local_modules",
     ),
     Patch(
@@ -75,8 +84,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fsdp.FSDP2 (finish_grad_sync, scale_gradients)",
         "a subclass of TorchFullyShardedDataParallel overriding two methods of its base _BaseDataParallel",
-        "0.16's finalize_model_grads passes force_all_reduce, which the base finish_grad_sync does not take; the base "
-        "scale_gradients is a no-op, and fine-tuning's per-token loss scales the gradients by 1 / tokens",
+        "finalize_model_grads passes force_all_reduce, which the base finish_grad_sync does not take (0.16, 0.19); "
+        "the base scale_gradients is a no-op, and fine-tuning's per-token loss scales the gradients by 1 / tokens",
         "test_compat.py::test_fsdp2_wrapper_gaps_still_there",
     ),
     Patch(
@@ -113,7 +122,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "gpt.FusedLossGPTModel._postprocess (gpt.fuse_loss)",
         "override of the private GPTModel._postprocess; the built GPTModel instance is retyped",
-        "the output layer and loss as one fused call that never materialises the logits (TP = 1)",
+        "the output layer and loss as one fused call that never materialises the logits (TP = 1, no MTP: 0.19 runs "
+        "the MTP layers inside _postprocess; an output_processor (0.19) keeps megatron's)",
         "test_compat.py::test_fused_loss_postprocess_matches_gptmodel, "
         "test_compat.py::test_kernel_modules_match_megatron_local_modules",
     ),
@@ -127,7 +137,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fp8.linear_classes (Fp8ColumnParallelLinear, Fp8RowParallelLinear)",
         "the private _forward_impl of ColumnParallelLinear / RowParallelLinear, and ColumnParallelLinear.allreduce_dgrad",
-        "FP8 GEMMs inside megatron's tensor-parallel linears (same parameters, state dict and TP communication)",
+        "FP8 GEMMs inside megatron's tensor-parallel linears (same parameters, state dict and TP communication); 0.19 "
+        "also passes gtp_remat_size, refused above 1 (a GTP-sharded weight)",
         "test_compat.py::test_fp8_linears_override_megatrons_forward_impl",
     ),
     Patch(
@@ -140,20 +151,92 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "model.transformer_config (interleaved pipelines)",
         "TransformerConfig.batch_p2p_comm=False, overlap_p2p_comm=True when vpp > 1",
-        "0.16's batched p2p posts send_prev before send_next; with pp = 2 one peer is both neighbours and receives "
-        "them in the wrong buffers",
+        "batched p2p posts send_prev before send_next (0.16, 0.19); with pp = 2 one peer is both neighbours and "
+        "receives them in the wrong buffers",
         "test_compat.py::test_interleaved_pipeline_uses_unbatched_p2p",
+    ),
+    Patch(
+        "experts.StackedExperts",
+        "the MoE layer's experts slot, built as megatron builds SequentialMLP (num_local_experts, config, "
+        "pg_collection=, and from 0.19 name=) and called as it calls it",
+        "the routed experts as grouped GEMMs over stacked weights, in SequentialMLP's checkpoint format",
+        "test_compat.py::test_stacked_experts_are_built_and_called_as_megatrons_experts",
+    ),
+    Patch(
+        "compat.dense_mlp",
+        "the transformer layer's mlp slot: a ModuleSpec of MLP (0.16), megatron's builder MLP.as_mlp_submodule (0.19)",
+        "0.19 calls the slot with (config, pg_collection, is_mtp_layer, name) and rewraps a ModuleSpec of MLP into "
+        "that builder itself, warning at every layer",
+        "test_compat.py::test_dense_mlp_slot",
+    ),
+    Patch(
+        "compat.mtp_layer_submodules",
+        "MultiTokenPredictionLayerSubmodules' transformer layer slot: transformer_layer (0.16), mtp_model_layer (0.19)",
+        "0.19 renamed the slot (and the module attribute; its sharded state dict keeps the old key names)",
+        "test_compat.py::test_mtp_depth_slot_and_router_rows, test_compat.py::test_mla_latent_norms_come_from_the_spec",
+    ),
+    Patch(
+        "compat.router_layer",
+        "reads TopKRouter.layer_number (and 0.19's is_mtp_layer) for the row of megatron's per-layer MoE records",
+        "0.19 numbers a multi-token-prediction depth's router by its depth and adds num_layers only where it records; "
+        "0.16 numbers it after the decoder's layers",
+        "test_compat.py::test_mtp_depth_slot_and_router_rows, test_compat.py::test_mla_latent_norms_come_from_the_spec",
+    ),
+    Patch(
+        "compat.take_mtp_losses",
+        "reads and clears megatron's MTPLossLoggingHelper.tracker: values / clean_loss_in_tracker (0.16), "
+        "loss_values / clean_metrics_in_tracker (0.19)",
+        "the mtp_loss metric comes from megatron's own record of it; 0.19 renamed both",
+        "test_compat.py::test_mtp_depth_slot_and_router_rows, test_compat.py::test_mla_latent_norms_come_from_the_spec",
+    ),
+    Patch(
+        "compat.batch_on_this_cp_rank",
+        "calls megatron.core.utils.get_batch_on_this_cp_rank with the context-parallel group, and 0.19's "
+        "is_hybrid_cp=False",
+        "0.19 added the required is_hybrid_cp and splits over the whole world for cp_group=None",
+        "test_compat.py::test_cp_batch_arguments",
+    ),
+    Patch(
+        "compat.mla_without_te",
+        "the module globals HAVE_TE / TELinear / TEColumnParallelLinear (0.16) and Linear (0.19) of "
+        "megatron.core.transformer.multi_latent_attention",
+        "MLASelfAttention type-checks its linears against TE's names; without TE, 0.16 leaves placeholders there "
+        "(isinstance raises) and 0.19 sets the replicated Linear it accepts for the down projections to None",
+        "test_compat.py::test_mla_reads_its_linear_types_from_module_globals",
+    ),
+    Patch(
+        "compat.mla_self_attention (0.19: SpecNormsMLASelfAttention._resolve_qk_norm_config)",
+        "the private MLASelfAttention._resolve_qk_norm_config of 0.19, returning the spec's latent norms and up "
+        "projections",
+        "0.19 resolves them from config.qk_layernorm, refusing the spec's latent norms with it off and needing TE's "
+        "fused norm + linear for a full q projection with it on",
+        "test_compat.py::test_mla_latent_norms_come_from_the_spec, "
+        "test_fp8.py::test_core_shape_table_is_the_model_megatron_builds",
     ),
 )
 
-PINNED = "0.16.1"
-INSTALLED = version("megatron-core")
+#: the megatron-core releases primus-megatron is written against, and the interpreters that install each
+SUPPORTED = {"0.16.1": "Python < 3.12", "0.19.2": "Python >= 3.12"}
 
-if INSTALLED != PINNED:  # pragma: no cover - the pin in pyproject keeps these equal
-    warnings.warn(f"primus-megatron is written for megatron-core {PINNED}, found {INSTALLED}", stacklevel=1)
+
+def check_version(found: str) -> str:
+    """``found`` when it is a supported megatron-core release; otherwise a RuntimeError in one line that names the
+    supported ones and the one this interpreter takes."""
+    if found not in SUPPORTED:
+        want = "0.19.2" if sys.version_info >= (3, 12) else "0.16.1"
+        both = " and ".join(f"{v} ({py})" for v, py in SUPPORTED.items())
+        raise RuntimeError(
+            f"primus-megatron supports megatron-core {both}, found {found}: pip install 'megatron-core=={want}'"
+        )
+    return found
+
+
+INSTALLED = check_version(version("megatron-core"))
+#: megatron-core 0.19.2 rather than 0.16.1: the one version branch of the package
+MCORE_0_19 = INSTALLED == "0.19.2"
 
 # The MLP calls ``submodules.activation_func`` (a module built with ``config=``) on the whole fc1
-# output only when this flag is set; the name says TE but the slot takes any module (0.16).
+# output only when this flag is set; the name says TE but the slot takes any module (0.16 and 0.19).
 PLUGGABLE_ACTIVATION_FLAG = "use_te_activation_func"
 
 
@@ -367,3 +450,141 @@ def moe_without_te() -> bool:
         return False
     moe_utils.te_general_gemm = None
     return True
+
+
+def batch_on_this_cp_rank(batch: dict[str, Any]) -> dict[str, Any]:
+    """This context-parallel rank's share of ``batch`` (megatron's ``get_batch_on_this_cp_rank``: chunks r and
+    2·cp-1-r of 2·cp along the sequence, every tensor of ``[b, s]``; None values stay None). 0.19 made
+    ``is_hybrid_cp`` a required argument and no longer looks up megatron's context-parallel group for
+    ``cp_group=None`` (it would split over the whole world): the group is passed on both releases."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    group = parallel_state.get_context_parallel_group()
+    if MCORE_0_19:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(batch, cp_group=group)
+
+
+def mla_without_te() -> list[str]:
+    """The names megatron-core's multi-latent-attention module reads to type-check its down projections, as they are
+    without Transformer Engine; returns the ones changed.
+
+    0.16 imports TE's extension (which imports without TE, its classes placeholders) and sets ``HAVE_TE``: its
+    ``isinstance(linear_proj, TELinear)`` test then raises, so ``HAVE_TE`` / ``TELinear`` / ``TEColumnParallelLinear``
+    are set as its own except branch would. 0.19 reads ``HAVE_TE`` from the extension (False) but then sets
+    ``Linear``, the replicated linear it accepts for the down projections (:func:`primus.megatron.deepseek.whole_linear`),
+    to None with the TE names: it gets modelopt's ``Linear``, the class 0.16 has there."""
+    import inspect
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    changed = []
+    if mla.HAVE_TE and not inspect.isclass(mla.TELinear):  # 0.16
+        mla.HAVE_TE = False
+        mla.TELinear = mla.TEColumnParallelLinear = None
+        changed += ["HAVE_TE", "TELinear", "TEColumnParallelLinear"]
+    if mla.Linear is None:  # 0.19
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        mla.Linear = Linear
+        changed.append("Linear")
+    return changed
+
+
+#: the MLASelfAttention submodules 0.19's ``_resolve_qk_norm_config`` chooses (built as the spec gives them)
+MLA_RESOLVED = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "q_layernorm", "kv_layernorm")
+
+
+@functools.cache
+def mla_self_attention() -> type:
+    """megatron's MLASelfAttention building the latent norms and up projections the layer spec gives it.
+
+    0.16 builds them from the spec. 0.19 picks them in ``_resolve_qk_norm_config`` (megatron's
+    ``QKNormConfigResolver``) from ``config.qk_layernorm``: off, it refuses the spec's latent norms; on, with no
+    ``q_lora_rank`` (DeepSeek-V2-Lite, Moonlight), it wants a norm fused into ``linear_q_proj``, which only Transformer
+    Engine provides. Primus's spec holds DeepSeek's model (both latent norms, no norm before a full q projection), so
+    on 0.19 the override returns the spec's modules, as 0.16 builds them."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    if not MCORE_0_19:
+        return MLASelfAttention
+
+    class SpecNormsMLASelfAttention(MLASelfAttention):
+        def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+            return {name: getattr(submodules, name) for name in MLA_RESOLVED}
+
+    return SpecNormsMLASelfAttention
+
+
+def dense_mlp(submodules: Any) -> Any:
+    """The transformer layer's ``mlp`` slot for megatron's MLP with these submodules. 0.16 builds a ``ModuleSpec`` of
+    MLP, passing MLP's own keyword arguments; 0.19 calls the slot with (config, pg_collection, is_mtp_layer, name) and
+    wants the builder for that, ``MLP.as_mlp_submodule`` (a ``ModuleSpec`` of MLP it rewraps into one itself, warning
+    at every layer it builds)."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if MCORE_0_19:
+        return functools.partial(MLP.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=MLP, submodules=submodules)
+
+
+def mtp_layer_submodules(layer: Any, **modules: Any) -> Any:
+    """``MultiTokenPredictionLayerSubmodules`` with ``layer`` (the depth's transformer layer spec) in the slot 0.16 names
+    ``transformer_layer`` and 0.19 ``mtp_model_layer``; ``modules``: its norms and ``eh_proj``. (0.19's sharded state
+    dict maps the new name's keys back to ``transformer_layer.``: checkpoints and Hugging Face names stay the same.)"""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayerSubmodules
+
+    return MultiTokenPredictionLayerSubmodules(**{"mtp_model_layer" if MCORE_0_19 else "transformer_layer": layer},
+                                               **modules)  # fmt: skip
+
+
+def router_layer(router: Any) -> int:
+    """A TopKRouter's row in megatron's per-layer MoE records, 0-based: the decoder's layers, then the
+    multi-token-prediction depths. 0.16 numbers a depth's layer after the decoder's (``num_layers + k``); 0.19 numbers
+    it ``k``, marks its router ``is_mtp_layer`` and adds ``num_layers`` where it records."""
+    if MCORE_0_19 and router.is_mtp_layer:
+        return router.layer_number - 1 + router.config.num_layers
+    return router.layer_number - 1
+
+
+def take_mtp_losses() -> Any:
+    """megatron's record of the multi-token-prediction losses since it was last taken (each training forward on the
+    last pipeline stage adds its micro-batch's mean cross-entropy per depth: a tensor [depths]; None before the
+    first), a copy, and the record cleared. 0.16 keeps it in ``MTPLossLoggingHelper.tracker["values"]`` and clears it
+    with ``clean_loss_in_tracker``; 0.19 in ``tracker["loss_values"]`` (beside its acceptance counts) with
+    ``clean_metrics_in_tracker``."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper as helper
+
+    values = helper.tracker.get("loss_values" if MCORE_0_19 else "values")
+    if values is None:
+        return None
+    values = values.clone()
+    (helper.clean_metrics_in_tracker if MCORE_0_19 else helper.clean_loss_in_tracker)()
+    return values
+
+
+#: Python warnings megatron-core raises on every rank about its own code, nothing a user can change (filtered by
+#: primus.megatron.dist with its 0.16 ones): 0.19's optimizer builder imports its experimental multimodal model class
+#: on every call, which warns at import; its checkpoint loader calls DCP's load with positional arguments and, for the
+#: common state, in one process (each warned by torch on every resume).
+ENGINE_WARNINGS = (
+    ("MimoModelConfig is experimental", "The argument order of load has been changed",
+     "torch.distributed is disabled, unavailable or uninitialized")
+    if MCORE_0_19
+    else ()
+)  # fmt: skip
+#: log lines megatron-core 0.19 writes about its own calls (logger -> message start): a synchronous save goes through
+#: its deprecated async writer and says so; DDP computes the distributed optimizer's parameter layout itself and asks
+#: callers to pass one (the one it computes: Primus's would be the same call); GPTModel announces its deprecation in
+#: favour of HybridModel at every build (it still takes bug fixes; moving to HybridModel is a change of its own)
+ENGINE_LOG_LINES = (
+    {
+        "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED.",
+        "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+        "megatron.core.distributed.distributed_data_parallel": "DistributedDataParallel: full_param_layout not provided",
+    }
+    if MCORE_0_19
+    else {}
+)

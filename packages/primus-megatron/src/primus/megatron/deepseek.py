@@ -1,4 +1,4 @@
-"""DeepSeek-V3-class models (``model.family: deepseek``) on megatron-core 0.16.1: multi-head latent attention
+"""DeepSeek-V3-class models (``model.family: deepseek``) on megatron-core (0.16.1, 0.19.2): multi-head latent attention
 through its ``MLASelfAttention`` with a local (non-Transformer-Engine) spec (the linears are megatron's own
 tensor-parallel ones, the two latent norms and the core attention Primus's providers: it runs on the CPU), and
 DeepSeek's router through ``TopKRouter`` (sigmoid scores + the expert bias, group-limited top-k, the routed
@@ -18,24 +18,11 @@ from primus.core.config.schema import ModelConfig, PrimusConfig
 from primus.core.contracts.protocols import ConfigIssue
 
 
-def mla_without_te() -> bool:
-    """megatron-core's MLA tests ``isinstance(linear_proj, TELinear)`` when its import of Transformer Engine's
-    extension succeeded; without TE that name is a placeholder, not a type (the test raises). Say there is no TE to
-    this module, as its own except branch would; True when changed."""
-    import inspect
-
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    if not mla.HAVE_TE or inspect.isclass(mla.TELinear):
-        return False
-    mla.HAVE_TE = False
-    mla.TELinear = mla.TEColumnParallelLinear = None
-    return True
-
-
 def mla_fields(m: ModelConfig) -> dict[str, Any]:
     """``MLATransformerConfig``'s fields of ``model.mla`` (and of YaRN: megatron's MLA owns its RoPE)."""
-    mla_without_te()
+    from primus.megatron import compat
+
+    compat.mla_without_te()
     a, rs = m.mla, m.rope_scaling
     out: dict[str, Any] = dict(
         multi_latent_attention=True,
@@ -71,17 +58,20 @@ def router_fields(m: ModelConfig) -> dict[str, Any]:
 
 
 def attention_spec(norm: Any, core_attention: Any, linears: dict[str, Any] | None = None) -> Any:
-    """MLASelfAttention with megatron's local linears, ``norm`` (the spec of both latent RMSNorms) and
-    ``core_attention`` (Primus's provider attention; both from :mod:`primus.megatron.layer_spec`); ``linears``
-    replaces some (FP8 ones: :func:`primus.megatron.fp8.linear_specs`)."""
+    """MLASelfAttention (:func:`primus.megatron.compat.mla_self_attention`: the latent norms as the spec gives them)
+    with megatron's local linears, ``norm`` (the spec of both latent RMSNorms) and ``core_attention`` (Primus's
+    provider attention; both from :mod:`primus.megatron.layer_spec`); ``linears`` replaces some (FP8 ones:
+    :func:`primus.megatron.fp8.linear_specs`)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from primus.megatron import compat
 
     down = whole_linear()
     return ModuleSpec(
-        module=MLASelfAttention,
+        module=compat.mla_self_attention(),
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
             **{
@@ -105,9 +95,14 @@ def whole_linear() -> type:
     TE's), whole on every tensor-parallel rank as DeepSeek's reference splits them. Megatron's other choice, a
     ColumnParallelLinear, loses part of the decoupled RoPE key's gradient under TP: each rank's share of the key
     (its heads') is never summed over ranks. The replicated one's key goes through the sequence-parallel gather,
-    whose backward sums it, and its weight is marked sequence-parallel, so megatron sums its gradient too."""
+    whose backward sums it, and its weight is marked sequence-parallel, so megatron sums its gradient too. (Read from
+    megatron's module, where :func:`primus.megatron.compat.mla_without_te` puts it on both releases: MLASelfAttention
+    accepts only the class held there.)"""
     from megatron.core.transformer import multi_latent_attention as mla
 
+    from primus.megatron import compat
+
+    compat.mla_without_te()
     return mla.Linear
 
 

@@ -7,38 +7,56 @@ megatron-core is imported inside the functions: on a CPU, :func:`init_distribute
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from primus.core.launch.env import free_port
+from primus.megatron import compat
 
 # megatron warns once per process about every optional fused kernel it cannot find (TE, apex): expected on a
 # local-spec build; kept out of the run log.
 OPTIONAL_KERNEL_WARNINGS = ("Transformer Engine", "TransformerEngine", "Apex", "apex")
 
 
-# Warned by every rank of a run about what megatron-core 0.16 itself calls, nothing a user can change: torch's
+# Warned by every rank of a run about what megatron-core itself calls, nothing a user can change: torch's
 # deprecated collectives in its distributed optimizer, and the .grad of a non-leaf tensor (its gradient buffers'
-# views; on a CPU raised through primus.megatron.cpu's redirect).
+# views; on a CPU raised through primus.megatron.cpu's redirect); the torch APIs its checkpoint loader calls on a
+# resume (ShardedTensor, DCP's load_state_dict); and the installed release's own (compat).
 ENGINE_WARNINGS = (
     "`torch.distributed.reduce_scatter_tensor` is deprecated",
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    "Please use DTensor instead and we are deprecating ShardedTensor",
+    "`load_state_dict` is deprecated",
+    *compat.ENGINE_WARNINGS,
 )
 
 
+_quieted: set[str] = set()  # the loggers given their filter (once per process)
+
+
+def _not_said(text: str) -> Callable[[logging.LogRecord], bool]:
+    return lambda record: not record.getMessage().startswith(text)
+
+
 def quiet_optional_kernel_warnings() -> None:
-    """Ignore megatron's missing-TE / apex warnings (installed before megatron is first imported) and
-    :data:`ENGINE_WARNINGS`."""
+    """Ignore megatron's missing-TE / apex warnings (installed before megatron is first imported),
+    :data:`ENGINE_WARNINGS`, and the log lines megatron writes about its own calls (``compat.ENGINE_LOG_LINES``)."""
     for pattern in OPTIONAL_KERNEL_WARNINGS:
         warnings.filterwarnings("ignore", message=f".*{pattern}.*")
     for text in ENGINE_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(text))
+    for name, text in compat.ENGINE_LOG_LINES.items():
+        if name not in _quieted:
+            logging.getLogger(name).addFilter(_not_said(text))
+            _quieted.add(name)
 
 
 def init_distributed(timeout: timedelta) -> tuple[int, int, str]:

@@ -257,9 +257,7 @@ class MegatronEngine:
         masked = self.cfg.train.objective == "sft"
         cp = self.cfg.parallel.cp
         eos = self.document_eos
-        if cp > 1:
-            from megatron.core.utils import get_batch_on_this_cp_rank
-
+        cp_batch = self.mc.batch_on_this_cp_rank
         mtp = self.cfg.model.mtp is not None
 
         def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
@@ -269,7 +267,7 @@ class MegatronEngine:
                 torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous() if mtp else None
             )
             if cp > 1:  # this rank's chunks r and 2·cp-1-r of 2·cp: causal work balanced over the ranks
-                batch = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "positions": positions})
+                batch = cp_batch({"tokens": tokens, "labels": labels, "positions": positions})
                 tokens, labels, positions = batch["tokens"], batch["labels"], batch["positions"]
             mask = labels != IGNORE_INDEX if masked else None
             target = labels if mask is None else torch.where(mask, labels, torch.zeros_like(labels))
@@ -307,12 +305,13 @@ class MegatronEngine:
         return stats
 
     def expert_routers(self) -> list[tuple[int, Any, Any]]:
-        """megatron's routers on this rank (TopKRouter: ``layer_number`` is global, 1-based), with the tokens per
-        expert from their output ``(probs, routing_map [tokens, experts])``."""
+        """megatron's routers on this rank with their global layer (0-based; multi-token-prediction depths after the
+        decoder's layers: :func:`primus.megatron.compat.router_layer`) and the tokens per expert from their output
+        ``(probs, routing_map [tokens, experts])``."""
         from megatron.core.transformer.moe.router import TopKRouter
 
         return [
-            (m.layer_number - 1, m, lambda out: out[1].sum(0))
+            (self.mc.router_layer(m), m, lambda out: out[1].sum(0))
             for chunk in self.chunks
             for m in chunk.modules()
             if isinstance(m, TopKRouter)
@@ -328,17 +327,13 @@ class MegatronEngine:
         their own)."""
         if self.cfg.model.mtp is None:
             return {}
-        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-        values = MTPLossLoggingHelper.tracker.get("values")
+        values = self.mc.take_mtp_losses()  # (and cleared)
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self.reports_loss and values is not None:
             sums[0] = values.double().mean()
             sums[1] = self._mtp_steps * self.num_micro
         if dist.is_initialized():
             dist.all_reduce(sums)
-        if values is not None:
-            MTPLossLoggingHelper.clean_loss_in_tracker()
         self._mtp_steps = 0
         return {"mtp_loss": float(sums[0] / sums[1])} if sums[1] > 0 else {}
 

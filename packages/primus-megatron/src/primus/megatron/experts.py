@@ -1,6 +1,6 @@
 """Megatron's routed experts as grouped GEMMs over stacked weights: :class:`StackedExperts`.
 
-megatron-core 0.16 runs a layer's local experts either as ``SequentialMLP`` (a loop of small MLPs, each expert's
+megatron-core (0.16, 0.19) runs a layer's local experts either as ``SequentialMLP`` (a loop of small MLPs, each expert's
 ``linear_fc1`` / ``linear_fc2`` its own parameters) or as ``GroupedMLP`` / ``TEGroupedMLP``, which need the
 ``grouped_gemm`` package or Transformer Engine (neither runs on ROCm's nor CPU's torch without them).
 
@@ -42,8 +42,9 @@ def experts_apart(config: Any) -> bool:
 
 
 class StackedExperts(MegatronModule):
-    def __init__(self, num_local_experts: int, config: Any, submodules: Any = None, pg_collection: Any = None, *,
-                 gemm: Any = "", swiglu: Any = ""):  # fmt: skip
+    # (``name``: megatron-core 0.19's MoE layer names its experts for its own logging; unused here)
+    def __init__(self, num_local_experts: int, config: Any, submodules: Any = None, pg_collection: Any = None,
+                 name: str | None = None, *, gemm: Any = "", swiglu: Any = ""):  # fmt: skip
         from megatron.core.tensor_parallel.layers import (
             _initialize_affine_weight_gpu,
             set_tensor_model_parallel_attributes,

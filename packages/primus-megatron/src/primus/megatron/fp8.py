@@ -183,12 +183,13 @@ def _build_classes(provider: Any) -> tuple[type, type]:
         grad_output_buffer: Any = None,
         wgrad_deferral_limit: Any = None,
         tp_group: Any = None,
+        gtp_remat_size: int = 1,  # megatron-core 0.19: >1 when the weight is GTP-sharded (gathered in its GEMM)
         **_: Any,
     ) -> Any:
-        if allreduce_dgrad or grad_output_buffer is not None:
+        if allreduce_dgrad or grad_output_buffer is not None or gtp_remat_size > 1:
             raise RuntimeError(
-                "FP8 linear: in-GEMM dgrad all-reduce / deferred wgrad are megatron's autograd-function features the "
-                "FP8 linear does not implement"
+                "FP8 linear: in-GEMM dgrad all-reduce / deferred wgrad / GTP-sharded weights are megatron's "
+                "autograd-function features the FP8 linear does not implement"
             )
         if sequence_parallel:  # [s/tp, b, h] -> [s, b, h]; the input's gradient is reduce-scattered back
             input = tensor_parallel.gather_from_sequence_parallel_region(input, True, group=tp_group)

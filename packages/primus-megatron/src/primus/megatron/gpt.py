@@ -31,7 +31,14 @@ class FusedLossGPTModel(GPTModel):
     linear_cross_entropy: Callable[..., torch.Tensor]
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, **kwargs: Any):
-        plain = labels is None or not self.post_process or kwargs.get("inference_context") is not None
+        # megatron's own path without labels, off the last stage, for inference, and where a caller hands 0.19's
+        # _postprocess an output_processor (its own output layer + loss)
+        plain = (
+            labels is None
+            or not self.post_process
+            or kwargs.get("inference_context") is not None
+            or kwargs.get("output_processor") is not None
+        )
         if plain:
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, **kwargs)
         if self.share_embeddings_and_output_weights:

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from primus.core.contracts.protocols import KernelProvider, load_ref
 from primus.core.kernels import fp8_experts, reference
+from primus.megatron import compat
 from primus.megatron.fp8 import Fp8Linears
 from primus.megatron.rope import KernelRoPESelfAttention, rope_impl
 
@@ -290,13 +291,12 @@ def layer_spec(
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
             mlp=moe
-            or ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(
+            or compat.dense_mlp(
+                MLPSubmodules(
                     linear_fc1=lin["linear_fc1"],
                     linear_fc2=lin["linear_fc2"],
                     activation_func=ModuleSpec(module=KernelSwiGLU, params={"kernel": _impl(kernels, "swiglu")}),
-                ),
+                )
             ),
             mlp_bda=get_bias_dropout_add,
         ),
@@ -330,7 +330,6 @@ def mtp_block_spec(config: Any, block: TransformerBlockSubmodules, kernels: dict
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlockSubmodules,
         MultiTokenPredictionLayer,
-        MultiTokenPredictionLayerSubmodules,
         get_mtp_num_layers_to_build,
     )
 
@@ -339,9 +338,8 @@ def mtp_block_spec(config: Any, block: TransformerBlockSubmodules, kernels: dict
     norm = ModuleSpec(module=KernelRMSNorm, params={"kernel": _impl(kernels, "rms_norm")})
     depth = ModuleSpec(
         module=MultiTokenPredictionLayer,
-        submodules=MultiTokenPredictionLayerSubmodules(
-            enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, transformer_layer=block.layer_specs[-1],
-            layer_norm=norm,
+        submodules=compat.mtp_layer_submodules(
+            block.layer_specs[-1], enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, layer_norm=norm,
         ),
     )  # fmt: skip
     return MultiTokenPredictionBlockSubmodules(layer_specs=[depth] * config.mtp_num_layers)

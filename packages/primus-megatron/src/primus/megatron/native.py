@@ -4,15 +4,16 @@
 
 A save folder holds ``latest_checkpointed_iteration.txt`` (the newest iteration, or ``release``) and one folder per
 saved iteration, ``iter_NNNNNNN`` (``release``). Each is a megatron-core ``dist_checkpointing`` checkpoint:
-``metadata.json`` (``sharded_backend: torch_dist``, written last), ``common.pt`` (what is not a tensor:
+``metadata.json`` (``sharded_backend: torch_dist``, written last), the common state (what is not a tensor:
 ``args``, the argparse namespace of the run, ``iteration``, ``checkpoint_version`` 3.0, the optimizer's param
-groups, ``opt_param_scheduler``, ``content_metadata``: how the state dicts were sharded), and the tensors in
+groups, ``opt_param_scheduler``, ``content_metadata``: how the state dicts were sharded; ``common.pt`` from
+megatron-core 0.16, one ``common_state`` object in the DCP files from 0.17), and the tensors in
 torch DCP's ``.metadata`` + ``__R_N.distcp``: global tensors whatever TP / PP / EP / VPP saved them, under the keys of
 the model's sharded state dict (``decoder.layers.self_attention.linear_qkv.weight``, ...) and the optimizer's
 (``optimizer.state.exp_avg.<model key>`` where it holds per-parameter state). The legacy ``--ckpt-format torch``
 (``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt``, one file per model-parallel rank) is recognised and refused.
 
-This module reads file names, ``metadata.json``, ``common.pt`` (small: the arguments) and the DCP ``.metadata`` index,
+This module reads file names, ``metadata.json``, the common state (small: the arguments) and the DCP ``.metadata`` index,
 with torch but no megatron import; the engine loads what it recognised (:mod:`primus.megatron.native_load`).
 The model is what Megatron-LM's arguments say (:func:`model_fields`); a feature Primus's megatron engine does not
 build is named in the refusal.
@@ -35,14 +36,15 @@ RELEASE = "release"
 LEGACY = re.compile(r"^mp_rank_\d\d(_\d\d\d)?(_\d\d\d)?$")
 EXPECTS = (
     "a Megatron-LM torch_dist checkpoint (its save folder with latest_checkpointed_iteration.txt and "
-    "iter_NNNNNNN/ folders, or one iter_NNNNNNN/ folder: metadata.json, common.pt, .metadata, *.distcp)"
+    "iter_NNNNNNN/ folders, or one iter_NNNNNNN/ folder: metadata.json, .metadata, *.distcp, and common.pt before "
+    "megatron-core 0.17)"
 )
 #: a model tensor's optimizer state in model space: ``[chained_<i>.]optimizer.state.<kind>.<model key>``
 STATE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(exp_avg|exp_avg_sq|param|fp32_param)\.(.+)$")
 
 
 class _Opaque:
-    """Stands in, while ``common.pt`` is read, for a class of a package this module does not import (megatron's enums
+    """Stands in, while the common state is read, for a class of a package this module does not import (megatron's enums
     and configs in ``args``): built and filled like the original, never called."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -67,15 +69,61 @@ class _pickle:  # the pickle module torch.load is handed: its own Unpickler, no 
     load = pickle.load
 
 
+#: where megatron-core from 0.17 (0.19.2 here) keeps the common state of a torch_dist checkpoint: one object
+#: (``ShardedObject("common_state")``) among the tensors of the DCP files, instead of ``common.pt``
+COMMON_STATE = "common_state/shard_0_1"
+
+
+def has_common(folder: Path) -> bool:
+    """Whether ``folder`` holds a torch_dist common state: ``common.pt`` (megatron-core 0.16) or the ``common_state``
+    object of its DCP index (0.19)."""
+    if (folder / "common.pt").is_file():
+        return True
+    if not (folder / ".metadata").is_file():
+        return False
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return COMMON_STATE in FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+
+
 def read_common(folder: Path) -> dict[str, Any]:
-    """``common.pt`` of a torch_dist checkpoint: Megatron-LM's ``args`` namespace and the other non-tensor state.
+    """The common state of a torch_dist checkpoint: Megatron-LM's ``args`` namespace and the other non-tensor state,
+    from ``common.pt`` (written by megatron-core 0.16) or else the ``common_state`` object of the DCP files (0.19).
     Read with ``weights_only=False``: the namespace (and the classes in it) is not a tensor file torch's safe loader
     accepts; it is the user's own checkpoint, the same trust ``megatron.training`` gives it on load. Classes outside
     the standard library, torch and numpy (megatron's enums and configs) load as inert stand-ins, so reading it
     imports no megatron."""
+    import io
+
     import torch
 
-    return torch.load(folder / "common.pt", map_location="cpu", weights_only=False, pickle_module=_pickle)
+    if (folder / "common.pt").is_file():
+        return torch.load(folder / "common.pt", map_location="cpu", weights_only=False, pickle_module=_pickle)
+    data = io.BytesIO(_dcp_bytes(folder, COMMON_STATE))
+    # megatron saves the object's data in a one-item list
+    return torch.load(data, map_location="cpu", weights_only=False, pickle_module=_pickle)[0]
+
+
+def _dcp_bytes(folder: Path, key: str) -> bytes:
+    """A bytes item of the DCP files in ``folder``, as written: DCP's default planner would unpickle it itself
+    (``torch.load(weights_only=False)``, importing whatever classes it names), not with this module's unpickler.
+    Read by this process alone, whatever process group it is in."""
+    import io
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    found: dict[str, bytes] = {}
+
+    class Raw(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            found[read_item.dest_index.fqn] = value.read()
+
+    with warnings.catch_warnings():  # DCP's notice that no_dist loads in one process: the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load({key: io.BytesIO()}, storage_reader=FileSystemReader(str(folder)), planner=Raw(), no_dist=True)
+    return found[key]
 
 
 def tensor_index(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -417,7 +465,7 @@ class MegatronLMFormat:
             what = f"Megatron-LM checkpoint folder {folder} ({label})"
             why = (
                 "a torch_dcp / fsdp_dtensor checkpoint (no metadata.json); expected --ckpt-format torch_dist"
-                if dcp and not (folder / "common.pt").is_file()
+                if dcp and not has_common(folder)
                 else "no metadata.json, which megatron-core writes last: an unfinished save; expected a complete "
                 "torch_dist folder"
             )
@@ -432,7 +480,8 @@ class MegatronLMFormat:
         if args is None:
             what = f"megatron-core torch_dist checkpoint {folder} ({label}) without Megatron-LM's arguments"
             why = (
-                "common.pt holds no args (Megatron-LM's save_checkpoint stores them: this is not its checkpoint); "
+                "its common state holds no args (Megatron-LM's save_checkpoint stores them: this is not its "
+                "checkpoint); "
                 f"expected {EXPECTS}"
             )
             return NativeCheckpoint(SOURCE, folder, step, what, why)
