@@ -411,7 +411,7 @@ def test_moe_step_time_counts_active_weights_and_all_to_alls(registry):
     rate = gemm_rate(dev)
     assert terms["gemm"] == pytest.approx(6 * dense / rate + 6 * routed / (rate * moe_gemm_fraction(256)))
     # each token's k copies routed there and back: the engine's passes over k · d bf16 elements
-    assert terms["routing"] == pytest.approx(60 * 2 * 8 * m.hidden_size / (dev.hbm_gbps * 1e9))
+    assert terms["routing"] == pytest.approx(60 * 2 * 8 * m.hidden_size / (dev.step_hbm_gbps * 1e9))
     assert "routing" not in layer_seconds_per_token(_model(registry, "llama3.1-8b"), 4096, dev)
     assert expert_all_to_all(m, _on(GENERIC, "fsdp", dp=8), 4096, dev, 8) == 0.0
     # 4 all-to-alls per MoE layer of k·d bf16 elements per token, 7/8 of them off the device; EP over two nodes is slower
@@ -521,3 +521,59 @@ def test_context_parallelism_is_searched_for_long_sequences_with_its_ring_counte
     cands = candidates(m, Cluster(h200, 1, 8, cal.HEADROOM), 131072, 1, 16)
     assert next(c for c in cands if c.fits).layout.cp > 1
     assert all(c.layout.cp == 1 for c in candidates(m, Cluster(h200, 1, 8), 8192, 1, 64))
+
+
+def test_fused_norm_and_swiglu_kernels_leave_the_engines_share_of_the_memory_bound_work(registry):
+    """A provider's fused norm and SwiGLU (KernelTerms.fused_elementwise) leave the engine's ``fused_kernels_kept`` of
+    the per-token memory-bound passes, and nothing else; core's own (torch) kernels are not fused."""
+    from dataclasses import replace
+
+    from primus.core.launch.train import resolve
+    from primus.core.planner.perf import layer_seconds_per_token, step_time
+    from primus.core.planner.strategies import kernel_terms
+
+    m, h100 = _model(registry, "llama3.2-1b"), device("H100")
+    eager = layer_seconds_per_token(m, 4096, h100)
+    fused = layer_seconds_per_token(m, 4096, h100, kernels_kept=0.25)
+    assert fused["memory_bound"] == pytest.approx(0.25 * eager["memory_bound"])
+    assert {k: v for k, v in fused.items() if k != "memory_bound"} == {
+        k: v for k, v in eager.items() if k != "memory_bound"
+    }
+    engine = replace(ENGINE, fused_kernels_kept=0.25)
+    lay = _on(engine, "ddp", 1, micro_batch=2)
+    plain = step_time(m, lay, 4096, 2, h100, 1).total
+    turbo = step_time(m, lay, 4096, 2, h100, 1, KernelTerms(fused_elementwise=True)).total
+    saved = 2 * 4096 * m.num_layers * 0.75 * eager["memory_bound"]
+    assert plain - turbo == pytest.approx(saved, rel=1e-9)
+    cfg = resolve("tiny-llama", ["backend.name=fake"], world_size=1, registry=registry).config
+    torch_only = cfg.model_copy(update={"kernels": cfg.kernels.model_copy(update={"rms_norm": "torch"})})
+    assert not kernel_terms(torch_only, registry).fused_elementwise
+
+
+def test_the_step_memory_rate_is_the_calibrated_one_where_measured():
+    """Memory-bound work runs at calibration.STEP_HBM_GBPS where it was fitted (the H100: near the H200's, not its
+    datasheet's ratio), at the datasheet's bandwidth elsewhere."""
+    from primus.core.planner import calibration as cal
+
+    assert device("H100").step_hbm_gbps == cal.STEP_HBM_GBPS["H100"] > device("H100").hbm_gbps
+    assert device("H200").step_hbm_gbps == device("H200").hbm_gbps
+    assert device("A100").step_hbm_gbps == device("A100").hbm_gbps
+
+
+def test_multi_token_prediction_adds_a_block_and_the_head_per_token(registry):
+    """Each MTP depth runs one more block, its eh_proj (2d -> d) and the output head again, on the last stage."""
+    from primus.core.config.schema import MTPConfig
+    from primus.core.planner import calibration as cal
+    from primus.core.planner.memory import stage_params
+    from primus.core.planner.perf import gemm_rate, layer_seconds_per_token, step_time
+
+    m, h100 = _model(registry, "llama3.2-1b"), device("H100")
+    mtp = m.model_copy(update={"mtp": MTPConfig(layers=2)})
+    lay = _on(ENGINE, "ddp", 1, micro_batch=1)
+    added = step_time(mtp, lay, 4096, 1, h100, 1).compute - step_time(m, lay, 4096, 1, h100, 1).compute
+    d, hbm = m.hidden_size, h100.step_hbm_gbps * 1e9
+    block = sum(layer_seconds_per_token(m, 4096, h100).values())
+    head = 6 * m.vocab_size * d / gemm_rate(h100) + cal.LOSS_BYTES_PER_LOGIT * m.vocab_size / hbm
+    per_token = 2 * (block + 6 * 2 * d * d / gemm_rate(h100) + head)
+    optimizer = ENGINE.optimizer_bytes_per_param * (stage_params(mtp, lay)[0] - stage_params(m, lay)[0]) / hbm
+    assert added == pytest.approx(4096 * per_token + optimizer, rel=1e-9)

@@ -49,6 +49,10 @@ PROFILE = EngineProfile(
     # moe_h200_grouped.json tt_core / moe_h200_mbs2.json tt_grouped), 3.3x megatron's (its routing kernels traced
     # 14.6 ms a step against megatron's 5.8, moe_h200_profiled_engines.json)
     moe_dispatch_passes=200,
+    # primus-turbo's fused norm and SwiGLU take nothing measurable off its memory-bound work (the fp32 residual stream
+    # and autocast's casts stay): eager TorchTitan + turbo on an H100 (benchmarks/results/gpu_suite.json:
+    # fp8_dense/torchtitan/bf16, gemm_tuning/*, document_mask/causal) fit the full passes
+    fused_kernels_kept=1.0,
     # the op-level policy (recompute all but the matmuls' outputs, every other one kept) freed 7.0 of ~10.2 GiB:
     # H200, memory_validation.json (2026-11-29, llama3.2-1b s4096 mbs2)
     selective_kept=0.32,

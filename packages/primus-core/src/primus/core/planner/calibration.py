@@ -2,9 +2,11 @@
 
 Where a number was measured, the line says where (``benchmarks/results/h200_baseline.md``: one H200,
 torch 2.11, 2026-11-29; ``benchmarks/results/memory_validation.json``: predicted vs measured peak memory
-from ``benchmarks/memory_validation.py``). Where it was not, the line says so. To recalibrate, change the
-number here and re-run ``benchmarks/memory_validation.py`` (memory) or compare ``primus plan``'s MFU with a
-measured run (time); ``tests/test_planner.py`` pins the behaviour these numbers produce.
+from ``benchmarks/memory_validation.py``; ``benchmarks/results/gpu_suite.json``: the GPU suite, one H100,
+2026-12-07). Where it was not, the line says so. To recalibrate, change the number here and re-run
+``benchmarks/memory_validation.py`` (memory) or compare ``primus plan``'s tokens/s with a measured run (time);
+``tests/test_planner.py`` pins the behaviour these numbers produce, ``tests/test_planner_speed_calibration.py`` holds
+the step time within 10% of every Primus training row of the suite (its table: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -101,6 +103,22 @@ MEMORY_BOUND_PASSES = 60
 # work between the GEMMs (compile is assumed to change that term only, and no activation memory). Fitted to H200 bf16
 # runs, eager against compiled: benchmarks/README.md, "Calibration notes".
 COMPILE_MEMORY_BOUND_KEPT = 0.6
+# A provider's fused norm and SwiGLU kernels (KernelTerms.fused_elementwise; primus-turbo's Triton ones): the share
+# of the memory-bound passes above left, the default of EngineProfile.fused_kernels_kept (an engine whose weights are
+# bf16; one that trains fp32 weights under autocast gives its own). Fitted to Primus-Megatron + turbo on an H100
+# (benchmarks/results/gpu_suite.json: dense/1b-4096/mg_turbo, fp8_dense/megatron/*; mg_core, core's torch kernels,
+# keeps all 60): 0.5. The H200 profile of such a run (benchmarks/README.md, megatron's multi-tensor fallbacks: GEMM
+# 61%, attention 16%, optimizer 9%, elementwise 7%) leaves about a third of the eager passes' time to the rest.
+FUSED_KERNELS_MEMORY_BOUND_KEPT = 0.5
+# The rate (GB/s) the step's memory-bound work runs at: the passes and bytes per parameter here and in the engines'
+# profiles were fitted or read on the H200 at its datasheet 4,800 GB/s. On the H100 the same runs' memory-bound
+# work took 1.04x the H200's time, not the 1.43x its datasheet 3,350 GB/s gives (short, latency-bound kernels as much
+# as bandwidth-bound ones): 4,600 fitted to benchmarks/results/gpu_suite.json (H100, 2026-12-07) with the H200
+# runs of benchmarks/planner_vs_published.py ("ours") held. The plain engines at 1B ran 0.92x (TorchTitan, the suite's
+# tt_plain against h200_baseline.md's compiled run) and 0.90x (megatron-core, against benchmarks/README.md's 42,847)
+# the H200's tokens/s on the H100, where the datasheet ratio gave the model 0.85-0.88x. Other devices: their
+# datasheet's (Device.hbm_gbps), not measured here.
+STEP_HBM_GBPS = {"H200": 4800.0, "H100": 4600.0}
 # The loss on the logits: bf16 logits read, fp32 softmax written and read back, gradient written (bytes/logit).
 LOSS_BYTES_PER_LOGIT = 16
 # Mixture of experts: the routed experts' grouped GEMMs run at the dense GEMM rate when each expert gets enough rows,
@@ -132,9 +150,12 @@ OPTIMIZER_BYTES_PER_PARAM = 30
 # bf16 peak. H200 (torch._scaled_mm, e4m3, h200_baseline.md): fp8/bf16 speed-up medians 1.98× tensorwise,
 # 1.90× rowwise against a 2.0× peak ratio → 0.99 and 0.95.
 FP8_RATE_VS_BF16 = {"tensorwise": 0.99, "rowwise": 0.95}
-# The casts FP8 adds (memory-bound; not measured): read bf16 + write e4m3 = 3 bytes per element of each
-# GEMM input in forward and each output gradient in backward, and of each weight (twice: the transposed copy).
-FP8_CAST_BYTES_PER_ELEMENT = 3
+# The casts FP8 adds (memory-bound), per element of each GEMM input in forward and each output gradient in backward,
+# and of each weight (twice: the transposed copy). Compiled (or fused, as Transformer Engine's): read bf16 + write
+# e4m3, 3 bytes (not measured). Eager, each cast is several kernels (amax, scale, cast, the transposed copy): 14,
+# fitted to the FP8 / bf16 pairs of benchmarks/results/gpu_suite.json (H100, Llama 8B's shapes: rowwise measured
+# 1.08x on TorchTitan, 1.09x on megatron; 3 bytes gave 1.17x and 1.14x).
+FP8_CAST_BYTES_PER_ELEMENT = {"eager": 14, "compiled": 3}
 
 # Context parallelism (ring attention, primus-turbo's on both engines). The search tries cp > 1 only for sequences of
 # at least CP_MIN_SEQ_LEN tokens, keeping at least CP_MIN_TOKENS_PER_RANK per rank: the model has no term for the

@@ -4,7 +4,8 @@ Bandwidths in GB/s: ``hbm`` the datasheet memory bandwidth; ``intra`` / ``inter`
 bandwidth" of a ring collective (what nccl-tests / rccl-tests report) inside a node (NVLink / Infinity
 Fabric) and across nodes (one 400 Gb/s NIC per GPU gives ~40-45 GB/s). ``fp8_peak_flops`` is the dense
 (no sparsity) FP8 peak, 0 where the device has no FP8 tensor cores. How much of these peaks a training
-step reaches is in :mod:`primus.core.planner.calibration`.
+step reaches is in :mod:`primus.core.planner.calibration` (the rate of a step's memory-bound work, where measured:
+``STEP_HBM_GBPS``, :attr:`Device.step_hbm_gbps`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class Device:
     @property
     def attention_fraction(self) -> float:
         return cal.ATTENTION_FRACTION[self.name]
+
+    @property
+    def step_hbm_gbps(self) -> float:
+        """GB/s a training step's memory-bound work runs at (the step-time model's; ``calibration.STEP_HBM_GBPS``,
+        the datasheet's where not measured)."""
+        return cal.STEP_HBM_GBPS.get(self.name, self.hbm_gbps)
 
 
 DEVICES: dict[str, Device] = {

@@ -255,6 +255,9 @@ class KernelTerms:
     fp8_linears: str = "all"
     # an MoE model's routed experts on FP8 grouped GEMMs (kernels.fp8_recipe.experts; see strategies.kernel_terms)
     fp8_experts: bool = False
+    # the norms and SwiGLU on a provider's fused kernels (kernels.rms_norm / swiglu not core's torch ones): they take
+    # a share of the memory-bound work off (the engine's EngineProfile.fused_kernels_kept; perf.step_time)
+    fused_elementwise: bool = False
 
     def fp8_share(
         self, model: ModelConfig, tp: int = 1, ep: int = 1, tokens: int | None = None, groups: GemmGroups = NO_GROUPS

@@ -3,11 +3,13 @@
 - compute = micro-batches × the time of the slowest pipeline stage for one micro-batch, its tokens ÷ (tp · cp),
   ÷ 0.9^log2(tp). Per token and layer: GEMMs (6 × the layer's weights) at the device's achieved GEMM
   rate (the FP8 rate for FP8 layers, plus the casts FP8 adds), causal attention (6·h·c·s) at its achieved
-  attention rate, and memory-bound work (norms, RoPE, SwiGLU, adds) as passes over d + f elements at HBM
-  bandwidth (under torch.compile, ``train.compile``, the share ``COMPILE_MEMORY_BOUND_KEPT`` of it: compile fuses
-  that elementwise work, and is assumed to change nothing else); all times the recompute factor (none 1,
-  selective 1.03, full 4/3 for one more forward, partial 1 + share/3). The last stage adds the output head GEMM
-  and the loss; every device adds the optimizer step over its parameters. Rates and constants: :mod:`primus.core.planner.calibration`.
+  attention rate, and memory-bound work (norms, RoPE, SwiGLU, adds) as passes over d + f elements at the step's
+  memory rate (``Device.step_hbm_gbps``; under torch.compile, ``train.compile``, the share ``COMPILE_MEMORY_BOUND_KEPT``
+  of it: compile fuses that elementwise work, and is assumed to change nothing else; with a provider's fused norm and
+  SwiGLU kernels, ``KernelTerms.fused_elementwise``, the engine's ``fused_kernels_kept`` of it); all times the
+  recompute factor (none 1, selective 1.03, full 4/3 for one more forward, partial 1 + share/3). The last stage adds
+  the output head GEMM and the loss, and per multi-token-prediction depth a block, its eh_proj and the head again;
+  every device adds the optimizer step over its parameters. Rates and constants: :mod:`primus.core.planner.calibration`.
 - pipeline bubble = compute × (pp − 1) / (micro-batches × vpp), plus a fixed 0.2 ms per hop.
 - data-parallel traffic per device, ring collectives ((n − 1)/n of the payload per step of the ring):
   DDP all-reduce of gradients once per step = 2·G bytes of gradients; DDP + distributed optimizer
@@ -125,11 +127,14 @@ def layer_seconds_per_token(
     compiled: bool = False,
     expert_tokens: float = cal.MOE_GEMM_FULL_RATE_TOKENS,
     dispatch_passes: float = cal.MOE_DISPATCH_PASSES,
+    kernels_kept: float = 1.0,
 ) -> dict[str, float]:
     """One transformer layer, forward + backward, one token (no TP, no recompute), by kind of work; ``compiled``:
     under torch.compile, which fuses the memory-bound work (``calibration.COMPILE_MEMORY_BOUND_KEPT`` of it left);
     ``expert_tokens``: the rows each routed expert's GEMM gets (:func:`tokens_per_expert`); ``dispatch_passes``: the
-    engine's token routing in an MoE layer (EngineProfile.moe_dispatch_passes)."""
+    engine's token routing in an MoE layer (EngineProfile.moe_dispatch_passes); ``kernels_kept``: the share of the
+    memory-bound work left where the norms and SwiGLU run on a provider's fused kernels
+    (EngineProfile.fused_kernels_kept; 1: core's torch ones)."""
     d, f, h, kv, c = (
         model.hidden_size,
         model.ffn_hidden_size,
@@ -137,8 +142,9 @@ def layer_seconds_per_token(
         model.num_kv_heads,
         model.kv_channels,
     )
-    hbm = dev.hbm_gbps * 1e9
-    fused = cal.COMPILE_MEMORY_BOUND_KEPT if compiled else 1.0  # what torch.compile leaves of the memory-bound work
+    hbm = dev.step_hbm_gbps * 1e9
+    # what torch.compile and the provider's fused kernels leave of the memory-bound work
+    fused = (cal.COMPILE_MEMORY_BOUND_KEPT if compiled else 1.0) * kernels_kept
     dense, experts = active_layer_params(model)
     if model.moe is not None:  # the width of the elementwise work: the experts a token runs
         e = model.moe
@@ -154,7 +160,7 @@ def layer_seconds_per_token(
     if fp8 != "off" and dev.fp8_peak_flops:
         # forward GEMM inputs (qkv, o, gate/up, down) and backward output gradients, cast to e4m3
         elements = (2 * d + h * c + f) + ((h + 2 * kv) * c + 2 * d + 2 * f)
-        out["fp8_casts"] = cal.FP8_CAST_BYTES_PER_ELEMENT * elements / hbm
+        out["fp8_casts"] = cal.FP8_CAST_BYTES_PER_ELEMENT["compiled" if compiled else "eager"] * elements / hbm
     return out
 
 
@@ -169,10 +175,13 @@ def step_time(
 ) -> StepTime:
     lps = math.ceil(model.num_layers / layout.pp)
     m = layout.micro_batches
-    hbm = dev.hbm_gbps * 1e9
-    rows, passes = tokens_per_expert(model, layout, seq_len), layout.engine_profile.moe_dispatch_passes
-    bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev, "off", kernels.compiled, rows, passes).values())
-    fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8, kernels.compiled, rows, passes).values())
+    hbm = dev.step_hbm_gbps * 1e9
+    profile = layout.engine_profile
+    rows, passes = tokens_per_expert(model, layout, seq_len), profile.moe_dispatch_passes
+    kept = profile.fused_kernels_kept if kernels.fused_elementwise else 1.0
+    terms = (kernels.compiled, rows, passes, kept)
+    bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev, "off", *terms).values())
+    fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8, *terms).values())
     fp8_share = kernels.layout_fp8_share(model, layout, seq_len)
     layer_s = fp8_share * fp8_layer + (1 - fp8_share) * bf16_layer
     # the slowest pipeline stage sets the pace: the last one also runs the output head and the loss
@@ -180,6 +189,9 @@ def step_time(
         6 * model.vocab_size * model.hidden_size / gemm_rate(dev) + cal.LOSS_BYTES_PER_LOGIT * model.vocab_size / hbm
     )
     token_s = lps * layer_s * recompute_factor(layout, lps) + head_s
+    if model.mtp is not None:  # each multi-token-prediction depth (last stage): a block, its eh_proj, the head again
+        d = model.hidden_size
+        token_s += model.mtp.layers * (bf16_layer + 6 * 2 * d * d / gemm_rate(dev) + head_s)
     tokens_per_micro_batch = layout.micro_batch * seq_len / (layout.tp * layout.cp)
     tp_slowdown = TP_EFFICIENCY ** math.log2(layout.tp)
     compute = m * tokens_per_micro_batch * token_s / tp_slowdown
@@ -188,7 +200,8 @@ def step_time(
     # each micro-batch casts the stage's weights (and a transposed copy): a device's share of each layer's, its
     # E / ep routed experts included
     if kernels.fp8 != "off" and dev.fp8_peak_flops:
-        fp8_weight_casts = m * 2 * cal.FP8_CAST_BYTES_PER_ELEMENT * lps * layer_params * fp8_share / hbm
+        cast = cal.FP8_CAST_BYTES_PER_ELEMENT["compiled" if kernels.compiled else "eager"]
+        fp8_weight_casts = m * 2 * cast * lps * layer_params * fp8_share / hbm
     ep_comm = expert_all_to_all(model, layout, seq_len, dev, gpus_per_node)
     # the routed experts on this stage, whose whole per-parameter work counts (calibration.EXPERT_STEP_BYTES_PER_PARAM)
     experts = lps * layer_mean(model, 0.0, routed_expert_params(model) / layout.ep) if model.moe is not None else 0.0

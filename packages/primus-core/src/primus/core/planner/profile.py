@@ -101,6 +101,9 @@ class EngineProfile:
     # an MoE layer's token routing (router top-k, permute / unpermute and their backward) per token, as passes of 2
     # bytes over the k · d elements of its expert copies at HBM bandwidth: perf.layer_seconds_per_token
     moe_dispatch_passes: float = cal.MOE_DISPATCH_PASSES
+    # the share of the memory-bound work per token left where the norms and SwiGLU run on a provider's fused kernels
+    # (KernelTerms.fused_elementwise): perf.layer_seconds_per_token; the default is a bf16-weight engine's (calibration)
+    fused_kernels_kept: float = cal.FUSED_KERNELS_MEMORY_BOUND_KEPT
     selective_kept: float = 1.0  # the share of a layer's saved activations selective recompute keeps
     # -------------------------------------------------------------------------------------------- kernels
     # whether it uses a cross_entropy provider's fused linear + cross-entropy (KernelProvider feature
