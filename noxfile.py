@@ -40,6 +40,11 @@ TORCH = "torch==2.13.0"
 # failed CI run when the connection drops).
 TRITON = "triton==3.8.0"
 RUFF = "ruff==0.17.6"
+MYPY = "mypy==2.4.1"
+# What lint type-checks (settings: mypy.ini): the engine contract and the adapters that declare it ...
+TYPED = ["-p", "primus.core.contracts", "-m", "primus.megatron.engine", "-m", "primus.torchtitan.engine"]
+# ... and an adapter that breaks it, on which the check must fail, naming each break
+WRONG_ADAPTER = ("tests/fixtures/wrong_adapter.py", ['"evaluate" incompatible with supertype', 'attribute "close"'])
 LINT_PATHS = ("packages", "tests", "benchmarks", "docs", "noxfile.py")
 # The root tests build and install tests/fixtures/primus-example-plugin without build isolation (works offline).
 INTEGRATION_DEPS = ["pytest>=8", "hatchling>=1.24"]
@@ -172,11 +177,17 @@ def pytest(session: nox.Session, *args: str) -> None:
 
 @nox.session(python=PYTHON, reuse_venv=True)
 def lint(session: nox.Session) -> None:
-    """ruff check + ruff format --check (settings: ruff.toml)."""
-    session.install(RUFF)
+    """ruff check + ruff format --check (settings: ruff.toml); mypy over the engine contract and both adapters'
+    engines (settings: mypy.ini), and on an adapter that breaks the contract, which must fail."""
+    session.install(RUFF, MYPY)
     paths = [p for p in LINT_PATHS if (ROOT / p).exists()]
     session.run("ruff", "check", *paths)
     session.run("ruff", "format", "--check", *paths)
+    session.run("mypy", *TYPED)
+    wrong, said = WRONG_ADAPTER
+    out = session.run("mypy", wrong, success_codes=[1], silent=True) or ""
+    if missing := [s for s in said if s not in out]:
+        session.error(f"mypy did not find the contract breaks of {wrong}: {missing}\n{out}")
 
 
 @nox.session(python=PYTHON, reuse_venv=True)

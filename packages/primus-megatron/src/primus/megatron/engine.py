@@ -22,7 +22,16 @@ import torch.distributed as dist
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import grad_accumulation_steps
-from primus.core.contracts.engine import StepResult
+from primus.core.contracts.engine import (
+    Engine,
+    Evaluates,
+    IntervalMetrics,
+    LoadsNative,
+    RoutesExperts,
+    SavesWeights,
+    StepResult,
+    Summarises,
+)
 from primus.core.contracts.protocols import RunContext
 from primus.core.kernels import fp8_experts
 from primus.core.kernels.documents import document_eos, document_ids
@@ -127,7 +136,8 @@ def set_lr(optimizer: Any, lr: float, weight_decay: float) -> None:
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
-class MegatronEngine:
+# the engine contract and every optional capability (primus.core.contracts.engine), type-checked by nox -s lint
+class MegatronEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsNative, SavesWeights, Summarises):
     distributions = ("primus-megatron", "primus-core", "megatron-core", "torch")
 
     def __init__(self, cfg: PrimusConfig, ctx: RunContext) -> None:

@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from primus.core.config.schema import PrimusConfig
-from primus.core.contracts.engine import StepResult
+from primus.core.contracts.engine import (
+    Engine,
+    Evaluates,
+    IntervalMetrics,
+    LoadsNative,
+    RoutesExperts,
+    SavesWeights,
+    StepResult,
+    Summarises,
+)
 from primus.core.contracts.protocols import CONTEXT_PARALLEL, RunContext
 from primus.core.kernels.fp8_recipe import fp8_output_head
 from primus.core.launch.env import free_port
@@ -100,7 +109,8 @@ def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | 
     return trainer
 
 
-class TorchTitanEngine:
+# the engine contract and every optional capability (primus.core.contracts.engine), type-checked by nox -s lint
+class TorchTitanEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsNative, SavesWeights, Summarises):
     def __init__(self, cfg: PrimusConfig, ctx: RunContext) -> None:
         from primus.torchtitan import compat, validate
 
@@ -155,7 +165,7 @@ class TorchTitanEngine:
         from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
         return [
-            (int(re.search(r"layers\.(\d+)\.", name)[1]), m, lambda out: out[2])
+            (int(re.findall(r"layers\.(\d+)\.", name)[0]), m, lambda out: out[2])
             for part in self.model_parts
             for name, m in part.named_modules()
             if isinstance(m, TokenChoiceTopKRouter)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from importlib.metadata import EntryPoint, entry_points
@@ -127,7 +128,7 @@ class PrimusPluginManager(pluggy.PluginManager):
 
 
 def build_plugin_manager(
-    extra_plugins: list[tuple[str, Any]] = (), autoload: bool | None = None
+    extra_plugins: Sequence[tuple[str, Any]] = (), autoload: bool | None = None
 ) -> PrimusPluginManager:
     """Specs → installed entry points (``autoload`` None: unless switched off by the environment) → core's own
     plugin, found by its entry point like any other (the host imports no room above it) → extras."""

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Self
 
 log = logging.getLogger("primus.faults")
 
@@ -42,7 +42,7 @@ class FaultInjection:
     oom_rank: int | None = None
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> FaultInjection:
+    def from_extra(cls, extra: dict[str, Any]) -> Self:
         """This class's injectors from ``backend.extra`` (keys of a backend's subclass are left to it)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in extra.get(EXTRA_KEY, {}).items() if k in names})
