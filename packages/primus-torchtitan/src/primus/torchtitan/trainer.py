@@ -88,25 +88,22 @@ class PrimusTrainer(Trainer):
         return fn(*args, **kwargs)
 
     def _global_loss(self) -> float:
-        """The step's mean token loss over the world, NaN if any rank's is not finite (one small all-reduce).
+        """The step's mean token loss over the world: core's :func:`global_token_loss`, as megatron's (NaN if any
+        rank's is).
 
-        Each rank's recorded losses sum to its token-loss sum / global tokens; ranks of one TP group hold
-        the same value, and pipeline stages other than the last hold none."""
+        Each rank's recorded losses sum to its token-loss sum / global tokens; the ranks of one TP group hold the
+        same value, and pipeline stages other than the last hold none. Each rank that holds one adds
+        ``[its value, tp · pp / world]``: over the world, ``[tp · loss, tp]``."""
         dims = self.parallel_dims
         has_loss = not dims.pp_enabled or self.pp_has_last_stage
-        local = torch.stack(self._step_losses).sum().float() if has_loss and self._step_losses else None
-        if isinstance(local, DTensor):  # the loss under loss parallelism (replicated over the TP group)
-            local = local.full_tensor()
-        if dims.world_size == 1:
-            return float(local) if local is not None else math.nan
-        pair = torch.zeros(2, device=self.device)
-        if local is not None:
-            finite = torch.isfinite(local)
-            pair[0] = torch.where(finite, local, torch.zeros_like(local))
-            pair[1] = (~finite).float()
-        torch.distributed.all_reduce(pair)
-        loss, bad = pair.tolist()
-        return math.nan if bad > 0 else loss / dims.tp
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if has_loss and self._step_losses:
+            local = torch.stack(self._step_losses).sum()
+            if isinstance(local, DTensor):  # the loss under loss parallelism (replicated over the TP group)
+                local = local.full_tensor()
+            sums[0] = local.double()
+            sums[1] = dims.tp * dims.pp / dims.world_size
+        return global_token_loss(sums)
 
     def _check_health(self, grad_norm: torch.Tensor) -> None:
         """Called with the step's grad norm, before the optimizer update (the gate raises to stop the run)."""
