@@ -251,9 +251,9 @@ def plugin_api_page() -> str:
     for name in ("DOCUMENTS", "CONTEXT_PARALLEL", "FP8_GROUPED_GEMM"):
         lines.append(f"- `{getattr(protocols, name)!r}`")
     lines.append("- `'linear_cross_entropy'` (cross_entropy: `impl.linear_cross_entropy`, read by the planner)")
-    for cls in (protocols.BackendSpec, protocols.KernelProvider, protocols.StrategySpec, protocols.RunInfo,
-                protocols.ConfigIssue):  # fmt: skip
-        lines += ["", f"## `{cls.__name__}` (`primus.core.contracts.protocols`)", "", _doc(cls), "", *_fields(cls)]
+    for cls in (engine_contract.BackendSpec, protocols.KernelProvider, protocols.StrategySpec,
+                engine_contract.RunInfo, protocols.ConfigIssue):  # fmt: skip
+        lines += ["", f"## `{cls.__name__}` (`{cls.__module__}`)", "", _doc(cls), "", *_fields(cls)]
     lines += ["", "## The engine an adapter builds (`primus.core.contracts.engine`)", "", _doc(engine_contract), ""]
     lines += [_doc(engine_contract.Engine), "", "Required:", ""]
     for name, member in vars(engine_contract.Engine).items():

@@ -249,8 +249,8 @@ def test_plan_deepseek_v3_on_32_h200_nodes_is_accepted(engine):
     """``primus plan deepseek-v3 --device H200 --nodes 32``: the layouts it shows (the first its recommendation)
     pass core's and the engine's validation at 256 ranks (it proposed PP 32 × VPP 2 for 61 layers before)."""
     from primus.core.config.validate import validate_config
+    from primus.core.contracts.engine import validate_with
     from primus.core.contracts.plugins import get_registry
-    from primus.core.contracts.protocols import validate_with
     from primus.core.launch.ranking import global_batch, rank, resolve_on
     from primus.core.launch.train import searched_micro_batches
     from primus.core.planner import Cluster, device

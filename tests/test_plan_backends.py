@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from primus.core.cli import app as cli
 from primus.core.config.presets import catalog
 from primus.core.config.validate import validate_config
+from primus.core.contracts.engine import validate_with
 from primus.core.contracts.plugins import get_registry
-from primus.core.contracts.protocols import validate_with
 from primus.core.launch.ranking import global_batch, rank, resolve_on
 from primus.core.launch.train import searched_micro_batches
 from primus.core.planner import Cluster, device

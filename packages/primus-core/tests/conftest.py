@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 
 from primus.core import hookimpl
+from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
-from primus.core.contracts.protocols import BackendSpec, ConfigIssue
+from primus.core.contracts.protocols import ConfigIssue
 
 
 def _refuse_cp(cfg, world_size):

@@ -15,8 +15,9 @@ from primus.core import hookimpl
 from primus.core.cli import app as cli
 from primus.core.config.presets import model_config
 from primus.core.config.validate import validate_config
+from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
-from primus.core.contracts.protocols import BackendSpec, ConfigIssue
+from primus.core.contracts.protocols import ConfigIssue
 from primus.core.launch.ranking import rank, resolve_on
 from primus.core.planner import GENERIC, Cluster, KernelTerms, Layout, best, candidates, device
 from primus.core.planner import calibration as cal

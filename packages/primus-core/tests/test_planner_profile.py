@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from primus.core import hookimpl
+from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import Registry, build_plugin_manager
-from primus.core.contracts.protocols import BackendSpec
 from primus.core.planner import GENERIC, EngineProfile, Layout, estimate, profile_of
 from primus.core.planner.profile import load_profile
 

@@ -10,8 +10,9 @@ import pytest
 
 from primus.core import hookimpl
 from primus.core.contracts import plugins
+from primus.core.contracts.engine import BackendSpec, RunContext
 from primus.core.contracts.plugins import PrimusPluginManager, Registry, build_plugin_manager
-from primus.core.contracts.protocols import BackendSpec, KernelProvider, RunContext
+from primus.core.contracts.protocols import KernelProvider
 from primus.core.launch.train import configure_changes
 
 

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from primus.core import hookimpl
 from primus.core.cli import app as cli
 from primus.core.contracts import plugins
+from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import Registry, build_plugin_manager
-from primus.core.contracts.protocols import BackendSpec
 from primus.core.run import metrics
 from primus.core.run.testing import StandInEngine
 

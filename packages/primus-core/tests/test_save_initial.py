@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from primus.core import hookimpl
+from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.errors import UserError
-from primus.core.contracts.protocols import BackendSpec
 from primus.core.launch.train import resolve, run_rank
 from primus.core.run.checkpoints import verify
 from primus.core.run.testing import StandInEngine, registry, weights

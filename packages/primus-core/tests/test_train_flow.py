@@ -7,8 +7,8 @@ import json
 import pytest
 
 from primus.core import hookimpl
+from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
-from primus.core.contracts.protocols import BackendSpec
 from primus.core.launch.train import resolve, run_rank
 from primus.core.run import testing
 

@@ -13,7 +13,7 @@ import pytest
 
 from primus.core.config.errors import ConfigError
 from primus.core.config.schema import PrimusConfig
-from primus.core.contracts.protocols import RunInfo
+from primus.core.contracts.engine import RunInfo
 from primus.core.launch.train import resolve
 from primus.loggers import mlflow_logger, wandb_logger
 

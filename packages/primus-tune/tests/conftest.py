@@ -4,8 +4,8 @@ import pytest
 
 from primus.core import hookimpl
 from primus.core.contracts import plugins
+from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import Registry, build_plugin_manager
-from primus.core.contracts.protocols import BackendSpec
 
 
 class EngineStandIn:

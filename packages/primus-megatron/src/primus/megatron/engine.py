@@ -28,11 +28,11 @@ from primus.core.contracts.engine import (
     IntervalMetrics,
     LoadsNative,
     RoutesExperts,
+    RunContext,
     SavesWeights,
     StepResult,
     Summarises,
 )
-from primus.core.contracts.protocols import RunContext
 from primus.core.kernels import fp8_experts
 from primus.core.kernels.documents import document_eos, document_ids
 from primus.core.run.health import collective_timeout

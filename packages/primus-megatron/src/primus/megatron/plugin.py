@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from primus.core import hookimpl
-from primus.core.contracts.protocols import BackendSpec
+from primus.core.contracts.engine import BackendSpec
 
 
 @hookimpl

@@ -26,11 +26,12 @@ from primus.core.contracts.engine import (
     IntervalMetrics,
     LoadsNative,
     RoutesExperts,
+    RunContext,
     SavesWeights,
     StepResult,
     Summarises,
 )
-from primus.core.contracts.protocols import CONTEXT_PARALLEL, RunContext
+from primus.core.contracts.protocols import CONTEXT_PARALLEL
 from primus.core.kernels.fp8_recipe import fp8_output_head
 from primus.core.launch.env import free_port
 from primus.core.run.rundir import checkpoint_root

@@ -19,7 +19,8 @@ from primus.core.config import deepseek
 from primus.core.config.errors import ConfigError
 from primus.core.config.fields import section_model, suggest
 from primus.core.config.schema import ModelConfig, PrimusConfig
-from primus.core.contracts.protocols import KERNEL_OPS, ConfigIssue, validate_with
+from primus.core.contracts.engine import validate_with
+from primus.core.contracts.protocols import KERNEL_OPS, ConfigIssue
 
 if TYPE_CHECKING:
     from primus.core.contracts.plugins import Registry

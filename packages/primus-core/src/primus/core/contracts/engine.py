@@ -1,4 +1,6 @@
-"""The engine contract, in one file: what a backend's ``BackendSpec.engine`` builds and core's loop drives.
+"""The backend contract, in one file: what a backend registers (:class:`BackendSpec`), what its engine builder gets
+(:class:`RunContext`), and what ``BackendSpec.engine`` builds and core's loop drives (:class:`Engine`, its
+capabilities, :class:`StepResult`).
 
 A backend registers ``engine``: an :data:`EngineBuilder`, ``(cfg, ctx) -> Engine``, named lazily as
 ``"package.module:build"`` so that listing plugins never imports the engine. The engine it returns has the members
@@ -12,16 +14,16 @@ and both adapters' engines against it (mypy).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from primus.core.contracts.errors import UserError
+from primus.core.contracts.protocols import ConfigIssue, KernelProvider, load_ref
 
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig
     from primus.core.contracts.native import NativeCheckpoint
-    from primus.core.contracts.protocols import RunContext
 
 
 @dataclass
@@ -173,3 +175,97 @@ def capabilities(engine: Any) -> frozenset[str]:
         if isinstance(engine, proto)
         and (getattr(engine, name) is not None if name in ATTRIBUTES else callable(getattr(engine, name)))
     )
+
+
+# -- what a backend registers, and what its engine builder gets besides the config --------------------------------
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A training engine Primus can drive.
+
+    ``engine`` (required) builds, on each rank, the adapter core's training loop drives: an
+    :data:`~primus.core.contracts.engine.EngineBuilder`, ``(cfg, ctx) -> Engine``
+    (:class:`primus.core.contracts.engine.Engine`: steps, learning rate, health, metrics, checkpoints, evaluation
+    and resume are then core's). ``validate(cfg, world_size) -> list[ConfigIssue]`` refuses what the engine cannot
+    do, before any device work. Each is an object or a lazy ``"module:attr"`` name.
+    """
+
+    name: str
+    description: str
+    engine: str | EngineBuilder
+    validate: str | Callable[[PrimusConfig, int], list[ConfigIssue]] | None = None
+    model_families: frozenset[str] = frozenset()
+    priority: int = 0
+    dist: str = ""  # filled in by the plugin manager
+    # Hugging Face import/export: an object with the methods of primus.core.hf.contract.HFInterop (named lazily)
+    hf: str | Callable[..., Any] | None = None
+    # the engine's facts for the planner (primus.core.planner.profile.EngineProfile); None: the planner's defaults
+    planner: str | Any | None = None
+    # the checkpoints its engine's own trainer writes, recognised for import: a
+    # primus.core.contracts.native.NativeFormat (named lazily); its engine then offers load_native
+    native: str | Any | None = None
+
+    def __post_init__(self) -> None:
+        if self.engine is None or not (isinstance(self.engine, str) or callable(self.engine)):
+            raise TypeError(
+                f"backend {self.name!r}: BackendSpec.engine must be an engine builder (cfg, ctx) -> Engine or its "
+                f"'module:attr' name, got {self.engine!r}"
+            )
+
+    def load_engine(self) -> EngineBuilder:
+        return load_ref(self.engine)
+
+    def load_validate(self) -> Callable[..., Any] | None:
+        return load_ref(self.validate) if self.validate is not None else None
+
+
+@dataclass
+class RunInfo:
+    """What lifecycle hooks learn about a run."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    device: str = "cpu"
+    backend: str = ""
+    output_dir: str = ""
+    kernels: dict[str, str] = field(default_factory=dict)
+    num_params: int = 0
+    flops_per_token: float = 0.0
+    peak_flops: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunContext:
+    """What a backend's engine builder gets besides the config: who this rank is, the kernels chosen for it, whether
+    it resumes, and the evaluation samples.
+
+    Core's loop reports through these methods, never by calling hooks itself: ``model_ready`` once the engine is
+    built, ``train_step`` after every optimizer step (``primus_on_optimizer_step``), ``step_end`` at each logging
+    interval with its metrics (``primus_on_log``).
+    """
+
+    info: RunInfo
+    hooks: Any  # pluggy HookRelay (keyword arguments only): hooks.primus_on_log(step=..., metrics=..., info=...)
+    kernels: dict[str, KernelProvider] = field(default_factory=dict)
+    resume: bool = False
+    config: Any = None  # the validated PrimusConfig, for the hooks that take it
+    eval_samples: Any = None  # the evaluation samples, built once before the run folder (primus.core.run.evaluation)
+
+    def model_ready(self, model_parts: list[Any]) -> None:
+        self.hooks.primus_on_model_ready(config=self.config, model_parts=list(model_parts), info=self.info)
+
+    def train_step(self, step: int) -> None:
+        """After every optimizer step: ``primus_on_optimizer_step``."""
+        self.hooks.primus_on_optimizer_step(step=step, info=self.info)
+
+    def step_end(self, step: int, metrics: dict[str, float]) -> None:
+        """At each logging interval: ``primus_on_log``."""
+        self.hooks.primus_on_log(step=step, metrics=metrics, info=self.info)
+
+
+def validate_with(spec: BackendSpec, cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
+    fn = spec.load_validate()
+    return list(fn(cfg, world_size=world_size)) if fn else []

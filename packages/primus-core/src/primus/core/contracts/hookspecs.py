@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from primus.core.config.schema import PrimusConfig
-    from primus.core.contracts.protocols import BackendSpec, ConfigIssue, KernelProvider, RunInfo, StrategySpec
+    from primus.core.contracts.engine import BackendSpec, RunInfo
+    from primus.core.contracts.protocols import ConfigIssue, KernelProvider, StrategySpec
 
 hookspec = pluggy.HookspecMarker("primus")
 
@@ -50,7 +51,7 @@ def primus_addhooks(pluginmanager: pluggy.PluginManager) -> None:
 def primus_backends() -> list[BackendSpec]:
     """Training backends this plugin provides.
 
-    :returns: a list of :class:`primus.core.contracts.protocols.BackendSpec`.
+    :returns: a list of :class:`primus.core.contracts.engine.BackendSpec`.
 
     Use in plugins: called when the registry is first built (``primus plugins``, ``primus train``).
     Must not import the engine: a spec names its ``engine`` builder and ``validate`` as ``"module:attr"``,

@@ -22,7 +22,8 @@ from typing import Any
 import pluggy
 
 from primus.core.contracts import hookspecs
-from primus.core.contracts.protocols import KERNEL_OPS, BackendSpec, KernelProvider, StrategySpec
+from primus.core.contracts.engine import BackendSpec
+from primus.core.contracts.protocols import KERNEL_OPS, KernelProvider, StrategySpec
 
 log = logging.getLogger("primus.plugins")
 

@@ -1,4 +1,5 @@
-"""Contracts between core and plugins: what a backend, kernel provider and strategy look like.
+"""What a plugin hands core besides a backend (:mod:`primus.core.contracts.engine` holds that contract): kernel providers,
+strategies, a config's refusals.
 
 Specs are plain frozen dataclasses (the TorchTitan ``TrainSpec`` pattern). Anything heavy (the
 engine, torch, a vendor library) is named as an ``"module:attr"`` string and imported only when it
@@ -9,12 +10,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from primus.core.config.schema import PrimusConfig
-    from primus.core.contracts.engine import EngineBuilder
+from dataclasses import dataclass
+from typing import Any
 
 KERNEL_OPS = (
     "attention",
@@ -56,46 +53,6 @@ class ConfigIssue:
         if self.allowed:
             text += f"; allowed: {self.allowed}"
         return text
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """A training engine Primus can drive.
-
-    ``engine`` (required) builds, on each rank, the adapter core's training loop drives: an
-    :data:`~primus.core.contracts.engine.EngineBuilder`, ``(cfg, ctx) -> Engine``
-    (:class:`primus.core.contracts.engine.Engine`: steps, learning rate, health, metrics, checkpoints, evaluation
-    and resume are then core's). ``validate(cfg, world_size) -> list[ConfigIssue]`` refuses what the engine cannot
-    do, before any device work. Each is an object or a lazy ``"module:attr"`` name.
-    """
-
-    name: str
-    description: str
-    engine: str | EngineBuilder
-    validate: str | Callable[[PrimusConfig, int], list[ConfigIssue]] | None = None
-    model_families: frozenset[str] = frozenset()
-    priority: int = 0
-    dist: str = ""  # filled in by the plugin manager
-    # Hugging Face import/export: an object with the methods of primus.core.hf.contract.HFInterop (named lazily)
-    hf: str | Callable[..., Any] | None = None
-    # the engine's facts for the planner (primus.core.planner.profile.EngineProfile); None: the planner's defaults
-    planner: str | Any | None = None
-    # the checkpoints its engine's own trainer writes, recognised for import: a
-    # primus.core.contracts.native.NativeFormat (named lazily); its engine then offers load_native
-    native: str | Any | None = None
-
-    def __post_init__(self) -> None:
-        if self.engine is None or not (isinstance(self.engine, str) or callable(self.engine)):
-            raise TypeError(
-                f"backend {self.name!r}: BackendSpec.engine must be an engine builder (cfg, ctx) -> Engine or its "
-                f"'module:attr' name, got {self.engine!r}"
-            )
-
-    def load_engine(self) -> EngineBuilder:
-        return load_ref(self.engine)
-
-    def load_validate(self) -> Callable[..., Any] | None:
-        return load_ref(self.validate) if self.validate is not None else None
 
 
 @dataclass(frozen=True)
@@ -176,54 +133,3 @@ class StrategySpec:
     fill: str | Callable[..., dict[str, Any]]
     estimate: str | Callable[..., MemoryEstimate] | None = None
     dist: str = ""
-
-
-@dataclass
-class RunInfo:
-    """What lifecycle hooks learn about a run."""
-
-    world_size: int = 1
-    rank: int = 0
-    local_rank: int = 0
-    device: str = "cpu"
-    backend: str = ""
-    output_dir: str = ""
-    kernels: dict[str, str] = field(default_factory=dict)
-    num_params: int = 0
-    flops_per_token: float = 0.0
-    peak_flops: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class RunContext:
-    """What a backend's engine builder gets besides the config: who this rank is, the kernels chosen for it, whether
-    it resumes, and the evaluation samples.
-
-    Core's loop reports through these methods, never by calling hooks itself: ``model_ready`` once the engine is
-    built, ``train_step`` after every optimizer step (``primus_on_optimizer_step``), ``step_end`` at each logging
-    interval with its metrics (``primus_on_log``).
-    """
-
-    info: RunInfo
-    hooks: Any  # pluggy HookRelay (keyword arguments only): hooks.primus_on_log(step=..., metrics=..., info=...)
-    kernels: dict[str, KernelProvider] = field(default_factory=dict)
-    resume: bool = False
-    config: Any = None  # the validated PrimusConfig, for the hooks that take it
-    eval_samples: Any = None  # the evaluation samples, built once before the run folder (primus.core.run.evaluation)
-
-    def model_ready(self, model_parts: list[Any]) -> None:
-        self.hooks.primus_on_model_ready(config=self.config, model_parts=list(model_parts), info=self.info)
-
-    def train_step(self, step: int) -> None:
-        """After every optimizer step: ``primus_on_optimizer_step``."""
-        self.hooks.primus_on_optimizer_step(step=step, info=self.info)
-
-    def step_end(self, step: int, metrics: dict[str, float]) -> None:
-        """At each logging interval: ``primus_on_log``."""
-        self.hooks.primus_on_log(step=step, metrics=metrics, info=self.info)
-
-
-def validate_with(spec: BackendSpec, cfg: PrimusConfig, world_size: int) -> list[ConfigIssue]:
-    fn = spec.load_validate()
-    return list(fn(cfg, world_size=world_size)) if fn else []

@@ -15,9 +15,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.errors import UserError
 from primus.core.contracts.native import NativeCheckpoint, NativeFormat
-from primus.core.contracts.protocols import BackendSpec, load_ref
+from primus.core.contracts.protocols import load_ref
 from primus.core.run import checkpoints as ckpt
 
 if TYPE_CHECKING:

@@ -19,8 +19,8 @@ from primus.core.config.loader import Layered, load_layers, nest
 from primus.core.config.presets import resolver
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import resolve_parallel, validate_config
+from primus.core.contracts.engine import RunContext, RunInfo
 from primus.core.contracts.plugins import Registry, get_registry
-from primus.core.contracts.protocols import RunContext, RunInfo
 from primus.core.run.init_from import apply_layers
 from primus.core.run.oom import OutOfMemory
 from primus.core.run.rundir import LOCK_HELD_ENV, hold, output_dir, release

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 from primus.core.config.errors import ConfigError
 from primus.core.config.schema import ParallelConfig, PrimusConfig
 from primus.core.config.validate import world_issues
+from primus.core.contracts.engine import validate_with
 from primus.core.contracts.errors import UserError
-from primus.core.contracts.protocols import ConfigIssue, validate_with
+from primus.core.contracts.protocols import ConfigIssue
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device, device
 from primus.core.planner.memory import GIB, Layout
@@ -26,8 +27,8 @@ from primus.core.planner.profile import backend_spec
 from primus.core.planner.search import Candidate, Cluster, candidates
 
 if TYPE_CHECKING:
+    from primus.core.contracts.engine import BackendSpec
     from primus.core.contracts.plugins import Registry
-    from primus.core.contracts.protocols import BackendSpec
 
 log = logging.getLogger("primus.planner")
 

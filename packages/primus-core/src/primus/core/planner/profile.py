@@ -40,8 +40,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import Registry, build_plugin_manager
-from primus.core.contracts.protocols import BackendSpec, load_ref
+from primus.core.contracts.protocols import load_ref
 from primus.core.planner import calibration as cal
 
 DP_MODES = ("ddp", "ddp_distopt", "fsdp")  # what a Layout's dp_mode may be

@@ -65,7 +65,7 @@ from primus.core.run.rundir import checkpoint_root
 from primus.core.run.schedule import lr_at
 
 if TYPE_CHECKING:
-    from primus.core.contracts.protocols import BackendSpec, RunContext
+    from primus.core.contracts.engine import BackendSpec, RunContext
 
 log = logging.getLogger("primus.loop")
 

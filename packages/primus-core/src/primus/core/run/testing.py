@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from primus.core import hookimpl
-from primus.core.contracts.engine import StepResult
+from primus.core.contracts.engine import BackendSpec, StepResult
 from primus.core.contracts.native import NativeCheckpoint
 from primus.core.contracts.plugins import Registry, build_plugin_manager
-from primus.core.contracts.protocols import BackendSpec
 from primus.core.data.cache import build_once
 
 NAME = "stand-in"
