@@ -54,12 +54,18 @@ def test_every_recommended_layout_runs_on_its_backend(engine):
     registry = get_registry()
     planned, presets = 0, sorted(catalog(registry))
     resolved = {name: resolve_on(name, OVERRIDES.get(name, []), 8, registry)[0] for name in presets}
+    # a model the backend cannot build at all (its validation refuses model.family: GPT-OSS) is planned, and none of
+    # its layouts is recommended
+    unbuilt = {n for n in presets if any(i.path == "model.family" for i in validate_with(spec, resolved[n].config, 8))}
     for name in presets:
         res = resolved[name]
         for dev in DEVICES:
             cluster = Cluster(device(dev), 1, 8, HEADROOM)
             ranked = rank(res.config, cluster, engine, registry, searched_micro_batches(res), global_batch(res))
             shown = [c for c in ranked if c.runnable][:SHOWN]
+            if name in unbuilt:
+                assert ranked and not shown, f"{name} on 8 {dev}, {engine}: a layout of a model it cannot build"
+                continue
             planned += bool(shown)
             for c in shown:
                 where = f"{name} on 8 {dev}, {engine}: {c.layout.describe()}, micro-batch {c.layout.micro_batch}"
@@ -71,7 +77,8 @@ def test_every_recommended_layout_runs_on_its_backend(engine):
                     fsdp = c.layout.dp_mode == "fsdp" and c.layout.dp > 1
                     assert run.parallel.fsdp is fsdp or not fsdp and run.parallel.dp_shard == 1, where
                     assert ("FSDP" in c.layout.describe()) is fsdp, where
-    assert planned >= len(presets)  # not vacuous: most presets have layouts on most devices
+    assert planned >= len(presets) - len(unbuilt)  # not vacuous: most presets have layouts on most devices
+    assert {"gpt-oss-20b", "gpt-oss-120b", "tiny-gpt-oss"} <= unbuilt  # and the skip is not: no engine builds these
 
 
 def test_megatron_fsdp_layouts_are_fsdp2():

@@ -37,6 +37,8 @@ PUBLISHED = {
     "deepseek-v3": 671.0,
     "deepseek-v2-lite": 15.7,
     "moonlight-16b-a3b": 16.0,  # its name; its card's 15.29B leaves the embeddings out (test_deepseek.py)
+    "gpt-oss-120b": 116.83,  # OpenAI's model card; its breakdown and active count: test_gpt_oss.py
+    "gpt-oss-20b": 20.91,
 }
 # Mixture-of-experts: the parameters a token runs through, as the model cards quote them ("A3B", "A22B"; Mixtral's
 # 12.9B), embeddings included, with half a unit of the rounding they are quoted at (Qwen3-30B-A3B's card says 3.3B

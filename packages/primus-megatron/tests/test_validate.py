@@ -130,3 +130,32 @@ def test_multi_token_prediction_refusals(overrides, world, key, needle):
     with pytest.raises(ConfigError) as info:
         resolve("tiny-deepseek", ["backend.name=megatron", *overrides], world_size=world)
     assert key in str(info.value) and needle in str(info.value), str(info.value)
+
+
+def test_gpt_oss_is_refused_by_name():
+    """Family gpt_oss: one refusal at model.family, naming what the local layer spec lacks (no other issue: they would
+    be about a model megatron does not build); core says it in place of its generic "cannot run" line."""
+    cfg = resolve("tiny-gpt-oss", ["backend.name=megatron"], world_size=1, check_plugins=False).config
+    (issue,) = validate(cfg, world_size=1)
+    assert (issue.path, issue.value) == ("model.family", "gpt_oss")
+    assert "attention sinks" in issue.message and "sliding-window attention" in issue.message
+    assert "Hugging Face import / export are not there yet" in issue.message
+    assert issue.allowed == "deepseek, llama, mistral, qwen2, qwen3"
+    with pytest.raises(ConfigError) as info:
+        resolve("tiny-gpt-oss", ["backend.name=megatron"], world_size=1)
+    assert [i.message for i in info.value.issues] == [issue.message]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("model.attention_sinks=true", "model.attention_sinks"),
+        ("model.sliding_window=64", "model.sliding_window"),
+        ("model.attention_out_bias=true", "model.attention_out_bias"),
+        ("model.swiglu_limit=7.0", "model.swiglu_limit"),
+    ],
+)
+def test_gpt_oss_parts_on_another_family_are_refused(override, key):
+    with pytest.raises(ConfigError) as info:
+        resolve(TINY, [override], world_size=1)
+    assert key in str(info.value) and "megatron does not build it" in str(info.value), str(info.value)

@@ -177,3 +177,30 @@ def test_context_parallel_runs_on_cpu_only_with_a_context_parallel_provider():
     assert cpu_refusal(cfg, cp_attention=True) is None
     resolve(TINY, ["parallel.cp=2", "kernels.attention=ring"], 2)  # accepted
     resolve(TINY, ["parallel.cp=2", "kernels.attention=sdpa"], 2)  # torchtitan's module under torch's CP (GPU)
+
+
+def test_gpt_oss_is_refused_by_name():
+    """Family gpt_oss: one refusal at model.family, naming what is missing (torchtitan has the model, Primus's adapter
+    does not build it); core says it in place of its generic "cannot run" line."""
+    from primus.torchtitan.validate import validate
+
+    cfg = resolve("tiny-gpt-oss", ["backend.name=torchtitan"], 1, check_plugins=False).config
+    (issue,) = validate(cfg, world_size=1)
+    assert (issue.path, issue.value) == ("model.family", "gpt_oss")
+    assert "Primus's torchtitan adapter does not build torchtitan 0.2.2's gpt_oss model" in issue.message
+    assert "Hugging Face import / export are not there yet" in issue.message
+    said = issues("tiny-gpt-oss", "backend.name=torchtitan")
+    assert said.count("model.family") == 1 and issue.message in " ".join(said.split()), said
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("model.attention_sinks=true", "model.attention_sinks"),
+        ("model.sliding_window=64", "model.sliding_window"),
+        ("model.rope_scaling={type: yarn, truncate: false}", "model.rope_scaling.truncate"),
+    ],
+)
+def test_gpt_oss_parts_on_another_family_are_refused(override, key):
+    said = issues(TINY, override)
+    assert key in said and "torchtitan does not build it" in said, said

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from primus.core import hookimpl
 from primus.core.contracts.engine import BackendSpec
+from primus.megatron.validate import FAMILIES
 
 
 @hookimpl
@@ -19,6 +20,6 @@ def primus_backends() -> list[BackendSpec]:
             hf="primus.megatron.hf:INTEROP",
             planner="primus.megatron.planner_profile:PROFILE",
             native="primus.megatron.native:FORMAT",
-            model_families=frozenset({"llama", "qwen2", "qwen3", "mistral", "deepseek"}),
+            model_families=FAMILIES,
         )
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from primus.core.config import gpt_oss
 from primus.core.config.schema import PrimusConfig
 from primus.core.contracts.protocols import ConfigIssue
 from primus.megatron import deepseek, faults, fp8
@@ -11,10 +12,20 @@ from primus.megatron import deepseek, faults, fp8
 # test-only fault injectors (primus.megatron.faults).
 EXTRA_KEYS = frozenset({"transformer_config", "ddp", "fault_injection"})
 
+FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral", "deepseek"})
+
+# what Primus's local layer spec (primus.megatron.layer_spec) lacks of GPT-OSS's parts
+GPT_OSS_LACKS = (
+    "its local layer spec (primus.megatron.layer_spec) has no attention sinks and no sliding-window attention "
+    "(nor GPT-OSS's clamped SwiGLU with expert biases)"
+)
+
 
 def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    out: list[ConfigIssue] = []
+    if m.family == gpt_oss.FAMILY:  # one refusal, what is missing: the rest would be about a model it cannot build
+        return [gpt_oss.refusal("megatron", GPT_OSS_LACKS, FAMILIES)]
+    out: list[ConfigIssue] = gpt_oss.part_issues(m, "megatron")
 
     def refuse(path: str, message: str, value: object = None, allowed: str | None = None) -> None:
         out.append(ConfigIssue(path, message, value, allowed))

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from primus.core.config import gpt_oss
 from primus.core.config.schema import PrimusConfig
 from primus.core.contracts.protocols import ConfigIssue
 from primus.torchtitan import faults, fp8
 from primus.torchtitan.job_config import JOB_CONFIG_SECTIONS, PP_SCHEDULES, extra_value
 
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "deepseek"})
+
+# torchtitan 0.2.2 has a gpt_oss model (sinks, sliding window, YaRN, clamped SwiGLU, expert biases; FlexAttention)
+GPT_OSS_LACKS = (
+    "Primus's torchtitan adapter does not build torchtitan 0.2.2's gpt_oss model (attention sinks, sliding window, "
+    "YaRN; FlexAttention only)"
+)
 
 
 def _model_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
@@ -386,7 +393,10 @@ def cpu_refusal(cfg: PrimusConfig, cp_attention: bool = False) -> str | None:
 
 def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     """Everything torchtitan 0.2.2 cannot run for this config (empty if it can)."""
+    if cfg.model.family == gpt_oss.FAMILY:  # one refusal, what is missing: the rest would be about a model not built
+        return [gpt_oss.refusal("torchtitan", GPT_OSS_LACKS, FAMILIES)]
     return [
+        *gpt_oss.part_issues(cfg.model, "torchtitan"),
         *_model_issues(cfg),
         *_parallel_issues(cfg, world_size),
         *_train_issues(cfg),

@@ -228,6 +228,14 @@ def plan(
         raise typer.Exit(4)
     if not fitting:
         _json(report, as_json)
+        if cands and all(c.refused for c in cands):  # none fits, and the engine would refuse each one anyway
+            common = Counter(r for c in cands for r in c.refused).most_common(1)[0][0]
+            err.print(
+                f"note: {engine} refuses every layout, whatever its memory: {common} (--engine {GENERIC_ENGINE}: core's "
+                "estimate without it)",
+                style="yellow",
+                markup=False,
+            )
         best = shown[0]
         err.print(
             f"error: nothing fits: the smallest layout ({best.layout.describe()}, micro-batch {best.layout.micro_batch})"

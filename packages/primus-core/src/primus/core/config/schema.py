@@ -41,6 +41,11 @@ class RopeScaling(Section):
         ge=0,
         description="yarn, MLA: softmax scale × (0.1·mscale_all_dim·ln(factor) + 1)² (DeepSeek-V3: 1.0; 0: none)",
     )
+    truncate: bool = Field(
+        True,
+        description="yarn: round the range of interpolated frequencies to whole dims (Hugging Face's default; "
+        "GPT-OSS: false, no rounding)",
+    )
 
 
 class MoEConfig(Section):
@@ -86,6 +91,10 @@ class MoEConfig(Section):
     capacity_factor: float | None = Field(
         None, gt=0, description="tokens an expert takes, × the even share; beyond it tokens are dropped (null: none)"
     )
+    router_bias: bool = Field(False, description="the router's linear has a bias of one per expert (GPT-OSS)")
+    expert_bias: bool = Field(
+        False, description="each expert's projections have biases: gate and up (2 × its width), down (d) (GPT-OSS)"
+    )
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether 0-based ``layer`` has routed experts."""
@@ -125,7 +134,7 @@ class MTPConfig(Section):
 
 class ModelConfig(Section):
     name: str = Field("tiny-llama", description="preset name or a label for this architecture")
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "deepseek"] = Field(
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "deepseek", "gpt_oss"] = Field(
         "llama", description="architecture family (decides qkv bias / qk-norm defaults in engines)"
     )
     hidden_size: int = Field(128, gt=0, description="model width d")
@@ -141,6 +150,28 @@ class ModelConfig(Section):
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
     tie_word_embeddings: bool = Field(False, description="output head shares the input embedding")
     qkv_bias: bool = Field(False, description="bias on q/k/v projections (Qwen2.5)")
+    attention_out_bias: bool = Field(
+        False, description="bias on the attention output projection (o_proj; GPT-OSS, with qkv_bias)"
+    )
+    attention_sinks: bool = Field(
+        False,
+        description="a learned sink logit per query head in every attention layer: a softmax column that takes "
+        "weight and gives no value (GPT-OSS)",
+    )
+    sliding_window: int | None = Field(
+        None, gt=0, description="tokens a query attends back to (itself included) in its sliding layers (null: none)"
+    )
+    sliding_layers: Literal["all", "even"] = Field(
+        "all",
+        description="which layers use model.sliding_window: all, or the even ones (0-based: 0, 2, ...; the odd ones "
+        "attend to the whole context; GPT-OSS, Hugging Face's layer_types)",
+    )
+    swiglu_limit: float | None = Field(
+        None,
+        gt=0,
+        description="clamped SwiGLU (GPT-OSS: 7.0): gate ≤ limit, -limit ≤ up ≤ limit, out = (up + 1) · gate · "
+        "sigmoid(1.702 · gate); null: the plain SwiGLU silu(gate) · up",
+    )
     qk_norm: bool = Field(False, description="RMSNorm on per-head q and k (Qwen3)")
     init_std: float = Field(0.02, gt=0, description="std of the normal weight init")
     moe: MoEConfig | None = Field(None, description="mixture-of-experts MLPs (null: a dense model)")
@@ -150,6 +181,10 @@ class ModelConfig(Section):
     @property
     def kv_channels(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether 0-based ``layer`` attends through the sliding window (never without ``sliding_window``)."""
+        return self.sliding_window is not None and (self.sliding_layers == "all" or layer % 2 == 0)
 
 
 class OptimizerConfig(Section):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from primus.core.config import deepseek
+from primus.core.config import deepseek, gpt_oss
 from primus.core.config.errors import ConfigError
 from primus.core.config.fields import section_model, suggest
 from primus.core.config.schema import ModelConfig, PrimusConfig
@@ -89,6 +89,7 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         )
 
     out.extend(deepseek.issues(m))
+    out.extend(gpt_oss.issues(m))
     if m.mla is not None and p.cp > 1:  # (both engines reached primus-turbo's ring attention and raised there)
         why = (
             "the context-parallel attention (primus-turbo's ring attention) takes one head width for queries, keys "
@@ -365,13 +366,18 @@ def registry_issues(cfg: PrimusConfig, registry: Registry, world_size: int) -> l
             )
         )
     elif backend.model_families and cfg.model.family not in backend.model_families:
-        out.append(
-            ConfigIssue(
-                "model.family",
-                f"backend {backend.name!r} cannot run {cfg.model.family!r} models",
-                value=cfg.model.family,
-                allowed=", ".join(sorted(backend.model_families)),
-            )
+        # the backend's own word on a family it lacks (what it is missing) is said instead of the generic one
+        own = [i for i in validate_with(backend, cfg, world_size) if i.path == "model.family"]
+        out.extend(
+            own
+            or [
+                ConfigIssue(
+                    "model.family",
+                    f"backend {backend.name!r} cannot run {cfg.model.family!r} models",
+                    value=cfg.model.family,
+                    allowed=", ".join(sorted(backend.model_families)),
+                )
+            ]
         )
     for name in cfg.logging.loggers:  # a logger plugin is registered under its logger's name
         if name in registry.loggers:

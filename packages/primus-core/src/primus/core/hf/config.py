@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from primus.core.config import gpt_oss
 from primus.core.config.schema import SHAPE_KEYS, ModelConfig
 from primus.core.contracts.errors import UserError
 
@@ -121,6 +122,11 @@ def _moe_to_hf(m: ModelConfig) -> dict[str, Any]:
 def model_fields_from_hf(hf: dict[str, Any], name: str | None = None) -> dict[str, Any]:
     """The ``model`` section (a plain dict, validated by the caller) that describes the HF model ``hf``."""
     model_type = hf.get("model_type")
+    if model_type == "gpt_oss":
+        raise HFConfigError(
+            "config.json model_type 'gpt_oss' (GptOssForCausalLM) is not mapped yet: Primus plans GPT-OSS (the "
+            f"gpt-oss-20b / gpt-oss-120b presets) and no engine trains it; allowed: {', '.join(FAMILIES)}"
+        )
     if model_type not in FAMILIES:
         raise HFConfigError(f"config.json model_type {model_type!r} is not supported; allowed: {', '.join(FAMILIES)}")
     if model_type == "deepseek_v3":
@@ -173,6 +179,16 @@ def model_config_from_hf(hf: dict[str, Any], name: str | None = None) -> ModelCo
 
 def hf_config(m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """The ``config.json`` of a HF model with the architecture ``m`` (what ``from_pretrained`` reads)."""
+    if m.family == gpt_oss.FAMILY:
+        raise HFConfigError(
+            "model.family 'gpt_oss' has no Hugging Face mapping yet (GptOssForCausalLM import / export is not there); "
+            "allowed: llama, qwen2, qwen3, mistral, deepseek"
+        )
+    if parts := gpt_oss.parts(m):
+        raise HFConfigError(
+            f"{', '.join(parts)} (GPT-OSS's) cannot be written as {m.family}: its Hugging Face model has none; "
+            "allowed: their defaults"
+        )
     if m.family == "deepseek":
         from primus.core.hf.deepseek import deepseek_config
 

@@ -59,7 +59,7 @@ from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS, call_tokens, fp8_blo
 from primus.core.kernels.linears import RankLinear, attention_linears, fused, mlp_linears, shared_expert_width
 from primus.core.planner import calibration as cal
 from primus.core.planner.calibration import GIB
-from primus.core.planner.modelmath import count_params
+from primus.core.planner.modelmath import count_params, expert_params
 from primus.core.planner.profile import ADAM_BYTES, NO_GROUPS, EngineProfile, GemmGroups, fused_loss_refusal, profile_of
 
 # parts of the breakdown that live outside the framework's caching allocator (torch.cuda.max_memory_reserved
@@ -139,9 +139,10 @@ def layers_per_stage(model: ModelConfig, layout: Layout) -> int:
 
 
 def routed_expert_params(model: ModelConfig) -> int:
-    """The routed experts' parameters of one MoE layer (0 for a dense model): E SwiGLU MLPs of the expert width."""
+    """The routed experts' parameters of one MoE layer (0 for a dense model): E SwiGLU MLPs of the expert width (and
+    their biases, GPT-OSS's)."""
     e = model.moe
-    return 0 if e is None else e.num_experts * 3 * model.hidden_size * e.expert_ffn_hidden_size
+    return 0 if e is None else e.num_experts * expert_params(model)
 
 
 def layer_mean(model: ModelConfig, dense: float, moe: float) -> float:

@@ -1,19 +1,21 @@
 """Parameter count and training FLOPs per token of a dense decoder (Llama / Qwen / Mistral shape).
 
 Parameters (d = hidden, h = heads, k = kv heads, c = head dim, f = ffn, V = vocab, L = layers):
-  per layer = d·h·c (q) + 2·d·k·c (k, v) + h·c·d (o) + [qkv bias: h·c + 2·k·c] + [qk-norm: 2·c]
-              + 3·d·f (SwiGLU gate, up, down) + 2·d (two RMSNorms)
+  per layer = d·h·c (q) + 2·d·k·c (k, v) + h·c·d (o) + [qkv bias: h·c + 2·k·c] + [o bias: d] + [qk-norm: 2·c]
+              + [attention sinks: h] + 3·d·f (SwiGLU gate, up, down) + 2·d (two RMSNorms)
   total     = V·d (embedding) + L·per layer + d (final norm) + [untied: V·d (output head)]
 
 Training FLOPs per token (forward + backward = 3 × forward; a matmul of n weights costs 2n):
   6 · N_matmul + 12 · L · h·c · S
 where N_matmul = total − V·d (the input embedding is a lookup) + [tied: V·d] (the head GEMM runs
 either way; norm weights are counted too, as the usual 6·N does, < 0.01%), and 12·L·h·c·S counts QKᵀ and AV over a sequence of S tokens (no causal
-discount, as PaLM/TorchTitan/Megatron count it). MFU = achieved FLOP/s ÷ peak FLOP/s.
+discount, as PaLM/TorchTitan/Megatron count it; a sliding layer's queries attend to min(S, window) keys instead of
+S). MFU = achieved FLOP/s ÷ peak FLOP/s.
 
 Mixture of experts (``model.moe``, E experts of width e, top-k, S shared): an MoE layer's MLP is E·3·d·e + S·3·d·e
 + d·E (the router) instead of 3·d·f; a token runs k·3·d·e + S·3·d·e + d·E of it, so the *active* parameters (what
-the FLOPs and MFU count) are the total less the (E − k) unused experts of every MoE layer.
+the FLOPs and MFU count) are the total less the (E − k) unused experts of every MoE layer. GPT-OSS's biases count too:
+the router's (E) and each expert's (2·e + d, ``model.moe.expert_bias``).
 
 Multi-token prediction (``model.mtp``, D depths): each depth is one more block (MoE where layer L + k would be) plus
 its two input norms, ``eh_proj`` (2·d·d) and its output norm, counted in the total and the active parameters; its
@@ -62,6 +64,7 @@ def count_params(m: ModelConfig) -> ParamCount:
     attn = d * h * c + 2 * d * k * c + h * c * d
     if m.qkv_bias:
         attn += h * c + 2 * k * c
+    attn += (d if m.attention_out_bias else 0) + (h if m.attention_sinks else 0)
     layer_norms = 2 * d + (2 * c if m.qk_norm else 0)
     if m.mla is not None:  # multi-head latent attention: primus.core.config.deepseek
         attn, mla_norms = attention_params(m)
@@ -72,8 +75,8 @@ def count_params(m: ModelConfig) -> ParamCount:
     if m.moe is not None:
         e = m.moe
         moe_n = e.num_moe_layers(m.num_layers)
-        expert, always = 3 * d * e.expert_ffn_hidden_size, attn + layer_norms + d * e.num_experts  # + router
-        always += e.shared_experts * expert + (e.num_experts if m.family == "deepseek" else 0)  # + its bias
+        expert, always = expert_params(m), attn + layer_norms + d * e.num_experts  # + router
+        always += e.shared_experts * expert + (e.num_experts if m.family == "deepseek" or e.router_bias else 0)  # bias
         moe_layer, moe_active = always + e.num_experts * expert, always + e.experts_per_token * expert
     mtp = mtp_active = mtp_moe = 0
     for k in range(m.mtp.layers if m.mtp is not None else 0):
@@ -98,6 +101,25 @@ def count_params(m: ModelConfig) -> ParamCount:
     )
 
 
+def expert_params(m: ModelConfig) -> int:
+    """One routed (or shared) expert's parameters: its SwiGLU's gate, up and down, and their biases where
+    ``model.moe.expert_bias`` (GPT-OSS); 0 for a dense model."""
+    e = m.moe
+    if e is None:
+        return 0
+    width = e.expert_ffn_hidden_size
+    return 3 * m.hidden_size * width + (2 * width + m.hidden_size if e.expert_bias else 0)
+
+
+def attended_keys(m: ModelConfig, seq_len: int) -> float:
+    """Keys a query attends to, averaged over the layers (no causal discount): ``seq_len``, or at most the window in
+    a sliding layer (``model.sliding_window``)."""
+    if m.sliding_window is None:
+        return float(seq_len)
+    sliding = sum(m.is_sliding_layer(i) for i in range(m.num_layers))
+    return ((m.num_layers - sliding) * seq_len + sliding * min(seq_len, m.sliding_window)) / m.num_layers
+
+
 def matmul_params(m: ModelConfig) -> int:
     """Weights that take part in a GEMM per token (the output head counted even when tied; of the experts, those a
     token is routed to)."""
@@ -111,7 +133,7 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     blocks = m.num_layers + (m.mtp.layers if m.mtp is not None else 0)  # multi-token prediction's attend too
     if m.mla is not None:
         return 6.0 * matmul_params(m) + attention_flops_per_token(m, seq_len) * blocks / m.num_layers
-    return 6.0 * matmul_params(m) + 12.0 * blocks * m.num_attention_heads * m.kv_channels * seq_len
+    return 6.0 * matmul_params(m) + 12.0 * blocks * m.num_attention_heads * m.kv_channels * attended_keys(m, seq_len)
 
 
 def human(n: float) -> str:

@@ -54,7 +54,7 @@ from primus.core.planner.memory import (
     routed_expert_params,
     stage_params,
 )
-from primus.core.planner.modelmath import count_params
+from primus.core.planner.modelmath import attended_keys, count_params, expert_params
 
 # A TP split makes each GEMM narrower and puts collectives between them that stall the stream:
 # the fraction of the unsplit rate kept per doubling of tp (0.9: TP 8 keeps 73%).
@@ -101,7 +101,7 @@ def active_layer_params(model: ModelConfig) -> tuple[float, float]:
     if model.moe is None:
         return float(pc.per_layer), 0.0
     e = model.moe
-    routed = e.experts_per_token * 3 * model.hidden_size * e.expert_ffn_hidden_size
+    routed = e.experts_per_token * expert_params(model)
     return layer_mean(model, pc.per_layer, pc.moe_layer_active - routed), layer_mean(model, 0.0, routed)
 
 
@@ -152,7 +152,12 @@ def layer_seconds_per_token(
     out = {
         "gemm": 6 * dense / gemm_rate(dev, fp8)
         + 6 * experts / (gemm_rate(dev, fp8) * moe_gemm_fraction(expert_tokens)),
-        "attention": 6 * h * head_width(model) * seq_len / (dev.peak_flops * dev.attention_fraction),  # ½ 12·h·c·s
+        # ½ 12·h·c·s (s: the keys a query attends to, at most the window in a sliding layer)
+        "attention": 6
+        * h
+        * head_width(model)
+        * attended_keys(model, seq_len)
+        / (dev.peak_flops * dev.attention_fraction),
         "memory_bound": cal.MEMORY_BOUND_PASSES * 2 * (d + f) / hbm * fused,
     }
     if model.moe is not None:  # routing each token's k copies to their experts and back, averaged over the layers
