@@ -25,6 +25,29 @@ TINY = str(CONFIGS / "tiny.yaml")
 LOSS_TOL = 1e-4
 
 
+# The start of a child-process script that builds megatron models in one process: the CPU redirection, a one-rank gloo
+# group, megatron's parallel state and its seed (it draws weights under its model-parallel RNG); then `reg`, the
+# kernel registry. Each script goes on from there.
+ONE_RANK_SCRIPT = """
+import socket, sys
+import torch
+import torch.distributed as dist
+from primus.megatron.cpu import redirect_to_cpu
+redirect_to_cpu()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from primus.core.config.presets import model_config
+from primus.core.config.schema import PrimusConfig
+from primus.core.contracts.plugins import get_registry
+from primus.megatron.dist import init_parallel, seed
+init_parallel(1, 1, 1, 1)
+seed(0)
+reg = get_registry()
+"""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,6 +13,8 @@ import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
+from megatron_helpers import ONE_RANK_SCRIPT
+
 from primus.megatron import compat as mc
 
 
@@ -591,26 +593,11 @@ def test_mla_reads_its_linear_types_from_module_globals():
     assert mc.mla_without_te() == []
 
 
-MLA_BUILD = textwrap.dedent("""
-    import socket, sys, torch
-    import torch.distributed as dist
-    from primus.megatron.cpu import redirect_to_cpu
-    redirect_to_cpu()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from primus.core.config.presets import model_config
-    from primus.core.config.schema import PrimusConfig
-    from primus.core.contracts.plugins import get_registry
-    from primus.megatron.dist import init_parallel, seed
+MLA_BUILD = ONE_RANK_SCRIPT + textwrap.dedent("""
     from primus.megatron.layer_spec import KernelRMSNorm, block_spec, mtp_block_spec
     from primus.megatron.model import gpt_model, transformer_config
     from megatron.core.transformer.moe.router import TopKRouter
     from primus.megatron import compat
-    init_parallel(1, 1, 1, 1)
-    seed(0)
-    reg = get_registry()
     names = {"attention": "sdpa", "rms_norm": "torch", "swiglu": "torch", "grouped_gemm": "torch"}  # CPU's own
     kernels = {op: next(p for p in reg.providers(op) if p.name == name) for op, name in names.items()}
     model = model_config("tiny-deepseek", reg).model_dump()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from megatron_helpers import BF16, CONFIGS, TINY, losses, primus, read_metrics, train
+from megatron_helpers import BF16, CONFIGS, ONE_RANK_SCRIPT, TINY, losses, primus, read_metrics, train
 
 from primus.core.config.schema import KernelsConfig, PrimusConfig
 from primus.megatron.fp8 import issues, plan
@@ -123,25 +123,12 @@ def test_moe_block_spec_in_fp8():
     assert plain.shared_experts.submodules.linear_fc1 is ColumnParallelLinear
 
 
-SHAPES = """
-import socket, sys
-import torch.distributed as dist
-from primus.megatron.cpu import redirect_to_cpu
-redirect_to_cpu()
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-from primus.core.config.presets import model_config
-from primus.core.config.schema import PrimusConfig
-from primus.core.contracts.plugins import get_registry
-from primus.megatron.dist import init_parallel, seed
+SHAPES = (
+    ONE_RANK_SCRIPT
+    + """
 from primus.megatron.fp8 import BF16_ONLY, linear_shapes
 from primus.megatron.layer_spec import block_spec
 from primus.megatron.model import gpt_model, transformer_config
-init_parallel(1, 1, 1, 1)
-seed(0)  # megatron draws its weights under its model-parallel RNG
-reg = get_registry()
 kernels = {op: reg.providers(op)[0] for op in ("attention", "rms_norm", "swiglu", "grouped_gemm")}
 for preset in sys.argv[1:]:
     cfg = PrimusConfig.model_validate({"model": model_config(preset, reg).model_dump(), "train": {"seq_len": 32}})
@@ -157,6 +144,7 @@ for preset in sys.argv[1:]:
             found[name] = [list(p.shape[::-1]), list((shared if ".shared_experts." in name else block)[module].shape)]
     print(preset, found)
 """
+)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-deepseek"])
