@@ -217,6 +217,54 @@ class HealthConfig(Section):
     )
 
 
+#: the projections LoRA adapts, by their Hugging Face module names (PEFT's ``target_modules``), and their role in
+#: :func:`primus.core.hf.contract.layer_names`
+LORA_TARGETS = {
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "o_proj": "o",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+
+
+class LoRAConfig(Section):
+    """Low-rank adapters (LoRA, Hu et al. 2021; PEFT's defaults): each targeted projection ``W`` computes
+    ``W x + (alpha / rank) · B A dropout(x)``, ``A`` [rank, in] drawn uniform in ±1/sqrt(in), ``B`` [out, rank] zero.
+    The base weights are frozen (no gradients, no optimizer state); only ``A`` and ``B`` train. Targets are named by
+    their Hugging Face modules, so one config means the same adapters on every engine and the adapters export to
+    PEFT's format (``primus checkpoint export``)."""
+
+    rank: int = Field(16, gt=0, description="r: the adapters' inner width")
+    alpha: float = Field(32.0, gt=0, description="the adapters' output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (training only)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description=f"Hugging Face module names to adapt in every layer; of {', '.join(LORA_TARGETS)}",
+    )
+    init_from: str | None = Field(
+        None,
+        description="a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters "
+        "from, instead of PEFT's initial A and B; train.init_from names the base it was trained on",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        if bad := [t for t in value if t not in LORA_TARGETS]:
+            raise ValueError(f"unknown module(s) {bad}; allowed: {', '.join(LORA_TARGETS)}")
+        if len(set(value)) != len(value):
+            raise ValueError(f"names a module twice: {value}")
+        return value
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class TrainConfig(Section):
     seq_len: int = Field(128, gt=0, description="tokens per sample")
     micro_batch_size: int = Field(2, gt=0, description="samples per device per forward/backward")
@@ -244,6 +292,10 @@ class TrainConfig(Section):
         "pretrain",
         description="pretrain: next-token loss on every token; sft: fine-tuning on chat (messages, ShareGPT), "
         "Alpaca or prompt / completion records (data.record_format), loss on the answers only",
+    )
+    lora: LoRAConfig | None = Field(
+        None,
+        description="train low-rank adapters on the frozen base weights instead of the weights themselves (LoRA)",
     )
     init: Literal["canonical", "engine"] = Field(
         "canonical",
