@@ -276,22 +276,44 @@ def export(
         str | None, typer.Option("--config", help="the run's config (default: config.yaml of the run folder)")
     ] = None,
     max_shard_mb: Annotated[int, typer.Option("--max-shard-mb", help="largest safetensors shard, MiB")] = 5120,
+    merge: Annotated[
+        bool,
+        typer.Option(
+            "--merge",
+            help="a LoRA run's checkpoint (train.lora): the full model, adapters merged into the base weights "
+            "(default: the PEFT adapter folder, adapter_config.json + adapter_model.safetensors)",
+        ),
+    ] = False,
+    base: Annotated[
+        str | None,
+        typer.Option(
+            "--base",
+            help="with --merge: the LoRA run's base weights, where its train.init_from has moved (a Hugging Face "
+            "folder or a Primus checkpoint)",
+        ),
+    ] = None,
 ) -> None:
-    """A backend checkpoint -> a Hugging Face folder (config.json, safetensors shards + index, tokenizer). Refuses a
-    checkpoint whose files are not what its manifest records, or a folder without manifest (an uncommitted save)."""
+    """A backend checkpoint -> a Hugging Face folder (config.json, safetensors shards + index, tokenizer); a LoRA
+    run's checkpoint -> a PEFT adapter folder, or with --merge the full model. Refuses a checkpoint whose files are
+    not what its manifest records, or a folder without manifest (an uncommitted save)."""
     from primus.core.config.errors import ConfigError
     from primus.core.contracts.errors import UserError
-    from primus.core.hf.contract import OFFLINE_OVERRIDES, export_checkpoint
+    from primus.core.hf.lora_export import export as export_run
+    from primus.core.hf.lora_export import offline_overrides, run_base
     from primus.core.launch.train import resolve
     from primus.core.run import checkpoints as ckpt
     from primus.core.run.checkpoints import readable
 
     if not to_hf:
         raise fail(ValueError("--to-hf DIR is required"))
+    if base is not None and not merge:
+        raise fail(ValueError("--base goes with --merge (the base the adapters merge into)"))
     path = Path(checkpoint)
     if not path.exists():
         raise fail(FileNotFoundError(f"checkpoint {path} does not exist"))
     if not ckpt.read_manifest(path) and not ckpt.complete_checkpoints(path, ckpt.NAMING):
+        if merge:
+            raise fail(ValueError(f"--merge: {path} is not a Primus checkpoint of a LoRA run (train.lora)"))
         from primus.core.contracts.plugins import get_registry
         from primus.core.launch.native import recognise
 
@@ -308,14 +330,24 @@ def export(
         raise fail(ValueError(f"no config.yaml beside {path} or in its run folder: pass --config"))
     try:
         folder = readable(path)  # the checkpoint itself, or the newest under it, that verifies
-        res = resolve(str(source), [*OFFLINE_OVERRIDES, *(overrides or [])], world_size=1)
+        res = resolve(str(source), [*offline_overrides(source), *(overrides or [])], world_size=1)
         cfg = res.config
-        written = export_checkpoint(cfg, folder, to_hf, max_shard_bytes=max_shard_mb * 2**20, registry=res.registry)
+        run_file = Path(source) if Path(source).is_file() else None
+        written = export_run(
+            cfg,
+            folder,
+            to_hf,
+            max_shard_bytes=max_shard_mb * 2**20,
+            registry=res.registry,
+            merge=merge,
+            base=base or (run_base(run_file) if run_file else None),
+        )
     except (ConfigError, UserError) as exc:
         raise fail(exc) from None
     if folder != path:
         _out.print(f"exporting {folder}, the newest checkpoint under {path} that verifies", highlight=False)
-    _out.print(f"exported {folder} ({cfg.backend.name}) -> {written}", highlight=False)
+    what = "" if cfg.train.lora is None else (" (LoRA merged into its base)" if merge else " (PEFT LoRA adapter)")
+    _out.print(f"exported {folder} ({cfg.backend.name}) -> {written}{what}", highlight=False)
 
 
 @checkpoint_app.command("verify")

@@ -206,6 +206,7 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
             )
         )
     out += eval_issues(cfg)
+    out += lora_issues(cfg)
     d = cfg.data
     if d.blend and (d.source != "bundled" or d.paths):
         key = "data.paths" if d.paths else "data.source"
@@ -232,6 +233,38 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
                 "train.seq_len", f"{t.seq_len} is not divisible by 2 × parallel.cp ({2 * p.cp})", value=t.seq_len
             )
         )
+    return out
+
+
+def lora_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    """``train.lora``'s engine-independent rules: a model the adapters can target, base weights that a checkpoint can
+    name (train.init_from, or the canonical initial weights of train.seed), and ``train.lora.init_from`` a PEFT
+    folder of these adapters (its ``adapter_config.json``: r, lora_alpha, target_modules; the tensors are checked
+    when read)."""
+    lora, t = cfg.train.lora, cfg.train
+    if lora is None:
+        return []
+    from primus.core.run.lora import unsupported
+
+    out = []
+    if why := unsupported(cfg.model):
+        out.append(ConfigIssue("train.lora", why, allowed="null for this model, or a dense model without model.mla"))
+    if t.init == "engine" and not t.init_from:
+        why = (
+            "trains adapters on frozen base weights that a checkpoint names (train.init_from, or the canonical "
+            "initial weights of train.seed); train.init engine's are the engine's own and cannot be named"
+        )
+        out.append(ConfigIssue("train.init", why, value=t.init, allowed="canonical, or set train.init_from"))
+    if lora.init_from:
+        from primus.core.hf.peft import AdapterError, adapter_settings, settings_problem
+
+        try:
+            problem = settings_problem(adapter_settings(lora.init_from), lora)
+        except AdapterError as exc:
+            problem = str(exc)
+        if problem:
+            allowed = "a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) of train.lora's adapters"
+            out.append(ConfigIssue("train.lora.init_from", problem, value=lora.init_from, allowed=allowed))
     return out
 
 

@@ -135,6 +135,20 @@ class HFInterop(Protocol):
         ...
 
 
+class HFAdapterExport(Protocol):
+    """An optional method of a backend's :class:`HFInterop` object, for runs with ``train.lora``: a backend that
+    trains LoRA adapters offers it, and ``primus checkpoint export`` of a LoRA run's checkpoint refuses (naming the
+    backend) where it is missing. (A separate protocol, so that an engine without LoRA still meets
+    :class:`HFInterop`.)"""
+
+    def export_adapters(self, cfg: PrimusConfig, checkpoint: Path) -> dict[str, Any]:
+        """The trained adapters of the LoRA run's checkpoint ``checkpoint`` (``cfg.train.lora`` set) as fp32 CPU
+        tensors, named exactly :func:`primus.core.run.lora.tensor_names` ``(cfg.model, cfg.train.lora)`` (PEFT's HF
+        names without its ``base_model.model.`` prefix). The checkpoint holds the adapters, not the frozen base:
+        core writes them as a PEFT folder, and merges them into the base the run names for ``--merge``."""
+        ...
+
+
 def _offline_overrides() -> tuple[str, ...]:
     """A checkpoint is read (and an import written) by one process: every ``parallel`` key back to its default (a
     checkpoint of any layout loads under any other: tp, pp, cp, ep, dp_shard, fsdp ... of the run do not apply), and
@@ -277,19 +291,43 @@ def export_checkpoint(
 ) -> Path:
     """The engine checkpoint ``folder`` -> a HF folder ``out`` that ``from_pretrained`` loads. ``folder`` is one the
     caller has verified (:func:`primus.core.run.checkpoints.readable` returns it for a checkpoint or a folder of
-    them; the run room sits above this one). ``registry``: as in :func:`import_checkpoint`."""
+    them; the run room sits above this one). ``registry``: as in :func:`import_checkpoint`.
+
+    A LoRA run's checkpoint (``train.lora``) holds adapters, not the model: see :mod:`primus.core.hf.lora_export`
+    (``primus checkpoint export`` takes it there)."""
     from primus.core.hf.config import hf_config
     from primus.core.hf.safetensors_io import write_hf
 
     folder = Path(folder)
-    tensors = interop(cfg, registry or _registry()).export_hf(cfg, folder)
+    registry = registry or _registry()
+    if cfg.train.lora is not None:
+        raise UserError(
+            f"{folder} is a LoRA run's checkpoint (train.lora): its adapters export with primus.core.hf.lora_export"
+        )
+    ordered = full_weights(cfg, folder, registry)
+    dtype = str(ordered[EMBED].dtype).removeprefix("torch.")
+    return write_hf(
+        out,
+        ordered,
+        hf_config(cfg.model, dtype),
+        max_shard_bytes=max_shard_bytes,
+        tokenizer=export_tokenizer(cfg, folder),
+    )
+
+
+def full_weights(cfg: PrimusConfig, folder: Path, registry: Registry) -> dict[str, Any]:
+    """The model weights of the (not LoRA) checkpoint ``folder``, HF-named, in :func:`hf_names` order."""
+    tensors = interop(cfg, registry).export_hf(cfg, folder)
     expected = hf_names(cfg.model)
     if sorted(tensors) != sorted(expected):
         raise RuntimeError(
             f"backend {cfg.backend.name} exported {sorted(set(tensors) ^ set(expected))[:6]} outside the HF contract"
         )
-    ordered = {n: tensors[n] for n in expected}
-    dtype = str(ordered[EMBED].dtype).removeprefix("torch.")
+    return {n: tensors[n] for n in expected}
+
+
+def export_tokenizer(cfg: PrimusConfig, folder: Path) -> Path | None:
+    """The run's tokenizer.json to copy into an export, or None (none, or not the model's)."""
     tokenizer = tokenizer_source(cfg, folder)
     if tokenizer is None:
         log.info("the run has no tokenizer.json (data.tokenizer %r): exporting weights only", cfg.data.tokenizer)
@@ -302,7 +340,7 @@ def export_checkpoint(
             cfg.model.vocab_size,
         )
         tokenizer = None
-    return write_hf(out, ordered, hf_config(cfg.model, dtype), max_shard_bytes=max_shard_bytes, tokenizer=tokenizer)
+    return tokenizer
 
 
 def _vocab_size(tokenizer_json: Path) -> int:

@@ -10,6 +10,8 @@ It takes either
   complete checkpoint). Only the model weights are taken; the run's model must have the checkpoint's shape.
   A checkpoint of the other engine is converted once, by rank 0, to a Hugging Face folder under
   ``<output_dir>/init_from`` (``primus checkpoint export`` in a child process), and the run starts from that.
+  A LoRA run's checkpoint (``train.lora``: adapters, not the model) of either engine is converted there too, its
+  adapters merged into its base (``export --merge``).
 
 The engines load what :func:`source` describes (``kind`` ``hf`` or a checkpoint of their own) into their own
 layout: Megatron through its HF importer or dist checkpoint, TorchTitan through its state-dict adapter or DCP.
@@ -214,19 +216,35 @@ def _checkpoint_tokenizer(layers: Layered, src: Source) -> None:
         layers.merge({"data": {"tokenizer": spec}}, f"config.yaml {run_config}")
 
 
+def trains_lora(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` is a LoRA run's (its run's config.yaml sets ``train.lora``): it holds adapters, not
+    the weights of the model."""
+    import yaml
+
+    config = find_run_config(checkpoint)
+    if config is None:
+        return False
+    data = yaml.safe_load(config.read_text()) or {}
+    return isinstance(data, dict) and bool((data.get("train") or {}).get("lora"))
+
+
 def prepare(cfg: PrimusConfig, rank: int, output_dir: Path, timeout_s: float) -> PrimusConfig:
     """The run's config with ``train.init_from`` something its engine loads: a checkpoint of another engine is
-    converted to a Hugging Face folder once (rank 0; the other ranks wait for it on the shared file system)."""
+    converted to a Hugging Face folder once (rank 0; the other ranks wait for it on the shared file system), and so
+    is a LoRA run's checkpoint of any engine, its adapters merged into its base (``primus checkpoint export
+    --merge``): the weights of the model it trained."""
     value = cfg.train.init_from
     if not value:
         return cfg
     src = source(value)
-    if src.kind == "hf" or src.backend == cfg.backend.name:
+    lora = src.kind == "checkpoint" and trains_lora(src.path)
+    if src.kind == "hf" or (src.backend == cfg.backend.name and not lora):
         return cfg
     target = output_dir / "init_from" / f"{src.backend}-{src.path.name}"
     done = target / ".converted"
     if rank == 0 and not done.is_file():
-        log.info("%s is a %s checkpoint: converting it to a Hugging Face folder %s", src.path, src.backend, target)
+        what = "a LoRA run's checkpoint: merging its adapters into its base as" if lora else "converting it to"
+        log.info("%s is a %s checkpoint, %s a Hugging Face folder %s", src.path, src.backend, what, target)
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "PRIMUS_LAUNCHED")}
         cmd = [
             sys.executable,
@@ -237,6 +255,7 @@ def prepare(cfg: PrimusConfig, rank: int, output_dir: Path, timeout_s: float) ->
             str(src.path),
             "--to-hf",
             str(target),
+            *(["--merge"] if lora else []),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
