@@ -24,18 +24,29 @@ def _num(v: float | None, spec: str) -> str:
     return "not measured" if v is None else format(v, spec)
 
 
+def _planner_speed(result: dict) -> list[dict]:
+    """The planner's tokens/s for each row it is held to (docs/generate.py's ``planner_speed``: the row's own command,
+    planned on the result's GPU), with its error against the measured."""
+    sys.path.insert(0, str(HERE.parent / "docs"))
+    from generate import planner_speed
+
+    return planner_speed(result)
+
+
 def render(result: dict | None) -> str:
     """The block's text (markers excluded) for a suite result, or for none."""
     if result is None:
         return "Not measured: the GPU suite (`benchmarks/gpu_suite.py`) has no committed result yet.\n"
     rows = result["rows"]
     ok = sum(r["status"] == "passed" for r in rows)
+    speed = {p["row"]: p for p in _planner_speed(result)}
     lines = [
         f"From `benchmarks/results/gpu_suite.json` ({result['date']}, {result['gpu']}, torch {result['torch']}; "
         f"{ok} of {len(rows)} rows passed; `{result['command']}`):",
         "",
-        "| run | status | tokens/s per GPU | MFU | ratio | against | peak / planner GiB | to first step s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | status | tokens/s per GPU | planner tokens/s | MFU | ratio | against | peak / planner GiB "
+        "| to first step s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("tokens_per_s") is None and r.get("ratio") is None and r.get("first_step_s") is None:
@@ -44,9 +55,11 @@ def render(result: dict | None) -> str:
         if r.get("peak_gib") is not None:
             mem = f"{r['peak_gib']:.1f}" + (f" / {r['predicted_gib']:.1f}" if r.get("predicted_gib") else "")
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
+        p = speed.get(r["row"])
+        planned = "" if p is None else f"{p['predicted']:,.0f} ({p['error']:+.1%})"
         lines.append(
             f"| {r['row']} | {r['status']} | {_num(r.get('tokens_per_s'), ',.0f') if 'tokens_per_s' in r else ''} "
-            f"| {'' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {ratio} | {r.get('vs') or ''} | {mem} "
+            f"| {planned} | {'' if r.get('mfu') is None else format(r['mfu'], '.1%')} | {ratio} | {r.get('vs') or ''} | {mem} "
             f"| {'' if r.get('first_step_s') is None else format(r['first_step_s'], '.1f')} |"
         )
     return "\n".join(lines) + "\n"
