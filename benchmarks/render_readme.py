@@ -28,9 +28,10 @@ def _planner_speed(result: dict) -> list[dict]:
     """The planner's tokens/s for each row it is held to (docs/generate.py's ``planner_speed``: the row's own command,
     planned on the result's GPU), with its error against the measured."""
     sys.path.insert(0, str(HERE.parent / "docs"))
-    from generate import planner_speed
+    from generate import SPEED_ROWS, planner_speed
 
-    return planner_speed(result)
+    measured = {r["row"] for r in result["rows"]}
+    return planner_speed(result) if set(SPEED_ROWS) <= measured else []
 
 
 def render(result: dict | None) -> str:
