@@ -42,7 +42,8 @@ def _number(x: float) -> int | float:
 def adapter_config(lora: LoRAConfig, base: str | None) -> dict[str, Any]:
     """``adapter_config.json`` as PEFT 0.22's ``PeftModel.save_pretrained`` writes it for the ``LoraConfig`` of
     ``lora`` (task CAUSAL_LM, no bias, PEFT's default initialisation, plain ``alpha / r`` scaling); ``base``: the
-    base model's folder or Hub name (``base_model_name_or_path``), or None."""
+    base model's folder or Hub name (``base_model_name_or_path``), or None. (PEFT's keys for other frameworks' layers
+    and for options Primus does not use are left out: PEFT reads their defaults.)"""
     return {
         "alpha_pattern": {},
         "auto_mapping": None,
@@ -59,8 +60,6 @@ def adapter_config(lora: LoRAConfig, base: str | None) -> dict[str, Any]:
         "lora_alpha": _number(lora.alpha),
         "lora_bias": False,
         "lora_dropout": float(lora.dropout),
-        "megatron_config": None,
-        "megatron_core": "megatron.core",
         "modules_to_save": None,
         "peft_type": "LORA",
         "peft_version": PEFT_FORMAT,

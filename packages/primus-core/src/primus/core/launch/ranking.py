@@ -94,4 +94,5 @@ def rank(
         kernel_terms(cfg, registry),
         registry,
         check=refusals(on_engine, spec, cluster.world),
+        lora=t.lora,
     )

@@ -154,6 +154,7 @@ def ranked(
         kernel_terms(cfg, registry),
         registry,
         check=refusals(cfg, backend_spec(cfg.backend.name, registry), world_size),
+        lora=t.lora,
     )
 
 

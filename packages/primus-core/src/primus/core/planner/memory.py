@@ -54,7 +54,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from primus.core.config.deepseek import attention_activation_elements
-from primus.core.config.schema import ModelConfig
+from primus.core.config.schema import LoRAConfig, ModelConfig
 from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS, call_tokens, fp8_blocks, fp8_linear_pays
 from primus.core.kernels.linears import RankLinear, attention_linears, fused, mlp_linears, shared_expert_width
 from primus.core.planner import calibration as cal
@@ -187,8 +187,31 @@ def mlp_elements(model: ModelConfig) -> float:
     return layer_mean(model, 3 * f, moe)
 
 
+def lora_params_per_layer(model: ModelConfig, lora: LoRAConfig) -> float:
+    """The adapters' parameters of one layer (``train.lora``): ``rank · (in + out)`` for each adapted projection,
+    averaged over the layers (:func:`primus.core.run.lora.adapters`)."""
+    from primus.core.run.lora import adapters
+
+    return sum(lora.rank * (a.in_features + a.out_features) for a in adapters(model, lora)) / model.num_layers
+
+
+def lora_activation_elements(model: ModelConfig, lora: LoRAConfig) -> float:
+    """Elements per token the adapters of one layer keep for their backward, besides the layer's own: each adapter's
+    ``A x`` (``rank``), and with dropout the dropped copy of its input (``in``; its mask, one byte an element, is
+    counted as a quarter of a bf16 element's two). Averaged over the layers."""
+    from primus.core.run.lora import adapters
+
+    per_input = 1.5 if lora.dropout > 0 else 0.0
+    return sum(lora.rank + per_input * a.in_features for a in adapters(model, lora)) / model.num_layers
+
+
 def activation_bytes_per_layer(
-    model: ModelConfig, layout: Layout, seq_len: int, dtype_bytes: int, residual_bytes: int | None = None
+    model: ModelConfig,
+    layout: Layout,
+    seq_len: int,
+    dtype_bytes: int,
+    residual_bytes: int | None = None,
+    lora: LoRAConfig | None = None,
 ) -> dict[str, float]:
     s, b, t = seq_len / layout.cp, layout.micro_batch, layout.tp
     d, h, kv, c = model.hidden_size, model.num_attention_heads, model.num_kv_heads, model.kv_channels
@@ -201,6 +224,8 @@ def activation_bytes_per_layer(
         attention = attention_activation_elements(model)
     sharded = dtype_bytes * s * b * (attention + mlp_elements(model)) / t
     full = 2 * layer_input + norms + sharded  # the layer input and the residual, both norm outputs, the rest
+    if lora is not None:  # each rank holds the adapters whole (not divided by TP)
+        full += dtype_bytes * s * b * lora_activation_elements(model, lora)
     selective = full * layout.engine_profile.selective_kept
     return {"none": full, "selective": selective, "full": layer_input, "working": full}
 
@@ -315,8 +340,15 @@ def estimate(
     seq_len: int,
     precision: str = "bf16",
     kernels: KernelTerms = PLAIN_KERNELS,
+    lora: LoRAConfig | None = None,
 ) -> MemoryBreakdown:
-    """Per-device peak memory of ``layout`` with the kernels' FP8 weight copies and fused loss (``kernels``)."""
+    """Per-device peak memory of ``layout`` with the kernels' FP8 weight copies and fused loss (``kernels``).
+
+    With ``lora`` (``train.lora``) the base weights are frozen: held at the compute dtype (``precision``: 2 bytes in
+    a bf16 run, whatever the engine's weight bytes otherwise), with no gradients and no optimizer state. The
+    adapters (:func:`lora_params_per_layer` each layer of the stage, whole on every TP rank) train in fp32: 4 bytes
+    of weights, 4 of gradients and Adam's 8 each, sharded as the engine shards its own; their activations come on
+    top of the layer's (:func:`lora_activation_elements`)."""
     a = 4 if precision == "fp32" else 2
     engine = layout.engine_profile
     layout = replace(layout, profile=engine)  # looked up once
@@ -335,11 +367,21 @@ def estimate(
         "gradients": spread * g / n if shard_g else params * g,
         "optimizer": spread * o / n if shard_o else params * o,
     }
+    if lora is not None:  # the base frozen at the compute dtype; the adapters fp32 with gradients and Adam's state
+        adapters = layers_per_stage(model, layout) * lora_params_per_layer(model, lora)
+        parts = {
+            "weights": (spread * a / n if shard_w else params * a) + (adapters * 4 / n if shard_w else adapters * 4),
+            "gradients": adapters * 4 / n if shard_g else adapters * 4,
+            "optimizer": adapters * ADAM_BYTES / n if shard_o else adapters * ADAM_BYTES,
+        }
     buffers = 0.0
     if layout.dp_mode == "fsdp" and n > 1:  # two gathered layers, and the engine's reduce-scatter buffer
         buffers = 2 * layer * a + layer * engine.fsdp_reduce_buffer_bytes
     autocast = engine.autocast and mixed and not (layout.dp_mode == "fsdp" and n > 1)
-    per_layer = activation_bytes_per_layer(model, layout, seq_len, a, cal.AUTOCAST_RESIDUAL_BYTES if autocast else a)
+    if lora is not None:  # the engine holds the frozen base at the compute dtype: no fp32 weights under autocast
+        autocast = False
+    residual = cal.AUTOCAST_RESIDUAL_BYTES if autocast else a
+    per_layer = activation_bytes_per_layer(model, layout, seq_len, a, residual, lora)
     nl = layers_per_stage(model, layout)  # all virtual chunks of the stage
     if layout.recompute == "partial":
         kept = layout.recompute_layers * per_layer["full"] + (nl - layout.recompute_layers) * per_layer["none"]

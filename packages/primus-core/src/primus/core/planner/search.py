@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from primus.core.config.schema import ModelConfig
+from primus.core.config.schema import LoRAConfig, ModelConfig
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import GIB, PLAIN_KERNELS, KernelTerms, Layout, MemoryBreakdown, estimate
@@ -125,8 +125,9 @@ def evaluate(
     cluster: Cluster,
     precision: str,
     kernels: KernelTerms = PLAIN_KERNELS,
+    lora: LoRAConfig | None = None,
 ) -> Candidate:
-    mem = estimate(model, layout, seq_len, precision, kernels)
+    mem = estimate(model, layout, seq_len, precision, kernels, lora)
     t = step_time(model, layout, seq_len, global_batch, cluster.device, cluster.gpus_per_node, kernels)
     tps = global_batch * seq_len / t.total / layout.world
     mfu = tps * flops_per_token(model, seq_len) / cluster.device.peak_flops
@@ -177,13 +178,15 @@ def candidates(
     kernels: KernelTerms = PLAIN_KERNELS,
     registry: Registry | None = None,
     check: Callable[[Layout], Sequence[str]] | None = None,
+    lora: LoRAConfig | None = None,
 ) -> list[Candidate]:
     """Every layout ``engine`` can run on ``cluster``, best first, with the run's ``kernels`` counted. ``engine``:
     a backend's name (its profile looked up in ``registry``, else among the installed backends; the generic
     engine's where none is found) or a profile. ``micro_batch``: the micro-batch size, or the sizes to try in order of
     preference (each layout then comes once, with the fastest; of equally fast ones the first). ``check(layout)``:
     the backend's refusals of a layout (None: none checked), kept in :attr:`Candidate.refused`; a layout it refuses is
-    never ranked above one it accepts."""
+    never ranked above one it accepts. ``lora``: the run's ``train.lora`` (frozen base weights, trained adapters:
+    :func:`~primus.core.planner.memory.estimate`)."""
     profile = profile_of(engine, registry)
     name = engine if isinstance(engine, str) else profile.name
     gbs = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq_len)
@@ -217,7 +220,7 @@ def candidates(
                 for vpp, ep in ((v, e) for v in vpps for e in _ep_options(model, dp * cp)):
                     for mode in profile.dp_modes(tp, pp, dp * cp):  # gradients reduce over dp · cp
                         found = [
-                            judged(evaluate(model, lay, seq_len, gbs, cluster, precision, kernels))
+                            judged(evaluate(model, lay, seq_len, gbs, cluster, precision, kernels, lora))
                             for lay in (
                                 Layout(name, mode, dp, tp, pp, vpp, cp, rc, 0, mb, m, profile, ep)
                                 for rc in profile.recompute
@@ -229,7 +232,7 @@ def candidates(
                                     Layout(name, mode, dp, tp, pp, vpp, cp, "partial", n, mb, m, profile, ep)
                                     for n in profile.partial_recompute(lps)
                                 ],
-                                lambda lay: evaluate(model, lay, seq_len, gbs, cluster, precision, kernels),
+                                lambda lay: evaluate(model, lay, seq_len, gbs, cluster, precision, kernels, lora),
                                 judged,
                             )
                         for cand in found:

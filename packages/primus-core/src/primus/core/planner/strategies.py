@@ -74,7 +74,8 @@ def estimate_memory(cfg: PrimusConfig, world_size: int, registry: Registry | Non
     from primus.core.planner.memory import estimate
 
     layout, t = config_layout(cfg, world_size, registry), cfg.train
-    return MemoryEstimate(estimate(cfg.model, layout, t.seq_len, t.precision, kernel_terms(cfg, registry)).parts)
+    kernels = kernel_terms(cfg, registry)
+    return MemoryEstimate(estimate(cfg.model, layout, t.seq_len, t.precision, kernels, t.lora).parts)
 
 
 def predicted(
@@ -92,7 +93,7 @@ def predicted(
     gpn = gpus_per_node or world_size
     gbs = layout.micro_batch * layout.micro_batches * layout.dp
     cluster = Cluster(dev, max(world_size // gpn, 1), gpn)
-    return evaluate(cfg.model, layout, t.seq_len, gbs, cluster, t.precision, kernel_terms(cfg, registry))
+    return evaluate(cfg.model, layout, t.seq_len, gbs, cluster, t.precision, kernel_terms(cfg, registry), t.lora)
 
 
 def kernel_terms(cfg: PrimusConfig, registry: Registry | None = None) -> KernelTerms:
