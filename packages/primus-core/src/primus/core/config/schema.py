@@ -472,6 +472,14 @@ class DataConfig(Section):
         "messages {messages: [{role, content}]}, sharegpt {conversations: [{from, value}]} (from human / gpt / "
         "system), alpaca {instruction, input, output}, prompt_completion {prompt, completion}",
     )
+    sft_packing: Literal["stream", "padded", "packed"] = Field(
+        "stream",
+        description="train.objective sft: how chats become samples. stream: one token stream cut into "
+        "train.seq_len windows (chats run across windows and attend to each other); padded: one chat per sample, "
+        "padded; packed: whole chats packed first-fit in data order, attention kept inside each chat (needs an "
+        "attention provider that masks by document). padded / packed truncate a chat longer than train.seq_len + 1 "
+        "tokens",
+    )
     text_key: str = Field("text", description="field holding the text in .jsonl/.json/.parquet/.arrow (pretraining)")
     tokenizer: str = Field("bundled", description="'bundled' or a folder / tokenizer.json path")
     num_workers: int = Field(0, ge=0, description="data loader worker processes")
@@ -512,9 +520,9 @@ class CheckpointConfig(Section):
     )
     allow_data_change: bool = Field(
         False,
-        description="resume although the data sources, blend weights, train.seed, train.seq_len or eval.holdout "
-        "changed since the checkpoint (the data order then changes; a warning names what changed); without it such "
-        "a resume is refused. A changed train.global_batch_size is always refused",
+        description="resume although the data sources, blend weights, train.seed, train.seq_len, eval.holdout or "
+        "data.sft_packing changed since the checkpoint (the data order then changes; a warning names what changed); "
+        "without it such a resume is refused. A changed train.global_batch_size is always refused",
     )
 
 

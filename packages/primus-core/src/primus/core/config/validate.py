@@ -218,6 +218,14 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
         out.append(
             ConfigIssue("data.record_format", why, value=d.record_format, allowed="auto, or train.objective sft")
         )
+    if d.sft_packing != "stream" and t.objective != "sft":
+        why = "lays out fine-tuning chats (train.objective sft); pretraining packs its documents into one stream"
+        out.append(ConfigIssue("data.sft_packing", why, value=d.sft_packing, allowed="stream, or train.objective sft"))
+    if d.sft_packing == "packed" and p.cp > 1:
+        why = f"with parallel.cp={p.cp}: packed chats mask attention by chat, which context parallelism does not yet"
+        out.append(
+            ConfigIssue("data.sft_packing", why, value=d.sft_packing, allowed="stream or padded, or parallel.cp 1")
+        )
     if d.document_mask and p.cp > 1:
         out.append(
             ConfigIssue(

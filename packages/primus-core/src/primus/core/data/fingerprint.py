@@ -1,10 +1,10 @@
 """What decides a run's data order, recorded in each checkpoint and compared on resume.
 
 A resumed run continues at global batch ``step`` of the sample order; that order is a function of the data files,
-the blend weights, ``train.seed``, ``train.global_batch_size``, ``train.seq_len`` (packing) and ``eval.holdout``. If
-any of them changed since the checkpoint, the run would go on over another order without a word: some samples seen
-twice, others never. :func:`fingerprint` records them (JSON, in the checkpoint's manifest); :func:`changes` names
-each difference between two.
+the blend weights, ``train.seed``, ``train.global_batch_size``, ``train.seq_len`` (packing), ``eval.holdout`` and
+(fine-tuning) ``data.sft_packing``. If any of them changed since the checkpoint, the run would go on over another
+order without a word: some samples seen twice, others never. :func:`fingerprint` records them (JSON, in the
+checkpoint's manifest); :func:`changes` names each difference between two.
 
 Each data source (``data.source``, each ``data.paths`` entry, each ``data.blend`` entry) is fingerprinted from its
 files: their count, total size, newest modification time and a checksum of each file's name, size, first and last
@@ -36,7 +36,7 @@ BUDGET = 64 * 2**20
 _MIN_SAMPLE = 4096
 
 # The run settings that move samples (besides the files), by config key; global batch first: no override takes it.
-SETTINGS = ("train.global_batch_size", "train.seed", "train.seq_len", "eval.holdout")
+SETTINGS = ("train.global_batch_size", "train.seed", "train.seq_len", "eval.holdout", "data.sft_packing")
 
 
 def fingerprint(cfg: PrimusConfig) -> dict[str, Any]:
@@ -47,6 +47,8 @@ def fingerprint(cfg: PrimusConfig) -> dict[str, Any]:
         "train.seq_len": cfg.train.seq_len,
         "eval.holdout": cfg.eval.holdout,
     }
+    if cfg.train.objective == "sft":  # chats in samples: another layout is another sample order
+        settings["data.sft_packing"] = cfg.data.sft_packing
     return {"version": VERSION, "settings": settings, "sources": _sources(cfg)}
 
 
@@ -91,7 +93,7 @@ def changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     key, the checkpoint's value and this run's; in :data:`SETTINGS` order, then the sources."""
     out = []
     for key in SETTINGS:
-        old, new = saved.get("settings", {}).get(key), now["settings"][key]
+        old, new = saved.get("settings", {}).get(key), now["settings"].get(key)
         if old is not None and old != new:
             out.append(f"{key} {old} in the checkpoint, {new} now")
     before = {s["key"]: s for s in saved.get("sources", [])}

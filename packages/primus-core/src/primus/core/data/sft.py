@@ -24,7 +24,8 @@ Records are packed one after another into one stream of tokens with a parallel t
 windows of ``train.seq_len + 1`` like pretraining text (:class:`~primus.core.data.packed.PackedDataset`); the label
 of a position whose next token is context is :data:`IGNORE_INDEX`, so it adds nothing to the loss or the gradient
 (both engines average over the trainable tokens only). Tokens of one window may come from several records and
-attend to each other (no document masking).
+attend to each other (no document masking). That is ``data.sft_packing: stream``; ``padded`` and ``packed`` keep
+each record whole in one sample (:mod:`.sft_packing`).
 """
 
 from __future__ import annotations
@@ -206,11 +207,20 @@ def encode(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every record of ``inputs`` (of ``kind``: :func:`records`) as one token stream and its trainable mask (a
     prompt / completion record ends with ``eos``, trainable; a chat record ends as its template renders it)."""
+    return encode_records(inputs, tokenizer, eos, render, kind)[:2]
+
+
+def encode_records(
+    inputs: list[Input], tokenizer: Any, eos: int, render: ChatRenderer | None, kind: str = "auto"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`encode`'s stream and mask, and each record's token count (in order: the stream's record bounds)."""
     ids: list[np.ndarray] = []
     masks: list[np.ndarray] = []
+    lengths: list[int] = []
     for item in inputs:
         for record, where in records(item, kind):
             pieces = segments(record, render, where)
+            n = len(ids)
             for text, trainable in pieces:
                 tokens = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
                 ids.append(tokens)
@@ -218,9 +228,10 @@ def encode(
             if "messages" not in record:
                 ids.append(np.asarray([eos], dtype=np.int64))
                 masks.append(np.ones(1, dtype=bool))
+            lengths.append(sum(len(x) for x in ids[n:]))
     if not ids:
         raise DataError(f"{inputs[0].path if inputs else 'data.source'}: no fine-tuning records")
-    return np.concatenate(ids), np.concatenate(masks)
+    return np.concatenate(ids), np.concatenate(masks), np.asarray(lengths, dtype=np.int64)
 
 
 class SFTDataset:
@@ -248,8 +259,10 @@ def renderer_for(tokenizer_spec: str, tokenizer: Any) -> ChatRenderer | None:
     return None if template is None else ChatRenderer(template, special_tokens(tokenizer_spec))
 
 
-def sft_dataset(data: Any, tokenizer: Any, seq_len: int) -> SFTDataset:
-    """The fine-tuning samples of ``data`` (a DataConfig) with ``tokenizer`` (loaded from ``data.tokenizer``)."""
+def sft_dataset(data: Any, tokenizer: Any, seq_len: int) -> Any:
+    """The fine-tuning samples of ``data`` (a DataConfig) with ``tokenizer`` (loaded from ``data.tokenizer``): the
+    stream's windows (:class:`SFTDataset`), or whole chats by ``data.sft_packing``
+    (:class:`~primus.core.data.sft_packing.ChatSamples`)."""
     from primus.core.data.sources import source_inputs
     from primus.core.data.tokenizer import eos_id
 
@@ -257,5 +270,12 @@ def sft_dataset(data: Any, tokenizer: Any, seq_len: int) -> SFTDataset:
     if not inputs:
         raise DataError("data.source: fine-tuning reads records from files (not the bundled corpus or mock)")
     render = renderer_for(data.tokenizer, tokenizer)
-    tokens, trainable = encode(inputs, tokenizer, eos_id(tokenizer), render, data.record_format)
-    return SFTDataset(tokens, trainable, seq_len)
+    eos = eos_id(tokenizer)
+    tokens, trainable, lengths = encode_records(inputs, tokenizer, eos, render, data.record_format)
+    if data.sft_packing == "stream":
+        return SFTDataset(tokens, trainable, seq_len)
+    from primus.core.data.sft_packing import ChatSamples
+
+    # the attention masks by chat (packed, or data.document_mask): each sample carries its tokens' chat ids
+    documents = data.sft_packing == "packed" or data.document_mask
+    return ChatSamples(tokens, trainable, lengths, seq_len, data.sft_packing, pad=eos, documents=documents)

@@ -150,6 +150,7 @@ def rank_context(
         eval_samples = build_eval_samples(res.config)  # too few: refused now, before the run folder
 
     from primus.core.kernels import detect_device, select_kernels
+    from primus.core.kernels.documents import masks_documents
     from primus.core.planner.modelmath import count_params, flops_per_token
     from primus.core.run.metrics import peak_flops
 
@@ -178,7 +179,7 @@ def rank_context(
         cfg.kernels,
         registry,
         device,
-        documents=cfg.data.document_mask,
+        documents=masks_documents(cfg),
         moe=cfg.model.moe is not None,
         head_dim=cfg.model.kv_channels,
         dtype=cfg.train.precision,
