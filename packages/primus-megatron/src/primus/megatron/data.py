@@ -27,7 +27,8 @@ from primus.core.data import GlobalOrder
 
 class Batches:
     """This rank's micro-batches of each step: ``micro_batches(step)`` -> [(tokens, labels)], each
-    LongTensor [micro_batch_size, seq_len] on ``device``."""
+    LongTensor [micro_batch_size, seq_len] on ``device``; samples that carry their positions' documents
+    (``data.sft_packing: packed``) add them: (tokens, labels, documents)."""
 
     def __init__(self, dataset: Any, cfg: PrimusConfig, dp_rank: int, dp_size: int, device: Any, shuffle: bool = True):
         t = cfg.train
@@ -38,7 +39,7 @@ class Batches:
         self.dp_rank = dp_rank
         self.order = GlobalOrder(len(dataset), t.seed, shuffle)
 
-    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, ...]]:
         positions = [  # this rank's slice of the step's global batch
             GlobalOrder.position(step, j, dp_rank=self.dp_rank, per_rank=self.per_rank, global_batch=self.gbs)
             for j in range(self.per_rank)
@@ -46,9 +47,10 @@ class Batches:
         out = []
         for m in range(self.num_micro):
             items = [self.ds[self.order[k]] for k in positions[m * self.mbs : (m + 1) * self.mbs]]
-            tokens = torch.from_numpy(np.stack([np.asarray(x) for x, _ in items]).astype(np.int64))
-            labels = torch.from_numpy(np.stack([np.asarray(y) for _, y in items]).astype(np.int64))
-            out.append((tokens.to(self.device), labels.to(self.device)))
+            tokens = torch.from_numpy(np.stack([np.asarray(x[0]) for x in items]).astype(np.int64))
+            labels = torch.from_numpy(np.stack([np.asarray(x[1]) for x in items]).astype(np.int64))
+            carried = [torch.from_numpy(np.stack([x[2] for x in items]))] if len(items[0]) > 2 else []
+            out.append(tuple(t.to(self.device) for t in (tokens, labels, *carried)))
         return out
 
 

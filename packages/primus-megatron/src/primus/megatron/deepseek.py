@@ -107,6 +107,8 @@ def whole_linear() -> type:
 
 
 def issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    from primus.core.kernels.documents import masks_documents  # (imports torch: not at the module's import)
+
     m, out = cfg.model, []
     if m.family != "deepseek":
         return out
@@ -121,9 +123,13 @@ def issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if e is not None and e.router == "sigmoid" and not e.normalize_topk and e.experts_per_token > 1:
         why = "megatron-core's sigmoid router always renormalises its top-k scores"
         out.append(ConfigIssue("model.moe.normalize_topk", why, value=False, allowed="true"))
-    if m.mtp is not None and cfg.data.document_mask:
+    if m.mtp is not None and masks_documents(cfg):
         why = "multi-token prediction rolls the tokens one place per depth, not the document ids the attention masks by"
-        out.append(ConfigIssue("data.document_mask", why, value=True, allowed="false, or model.mtp: null"))
+        if cfg.data.document_mask:
+            out.append(ConfigIssue("data.document_mask", why, value=True, allowed="false, or model.mtp: null"))
+        else:
+            allowed = "stream or padded, or model.mtp: null"
+            out.append(ConfigIssue("data.sft_packing", why, value=cfg.data.sft_packing, allowed=allowed))
     if m.mla is not None and cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel:
         why = (
             "megatron-core sums the decoupled RoPE key's gradient over tensor-parallel ranks only in the "

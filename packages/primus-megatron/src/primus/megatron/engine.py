@@ -271,7 +271,7 @@ class MegatronEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsNat
         mtp = self.cfg.model.mtp is not None
 
         def forward_step(data_iterator: Any, model_chunk: Any) -> Any:
-            tokens, labels = next(data_iterator)
+            tokens, labels, *carried = next(data_iterator)  # carried: packed chats' documents (core's data)
             # multi-token prediction rolls the positions with the tokens (megatron's MTP layers); RoPE needs none
             positions = (
                 torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens).contiguous() if mtp else None
@@ -283,7 +283,7 @@ class MegatronEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsNat
             target = labels if mask is None else torch.where(mask, labels, torch.zeros_like(labels))
             # data.document_mask: each position's document rides in megatron's attention_mask slot, which hands it
             # unchanged to the core attention (KernelCoreAttention); every pipeline stage reads its own tokens
-            documents = None if eos is None else document_ids(tokens, eos)
+            documents = carried[0] if carried else None if eos is None else document_ids(tokens, eos)
             # (multi-token prediction's losses skip the masked labels too)
             losses = model_chunk(tokens, positions, documents, labels=target, **({"loss_mask": mask} if mtp else {}))
 

@@ -24,7 +24,8 @@ from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 
 
 class PrimusDataLoader(BaseDataLoader):
-    """Yields ``({"input": tokens}, labels)`` batches of int64 ``[batch, seq_len]`` forever.
+    """Yields ``({"input": tokens}, labels)`` batches of int64 ``[batch, seq_len]`` forever; samples that carry their
+    positions' documents (``data.sft_packing: packed``) add them as ``"documents"`` (the trainer takes them out).
 
     State (saved by torchtitan's checkpointer) is the number of samples the whole run has consumed, the
     same on every rank (a checkpoint is taken between steps, when every rank has consumed ``steps ×
@@ -66,7 +67,8 @@ class PrimusDataLoader(BaseDataLoader):
             self.consumed += self.batch_size
             inputs = torch.from_numpy(np.stack([r[0] for r in rows]))
             labels = torch.from_numpy(np.stack([r[1] for r in rows]))
-            yield {"input": inputs}, labels
+            carried = {"documents": torch.from_numpy(np.stack([r[2] for r in rows]))} if len(rows[0]) > 2 else {}
+            yield {"input": inputs, **carried}, labels
 
     def state_dict(self) -> dict[str, Any]:
         steps, partial = divmod(self.consumed, self.local_batch)

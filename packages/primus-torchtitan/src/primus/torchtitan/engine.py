@@ -52,6 +52,7 @@ def checkpoint_dir(cfg: PrimusConfig) -> Path:
 
 def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
     """op -> :class:`primus.torchtitan.kernels.Choice`: what this run swaps into torchtitan's model."""
+    from primus.core.kernels.documents import masks_documents
     from primus.torchtitan import job_config
     from primus.torchtitan.kernels import plan
 
@@ -65,7 +66,7 @@ def kernel_plan(cfg: PrimusConfig, ctx: RunContext) -> dict[str, Any]:
         pp=p.pp,
         loss_parallel=loss_parallel,
         fp8_head=fp8_output_head(cfg.kernels),
-        documents=cfg.data.document_mask,
+        documents=masks_documents(cfg),
     )
     if "fp8" in ctx.kernels:
         from primus.torchtitan import fp8

@@ -123,9 +123,14 @@ class PrimusTrainer(Trainer):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
         """torchtitan's, plus (``data.document_mask``) each position's document as the model's ``attention_masks``:
         a plain ``[b, s]`` tensor, which the pipeline schedules split by micro-batch and hand to every stage, and
-        which the document-masking attention modules (:func:`primus.torchtitan.kernels.swap_modules`) read."""
+        which the document-masking attention modules (:func:`primus.torchtitan.kernels.swap_modules`) read. Packed
+        fine-tuning chats bring their documents with the batch (``"documents"``), not recomputed from EOS."""
+        input_dict = dict(input_dict)
+        documents = input_dict.pop("documents", None)
         inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(input_dict, labels)
-        if self.document_eos is not None:
+        if documents is not None:
+            extra_kwargs["attention_masks"] = documents
+        elif self.document_eos is not None:
             extra_kwargs["attention_masks"] = document_ids(inputs, self.document_eos)
         return inputs, labels, extra_inputs, extra_kwargs
 
