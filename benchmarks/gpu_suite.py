@@ -24,6 +24,8 @@ Parts (``--only`` / ``--skip``), each run as ``primus`` processes or the benchma
 - ``deepseek``: a DeepSeek-V3-architecture model (4 blocks of Moonlight-16B-A3B: latent attention, sigmoid router)
   on both engines, and on megatron with one multi-token-prediction depth (its cost, its ``mtp_loss``);
 - ``document_mask``: ``data.document_mask`` (FlexAttention) vs causal attention on the bundled documents;
+- ``sft_packing``: fine-tuning chats (synthetic, from the bundled tokenizer) one per sample padded vs packed
+  (``data.sft_packing``), TorchTitan: tokens/s of trained tokens and the ratio;
 - ``gemm_tuning``: ``primus tune gemm record`` + ``run`` on this GPU, then ``kernels.gemm_tuning`` off vs offline
   with that file;
 - ``eval_resume``: evaluation on, SIGTERM mid-run -> exit 75 with a checkpoint -> the same command resumes;
@@ -418,6 +420,84 @@ def part_document_mask(s: Suite) -> list[dict]:
     return [causal, masked]
 
 
+WORDS = "the a of to and in is it you that he was for on are with as his they be at one have this from".split()
+
+
+def synthetic_chats(n: int, median_words: float, seed: int = 0) -> list[dict]:
+    """``n`` chats of one to three turns, offline and seeded: each chat's words drawn log-normal around
+    ``median_words`` (sigma 1: a long tail, as real fine-tuning sets have, some chats longer than the sample), split
+    over its messages, words from a short list."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    chats = []
+    for _ in range(n):
+        turns = int(rng.integers(1, 4))
+        total = rng.lognormal(np.log(median_words), 1.0)
+        words = (rng.dirichlet(np.ones(2 * turns)) * total).astype(int) + 1
+        messages = [
+            {"role": ("user", "assistant")[k % 2], "content": " ".join(rng.choice(WORDS, size=w))}
+            for k, w in enumerate(words)
+        ]
+        chats.append({"messages": messages})
+    return chats
+
+
+def trained_per_step(preset: str, overrides: list[str], steps: int) -> tuple[list[int], int]:
+    """The trained (answer) tokens of each step's global batch of a one-GPU run (the samples core hands the engine,
+    in its order), and the positions of a global batch."""
+    from primus.core.data import GlobalOrder
+    from primus.core.data.sft import IGNORE_INDEX
+    from primus.core.data.splits import training_samples
+    from primus.core.launch.train import resolve
+
+    cfg = resolve(preset, overrides, world_size=1).config
+    samples = training_samples(cfg)
+    order, g = GlobalOrder(len(samples), cfg.train.seed), int(cfg.train.global_batch_size)
+    per_step = [
+        sum(int((samples[order[k]][1] != IGNORE_INDEX).sum()) for k in range(i * g, (i + 1) * g)) for i in range(steps)
+    ]
+    return per_step, g * cfg.train.seq_len
+
+
+def part_sft_packing(s: Suite) -> list[dict]:
+    """Fine-tuning chats one per sample padded to the sequence (``data.sft_packing: padded``) vs packed whole into
+    it with attention kept inside each chat (``packed``, FlexAttention's document mask on the GPU), on TorchTitan:
+    tokens/s of trained (answer) tokens, each step's count from the samples that step read; the ratio is what
+    packing buys over padding every chat to the sequence."""
+    preset = "tiny-llama" if s.smoke else "llama3.2-1b"
+    seq, micro, steps, words = (128, 2, 3, 16) if s.smoke else (4096, 2, 10, 500)
+    root = s.work / "sft_packing"
+    root.mkdir(parents=True, exist_ok=True)
+    from primus.core.data.tokenizer import load_tokenizer
+
+    load_tokenizer("bundled").save(str(root / "tokenizer.json"))  # the bundled tokenizer, with a chat template
+    template = {"chat_template": SFT_TEMPLATE, "eos_token": "<|endoftext|>"}
+    (root / "tokenizer_config.json").write_text(json.dumps(template))
+    data = root / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in synthetic_chats(200 if s.smoke else 1000, words)))
+    common = [*run_overrides("", seq, micro, steps)[:-1], "train.objective=sft", f"data.source={data}"]
+    common += [f"data.tokenizer={root}", "model.vocab_size=2048", "backend.name=torchtitan"]
+    common += [] if s.smoke else ["train.precision=bf16"]
+    rows = []
+    for layout in ("padded", "packed"):
+        overrides = [*common, f"data.sft_packing={layout}"]
+        # --smoke trains the packed row (the new path), validates the padded one: its engine path is tests' own
+        check = s.smoke and layout == "padded"
+        row = s.train(f"sft_packing/{layout}", preset, overrides, warmup=3, check_only=check)
+        row["smoke"] = s.smoke
+        if row["status"] == "passed" and not check:
+            trained, positions = trained_per_step(preset, overrides, steps)
+            done = [r for r in metrics(s.work / row["row"]) if "interval_s" in r]
+            steady = [r for r in done if r["step"] > 3] or done
+            row["positions_per_s"] = row.pop("tokens_per_s", None)
+            row["tokens_per_s"] = statistics.median(trained[r["step"] - 1] / r["interval_s"] for r in steady)
+            row["trained_share"] = sum(trained) / (steps * positions)
+            row["note"] = f"tokens/s of trained tokens; {row['trained_share']:.0%} of the positions trained"
+        rows.append(row)
+    return [rows[0], speed_pair(rows[1], rows[0], 1.0, "packed slower than padded")]
+
+
 def tuned_here(s: Suite, preset: str, overrides: list[str]) -> tuple[Path | None, dict]:
     """A user's offline flow on this machine: ``primus tune gemm record`` then ``run``; the results file (None when a
     step failed) and what the row says about it (seconds, shapes searched and retuned, or the failure)."""
@@ -712,6 +792,7 @@ PARTS: dict[str, Callable[[Suite], list[dict]]] = {
     "moe": part_moe,
     "deepseek": part_deepseek,
     "document_mask": part_document_mask,
+    "sft_packing": part_sft_packing,
     "gemm_tuning": part_gemm_tuning,
     "eval_resume": part_eval_resume,
     "sft_hf": part_sft_hf,

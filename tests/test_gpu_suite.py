@@ -47,6 +47,7 @@ def test_smoke_runs_every_part_and_every_row_passes(smoke):
         "fp8_dense/megatron/fp8_rowwise",
         "deepseek/torchtitan",
         "sft_hf/megatron",
+        "sft_packing/padded",
     }
     assert next(r for r in result["rows"] if r["row"] == "deepseek/megatron_mtp")["mtp_losses"]
 
