@@ -116,7 +116,7 @@ def _check(prov: KernelProvider, device: str, documents: bool, constraints: dict
     if prov.op != "attention":
         return prov.check(device, **constraints)
     if documents and DOCUMENTS not in prov.features:
-        return Availability(False, "cannot mask attention by document (data.document_mask)")
+        return Availability(False, "cannot mask attention by document (data.document_mask, data.sft_packing packed)")
     return prov.check(device, documents=documents, **constraints)
 
 
