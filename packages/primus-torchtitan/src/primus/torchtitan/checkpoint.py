@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from primus.core.contracts.errors import UserError
 from primus.core.contracts.native import NativeCheckpoint
 from primus.core.run import checkpoints as core
 from primus.torchtitan import compat, native
+from primus.torchtitan.lora import is_adapter
 
 compat.import_torchtitan()  # the CPU adaptations must precede torchtitan's first import
 from torchtitan.components.checkpoint import (  # noqa: E402
@@ -83,28 +84,31 @@ def save_one_process(target: Path, cfg: PrimusConfig, write: Callable[[Path], No
     core.atomic_save(target, man, 0, write, lambda: None)
 
 
-def write(checkpointer: CheckpointManager, folder: Path) -> None:
-    """This rank's shards of every state torchtitan checkpoints into ``folder`` (core commits it)."""
-    states = checkpointer._flattened_model_states_sd()
+def write(checkpointer: CheckpointManager, folder: Path, leave_out: Collection[str] = ()) -> None:
+    """This rank's shards of every state torchtitan checkpoints into ``folder`` (core commits it), but the model keys
+    ``leave_out`` (a LoRA run's frozen base: :func:`primus.torchtitan.lora.base_keys`)."""
+    states = {k: v for k, v in checkpointer._flattened_model_states_sd().items() if k not in leave_out}
     checkpointer.dcp_save(states, str(folder), AsyncMode.DISABLED, enable_garbage_collection=True)
 
 
-def read(checkpointer: CheckpointManager, folder: Path) -> None:
+def read(checkpointer: CheckpointManager, folder: Path, leave_out: Collection[str] = ()) -> None:
     """Load what :func:`write` wrote, resharded to this run's layout (``checkpoint.exclude_from_loading`` kept)."""
-    states = checkpointer._states_to_load(model_only=False)
+    states = {k: v for k, v in checkpointer._states_to_load(model_only=False).items() if k not in leave_out}
     checkpointer.dcp_load(states, str(folder), from_hf=False, from_quantized=False)
 
 
 def load_model(checkpointer: CheckpointManager, folder: Path, cfg: PrimusConfig) -> None:
     """The model weights of a torchtitan checkpoint of any layout (a seed, an import or a training checkpoint)."""
     check_compatible(folder, cfg)
-    checkpointer.dcp_load(checkpointer.states[MODEL].state_dict(), str(folder), from_hf=False, from_quantized=False)
+    # a LoRA run's base: the source holds no adapters (they start from train.lora's values)
+    states = {k: v for k, v in checkpointer.states[MODEL].state_dict().items() if not is_adapter(k)}
+    checkpointer.dcp_load(states, str(folder), from_hf=False, from_quantized=False)
     log.info("initialised the model from %s", folder)
 
 
 def write_model(checkpointer: CheckpointManager, folder: Path) -> None:
     """This rank's shards of the model alone into ``folder`` (core commits it: ``train.save_initial``); any layout
-    loads it (:func:`load_model`)."""
+    loads it (:func:`load_model`). A LoRA run's holds its base and its initial adapters."""
     checkpointer.dcp_save(checkpointer.states[MODEL].state_dict(), str(folder), AsyncMode.DISABLED)
 
 

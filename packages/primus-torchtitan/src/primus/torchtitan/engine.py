@@ -97,6 +97,10 @@ def build_trainer(cfg: PrimusConfig, ctx: RunContext, kernels: dict[str, Any] | 
         cpu=device == "cpu",
         kernels=kernels,
     )
+    if cfg.train.lora is not None:  # the base frozen, adapters on its linears (primus.torchtitan.lora)
+        from primus.torchtitan.lora import with_adapters
+
+        spec = with_adapters(spec, cfg)
     compat.register_train_spec(name, spec)
     job_config = jc.build_job_config(
         cfg,
@@ -153,6 +157,12 @@ class TorchTitanEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsN
             from primus.torchtitan.hf import load_init_from
 
             load_init_from(trainer, cfg)
+        self.frozen: frozenset[str] = frozenset()  # model keys checkpoints leave out: a LoRA run's frozen base
+        if cfg.train.lora is not None:  # the adapters' starting values; what trains, in the summary
+            from primus.torchtitan import lora
+
+            self.summary["lora"] = lora.setup(trainer, cfg, ctx.info.rank)
+            self.frozen = lora.base_keys(trainer.checkpointer)
         self.data = trainer.batch_generator(trainer.dataloader)
         from primus.torchtitan.balancing import Balancing, coefficients
 
@@ -207,12 +217,12 @@ class TorchTitanEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsN
     def save(self, folder: Path) -> None:
         from primus.torchtitan import checkpoint as ckpt
 
-        ckpt.write(self.trainer.checkpointer, folder)
+        ckpt.write(self.trainer.checkpointer, folder, leave_out=self.frozen)
 
     def load(self, folder: Path) -> None:
         from primus.torchtitan import checkpoint as ckpt
 
-        ckpt.read(self.trainer.checkpointer, folder)
+        ckpt.read(self.trainer.checkpointer, folder, leave_out=self.frozen)
 
     def load_native(self, found: Any, weights_only: bool) -> None:
         """A checkpoint plain TorchTitan wrote (``primus checkpoint import --from``; :mod:`primus.torchtitan.native`

@@ -240,5 +240,21 @@ class TorchtitanHF:
             hf.pop("lm_head.weight", None)
         return {k: v.contiguous() for k, v in hf.items()}
 
+    def export_adapters(self, cfg: PrimusConfig, checkpoint: Path) -> dict[str, torch.Tensor]:
+        """A LoRA run's adapters (``cfg.train.lora``) from its checkpoint of any layout, HF-named, fp32, whole: held in
+        PEFT's layout in the model (:mod:`primus.torchtitan.lora`), so only their names change."""
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+
+        from primus.torchtitan.lora import checkpoint_keys
+
+        keys = checkpoint_keys(cfg)
+        sd = {key: torch.empty(shape, dtype=torch.float32) for key, (_, shape) in keys.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": whole tensors, as intended
+            dcp.load(sd, checkpoint_id=str(resolve_checkpoint(checkpoint)), no_dist=True)
+        return {name: sd[key] for key, (name, _) in keys.items()}
+
 
 INTEROP = TorchtitanHF()

@@ -241,6 +241,14 @@ def _train_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     return out
 
 
+def _lora_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    """``train.lora`` hooks its adapters on torchtitan's linears (:mod:`primus.torchtitan.lora`); FP8 swaps them."""
+    if cfg.train.lora is None or cfg.kernels.fp8 == "off":
+        return []
+    why = "train.lora's adapters hook torchtitan's linears, and FP8 replaces them (no FP8 frozen base is built yet)"
+    return [ConfigIssue("kernels.fp8", why, value=cfg.kernels.fp8, allowed="off with train.lora")]
+
+
 # core's plain-PyTorch providers: what torchtitan's own modules compute (they are never swapped in)
 REFERENCE_KERNELS = {
     "attention": "sdpa",
@@ -400,6 +408,7 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
         *_model_issues(cfg),
         *_parallel_issues(cfg, world_size),
         *_train_issues(cfg),
+        *_lora_issues(cfg),
         *_kernel_issues(cfg),
         *fp8.issues(cfg),
         *_extra_issues(cfg.backend.extra),
