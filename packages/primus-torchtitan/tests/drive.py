@@ -7,6 +7,8 @@
   the run) and compute with core's reference implementations.
 - ``PRIMUS_TEST_TRITON_ON_CPU=1``: primus-turbo's Triton providers count as available on the CPU; run
   with ``TRITON_INTERPRET=1`` they execute in Triton's interpreter (the real kernels, numpy-backed).
+- ``PRIMUS_TEST_DUMP_MODEL=path``: at the end of the run, the whole model as trained (every parameter, whole
+  tensors in their own dtype, torchtitan's names) is saved to ``path`` by rank 0 (``torch.save``).
 
 Usage: ``python drive.py train CONFIG overrides...`` (under torchrun for several processes).
 """
@@ -73,6 +75,25 @@ def counting_providers(path: str) -> None:
     plugins._cached = plugins.Registry(plugins.build_plugin_manager(extra_plugins=[("counting", Counting)]))
 
 
+def dump_model(path: str) -> None:
+    from primus.torchtitan import engine as runner
+
+    close = runner.TorchTitanEngine.close
+
+    def closing(self):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0
+        sd = {k: v for part in self.model_parts for k, v in get_model_state_dict(part, options=options).items()}
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            torch.save(sd, path)
+        close(self)
+
+    runner.TorchTitanEngine.close = closing
+
+
 def triton_on_cpu() -> None:
     import primus.turbo.availability as availability
 
@@ -86,6 +107,8 @@ if __name__ == "__main__":
         counting_providers(os.environ["PRIMUS_TEST_COUNTING"])
     if os.environ.get("PRIMUS_TEST_TRITON_ON_CPU"):
         triton_on_cpu()
+    if os.environ.get("PRIMUS_TEST_DUMP_MODEL"):
+        dump_model(os.environ["PRIMUS_TEST_DUMP_MODEL"])
     from primus.core.cli.app import entry
 
     sys.argv = ["primus", *sys.argv[1:]]
