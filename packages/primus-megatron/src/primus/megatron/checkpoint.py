@@ -47,11 +47,15 @@ def chunk_sharded_state_dict(chunk: Any) -> dict:
     return chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
 
 
-def model_sharded_state_dict(chunk: Any) -> dict:
+def model_sharded_state_dict(chunk: Any, whole: bool = False) -> dict:
+    """A chunk's model state in a checkpoint; with LoRA adapters its adapters alone unless ``whole``
+    (:func:`primus.megatron.lora.only_adapters`)."""
+    from primus.megatron.lora import only_adapters
+
     sd = chunk_sharded_state_dict(chunk)
     if _fsdp2(chunk):
         _fsdp2_swiglu(sd)
-    return sd
+    return sd if whole else only_adapters(sd) or sd
 
 
 def _fsdp2(chunk: Any) -> bool:
@@ -95,8 +99,8 @@ def optimizer_sharded_state_dict(optimizer: Any, model_sd: dict, is_loading: boo
     )
 
 
-def _model_sd(chunks: list[Any]) -> dict[str, Any]:
-    return {f"chunk{i}": model_sharded_state_dict(c) for i, c in enumerate(chunks)}
+def _model_sd(chunks: list[Any], whole: bool = False) -> dict[str, Any]:
+    return {f"chunk{i}": model_sharded_state_dict(c, whole) for i, c in enumerate(chunks)}
 
 
 def _barrier() -> None:
@@ -216,7 +220,7 @@ def read(folder: Path, chunks: list[Any], optimizer: Any) -> None:
     state = dist_checkpointing.load(sd, str(folder))
     for i, chunk in enumerate(chunks):
         if not _fsdp2(chunk):  # FSDP2: dist_checkpointing loaded each rank's shards into its parameters in place
-            chunk.load_state_dict(state["model"][f"chunk{i}"])
+            load_model_state(chunk, state["model"][f"chunk{i}"])
     with torch.no_grad():  # the distributed optimizer copies into (views of) leaf parameters
         optimizer.load_state_dict(state["optimizer"])
     if any(_fsdp2(c) for c in chunks):
@@ -224,6 +228,16 @@ def read(folder: Path, chunks: list[Any], optimizer: Any) -> None:
 
         optimizer_state_as_dtensors(optimizer)
     compat.restore_adam_step(optimizer, state["optimizer"])
+
+
+def load_model_state(chunk: Any, state: dict[str, Any]) -> None:
+    """``state`` into ``chunk``: all of it, or a LoRA checkpoint's adapters (the frozen base stays as built)."""
+    from primus.megatron.lora import MARK
+
+    adapters_only = bool(state) and all(MARK in k for k in state)
+    result = chunk.load_state_dict(state, strict=not adapters_only)
+    if adapters_only and (missing := [k for k in result.missing_keys if MARK in k]):
+        raise RuntimeError(f"the checkpoint lacks adapters {missing[:4]} ({len(missing)} in all)")
 
 
 def check_compatible(path: Path, cfg: PrimusConfig) -> dict[str, Any]:
@@ -237,7 +251,7 @@ def write_weights(folder: Path, chunks: list[Any]) -> None:
     from megatron.core import dist_checkpointing
 
     compat.checkpoint_writer_dies_with_rank()
-    dist_checkpointing.save({"model": _model_sd(chunks)}, str(folder))
+    dist_checkpointing.save({"model": _model_sd(chunks, whole=True)}, str(folder))
 
 
 def save_seed(path: Path, chunks: list[Any], rank: int, man: dict[str, Any]) -> None:
@@ -251,7 +265,7 @@ def load_seed(path: Path, chunks: list[Any], cfg: PrimusConfig) -> None:
     from megatron.core import dist_checkpointing
 
     check_compatible(path, cfg)
-    state = dist_checkpointing.load({"model": _model_sd(chunks)}, str(path))
+    state = dist_checkpointing.load({"model": _model_sd(chunks, whole=True)}, str(path))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state["model"][f"chunk{i}"])
     log.info("loaded seed checkpoint %s", path)

@@ -220,6 +220,12 @@ class MegatronEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsNat
             load_init_from(chunks, cfg)
 
         chunks_fp = [Float16Module(config, c) for c in chunks] if t.precision in ("bf16", "fp16") else chunks
+        if t.lora is not None:  # after the cast: the frozen base in bf16, the adapters fp32 (primus.megatron.lora)
+            from primus.megatron.lora import attach
+
+            trainable, total = attach(chunks, cfg)
+            if self.rank == 0:
+                log.info("LoRA: %d trainable parameters of %d (%.3f%%)", trainable, total, 100 * trainable / total)
         if fully_sharded(cfg):
             from primus.megatron.fsdp import FSDP2
 

@@ -64,7 +64,12 @@ class FSDP2(TorchFullyShardedDataParallel):
                     m.set_gradient_divide_factor(1.0)
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        """Nothing left to do: FSDP2 reduce-scattered every gradient during the backward."""
+        """FSDP2 reduce-scattered every gradient during the backward. megatron's bf16 optimizer takes an fp32
+        parameter's gradient (LoRA's adapters in a bf16 model, :mod:`primus.megatron.lora`) from ``main_grad``."""
+        if self.config.bf16 or self.config.fp16:
+            for p in self.module.parameters():
+                if p.requires_grad and p.dtype == torch.float32:
+                    p.main_grad = p.grad
 
     def scale_gradients(self, scaling_factor: float) -> None:
         for p in self.module.parameters():

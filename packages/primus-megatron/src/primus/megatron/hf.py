@@ -33,6 +33,7 @@ import torch
 
 from primus.core.config.schema import ModelConfig, PrimusConfig
 from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, expert_role, layer_names, mtp_names
+from primus.megatron.lora import MARK as LORA_MARK
 
 log = logging.getLogger("primus.megatron.hf")
 
@@ -111,8 +112,8 @@ def _layer_roles(m: ModelConfig) -> dict[str, tuple[str, ...]]:
 
 
 def _skipped(suffix: str, m: ModelConfig) -> bool:
-    """Model state with no HF tensor in this family."""
-    return suffix in _NOT_IN_HF and m.family != "deepseek"
+    """Model state with no HF tensor in this family, or a LoRA adapter (not the base model's: :mod:`.lora`)."""
+    return (suffix in _NOT_IN_HF and m.family != "deepseek") or LORA_MARK in suffix
 
 
 def _roles(suffix: str, expert: int | None, m: ModelConfig) -> tuple[str, ...]:
@@ -360,6 +361,30 @@ class MegatronHF:
         engine = load_checkpoint_chunks(cfg, checkpoint)
         try:
             return gather_to_hf(engine.chunks, engine.cfg.model)
+        finally:
+            engine.close()
+
+    def export_adapters(self, cfg: PrimusConfig, checkpoint: Path) -> dict[str, torch.Tensor]:
+        """The LoRA adapters of a ``train.lora`` run's checkpoint (any layout), HF name -> fp32 CPU tensor: exactly
+        :func:`primus.core.run.lora.tensor_names` (one process builds the model and reads the adapters alone)."""
+        from megatron.core import dist_checkpointing
+
+        from primus.core.contracts.errors import UserError
+        from primus.megatron import checkpoint as ckpt
+        from primus.megatron.lora import attach, hf_adapters
+
+        if cfg.train.lora is None:
+            raise UserError(f"train.lora is not set: {checkpoint} holds no adapters to export")
+        path = resolve_checkpoint(checkpoint)
+        ckpt.check_compatible(path, cfg)
+        engine = _Engine(cfg, single=True)
+        try:
+            attach(engine.chunks, engine.cfg, initialise=False)  # zeros, then the checkpoint's values
+            sd = {f"chunk{i}": ckpt.model_sharded_state_dict(c) for i, c in enumerate(engine.chunks)}
+            state = dist_checkpointing.load({"model": sd}, str(path))
+            for i, chunk in enumerate(engine.chunks):
+                ckpt.load_model_state(chunk, state["model"][f"chunk{i}"])
+            return hf_adapters(engine.chunks, engine.cfg)
         finally:
             engine.close()
 
