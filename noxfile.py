@@ -98,6 +98,8 @@ MEGATRON_NEXT_TESTS = [
     # mixture of experts: EP 2 against one rank, and its distributed-optimizer checkpoint resumed
     "test_moe.py::test_expert_parallel_layouts_match_world_size_1[ep2]",
     "test_moe.py::test_resume_under_ep2_equals_straight_through",
+    # LoRA: adapters on the fused layout, DP / TP (± SP) curves, resume, the adapters-only checkpoint, export
+    "test_lora.py",
 ]
 
 
