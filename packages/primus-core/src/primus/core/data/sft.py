@@ -38,8 +38,7 @@ import numpy as np
 from primus.core.data.chat_template import chat_template, special_tokens
 from primus.core.data.documents import Input, iter_records
 from primus.core.data.errors import DataError
-
-IGNORE_INDEX = -100  # the label both engines skip (torch's cross_entropy default)
+from primus.core.data.labels import IGNORE_INDEX as IGNORE_INDEX  # re-exported: the engines import it from here
 
 
 class ChatRenderer:

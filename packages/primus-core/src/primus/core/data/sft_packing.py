@@ -2,7 +2,7 @@
 :class:`~primus.core.data.sft.SFTDataset`).
 
 A chat of ``n`` tokens takes ``n - 1`` positions of a sample: its tokens but the last as inputs, its tokens but the
-first as labels (:data:`~primus.core.data.sft.IGNORE_INDEX` where the token is context), as ``transformers``'
+first as labels (:data:`~primus.core.data.labels.IGNORE_INDEX` where the token is context), as ``transformers``'
 shifted loss over the chat alone. A chat longer than ``seq_len + 1`` tokens keeps its first ``seq_len + 1`` (as
 TRL's ``max_length`` truncates; the count is logged).
 
@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from primus.core.data.sft import IGNORE_INDEX
+from primus.core.data.labels import IGNORE_INDEX
 
 log = logging.getLogger("primus.data")
 
