@@ -378,7 +378,7 @@ def test_dense_state_dict_adapter_relies_on_llama3s_helpers():
     """DenseStateDictAdapter extends Llama3StateDictAdapter's from_hf_map and calls its private q/k permutations."""
     from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
-    from primus.torchtitan.hf import DenseStateDictAdapter
+    from primus.torchtitan.state_dict import DenseStateDictAdapter
 
     for name in ("__init__", "to_hf", "from_hf"):
         assert _params(getattr(DenseStateDictAdapter, name)) == _params(getattr(Llama3StateDictAdapter, name)), name

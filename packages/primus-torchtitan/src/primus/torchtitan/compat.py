@@ -181,7 +181,7 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_dense_model_overrides_keep_signatures",
     ),
     Patch(
-        "hf.DenseStateDictAdapter",
+        "state_dict.DenseStateDictAdapter",
         "subclass of Llama3StateDictAdapter: to_hf / from_hf overridden; its private _permute, _reverse_permute "
         "and from_hf_map used",
         "q/k/v biases (permuted like their weights) and tied embeddings in the Hugging Face mapping",
@@ -207,7 +207,7 @@ PATCHES: tuple[Patch, ...] = (
         "test_compat.py::test_router_scores_what_its_gate_returns",
     ),
     Patch(
-        "hf.Qwen3SharedExpertsStateDictAdapter",
+        "state_dict.Qwen3SharedExpertsStateDictAdapter",
         "subclass of Qwen3StateDictAdapter: entries added to its from_hf_map",
         "shared experts (core's DeepSeek-style names) in the HF mapping that canonical init goes through",
         "test_compat.py::test_qwen3_adapter_maps_layer_keys_through_from_hf_map",

@@ -66,10 +66,10 @@ def is_adapter(key: str) -> bool:
 
 def targets(cfg: PrimusConfig) -> list[Target]:
     """Every adapted linear of ``cfg`` (``train.lora`` set), in core's order, mapped through the state-dict adapter
-    that loads HF weights into the model (:func:`primus.torchtitan.hf.adapter`): the linear's name and its row order.
+    that loads HF weights into the model (:func:`primus.torchtitan.state_dict.adapter`): the linear's name and its row order.
     """
     from primus.core.hf.contract import EMBED
-    from primus.torchtitan.hf import adapter
+    from primus.torchtitan.state_dict import adapter
 
     assert cfg.train.lora is not None
     ad, m = adapter(cfg), cfg.model
