@@ -130,7 +130,7 @@ def test_only_the_adapters_train(ws1):
         "trainable_params": trainable,
         "total_params": sum(v.numel() for v in sd.values()),
     }
-    assert "LoRA: 0.0187 M trainable of 0.912 M parameters (2.05%)" in ws1["log"]
+    assert "LoRA: 18,688 trainable parameters of 912,256 (2.05%)" in ws1["log"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -221,11 +221,12 @@ class MegatronEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsNat
 
         chunks_fp = [Float16Module(config, c) for c in chunks] if t.precision in ("bf16", "fp16") else chunks
         if t.lora is not None:  # after the cast: the frozen base in bf16, the adapters fp32 (primus.megatron.lora)
+            from primus.core.run.lora import describe
             from primus.megatron.lora import attach
 
-            trainable, total = attach(chunks, cfg)
+            attach(chunks, cfg)
             if self.rank == 0:
-                log.info("LoRA: %d trainable parameters of %d (%.3f%%)", trainable, total, 100 * trainable / total)
+                log.info(describe(cfg))
         if fully_sharded(cfg):
             from primus.megatron.fsdp import FSDP2
 

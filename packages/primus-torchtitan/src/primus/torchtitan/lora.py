@@ -26,7 +26,6 @@ FSDP2 asks a uniform dtype of the trainable parameters only). Checkpoints hold t
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -204,9 +203,6 @@ def setup(trainer: Any, cfg: PrimusConfig, rank: int) -> dict[str, Any]:
     logs (rank 0) and returns what trains (``{"trainable_params", "total_params"}``, whole-model counts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from primus.core.hf.contract import hf_names
-    from primus.core.run.init import shapes
-
     dims = trainer.parallel_dims
     tp_mesh = dims.get_mesh("tp") if dims.tp_enabled else None
     values, options = initial_values(cfg), StateDictOptions(full_state_dict=True, strict=False)
@@ -218,28 +214,10 @@ def setup(trainer: Any, cfg: PrimusConfig, rank: int) -> dict[str, Any]:
                 t = module.target
                 mine |= {t.key(w): values[t.adapter.name(w)] for w in (core.A, core.B)}
         set_model_state_dict(part, mine, options=options)  # whole tensors into this rank's shards
-    lora = cfg.train.lora
-    assert lora is not None
-    trainable = sum(lora.rank * (a.in_features + a.out_features) for a in core.adapters(cfg.model, lora))
-    weights = shapes(cfg.model)
-    base = sum(math.prod(weights[name][0]) for name in hf_names(cfg.model))
-    counts = {"trainable_params": trainable, "total_params": base + trainable}
+    trainable, total = core.counts(cfg)
     if rank == 0:
-        log.info(
-            "LoRA: %s trainable of %s parameters (%.2f%%): rank %d, alpha %g, %s; the base frozen in %s",
-            _millions(trainable),
-            _millions(base + trainable),
-            100 * trainable / (base + trainable),
-            lora.rank,
-            lora.alpha,
-            ", ".join(lora.target_modules),
-            cfg.train.precision,
-        )
-    return counts
-
-
-def _millions(n: int) -> str:
-    return f"{n / 1e6:.3g} M"
+        log.info(core.describe(cfg))
+    return {"trainable_params": trainable, "total_params": total}
 
 
 def checkpoint_keys(cfg: PrimusConfig) -> dict[str, tuple[str, tuple[int, int]]]:

@@ -155,3 +155,28 @@ def sum_grad_over(t: torch.Tensor, group: Any) -> torch.Tensor:
     if _SUM_GRAD is None:
         _SUM_GRAD = _sum_grad_fn()
     return _SUM_GRAD.apply(t, group)
+
+
+def counts(cfg: PrimusConfig) -> tuple[int, int]:
+    """(trainable, total) parameters of the whole model with ``train.lora``'s adapters, whatever the engine or
+    layout: the adapters' ``rank · (in + out)`` each, beside every HF tensor of the base."""
+    import math
+
+    from primus.core.run.init import shapes
+
+    lora = cfg.train.lora
+    assert lora is not None
+    trainable = sum(lora.rank * (a.in_features + a.out_features) for a in adapters(cfg.model, lora))
+    base = sum(math.prod(shape) for shape, _ in shapes(cfg.model).values())
+    return trainable, base + trainable
+
+
+def describe(cfg: PrimusConfig) -> str:
+    """The run's start line of what trains (both engines log it, rank 0)."""
+    lora = cfg.train.lora
+    assert lora is not None
+    trainable, total = counts(cfg)
+    return (
+        f"LoRA: {trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.2f}%): rank {lora.rank}, "
+        f"alpha {lora.alpha:g}, {', '.join(lora.target_modules)}; the base frozen in {cfg.train.precision}"
+    )
