@@ -32,6 +32,8 @@ Parts (``--only`` / ``--skip``), each run as ``primus`` processes or the benchma
   losses against a straight run;
 - ``sft_hf``: fine-tune from a Hugging Face folder (made locally with transformers) -> export -> transformers
   loads it and generates, on both engines;
+- ``lora``: ``train.lora`` (rank 16, every projection) against full fine-tuning of Llama 3.2 1B on each engine:
+  tokens/s and peak memory;
 - ``profile``: ``primus profile`` -> the report page;
 - ``startup``: time to the first step, plain engines beside Primus, a fresh process each (``startup.py``), and
   whether a TorchTitan rank still imports what it never uses;
@@ -41,7 +43,7 @@ Parts (``--only`` / ``--skip``), each run as ``primus`` processes or the benchma
 Every row: passed / failed with the reason, tokens/s per device, MFU, peak memory against the planner's
 prediction (Primus runs), and for pairs the ratio and the loss agreement. A speed feature slower than what it
 replaces fails its row. The JSON and the table are rewritten after every part, so a call cut short keeps what ran;
-parts that would start after ``--budget`` seconds are recorded as not run.
+parts that would start after ``--budget`` seconds are recorded as not run (on a GPU; ``--smoke`` runs every part).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ GIB = 2**30
 TOLERANCE = 0.01  # FP8 losses within 1% of bf16's (mean over the run: fp8_loss_check), as the CPU FP8 tests
 ENGINES = ("torchtitan", "megatron")
 # --smoke: the engine whose rows a part trains; the other's commands are validated (the same code, another backend)
-SMOKE_TRAINS = {"fp8_dense": "torchtitan", "deepseek": "megatron", "sft_hf": "torchtitan"}
+SMOKE_TRAINS = {"fp8_dense": "torchtitan", "deepseek": "megatron", "sft_hf": "torchtitan", "lora": "megatron"}
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -666,6 +668,32 @@ def part_sft_hf(s: Suite) -> list[dict]:
         return list(pool.map(one, ENGINES))
 
 
+def part_lora(s: Suite) -> list[dict]:
+    # LoRA (train.lora, rank 16 on every projection) against full fine-tuning of the same model on one GPU, each
+    # engine: tokens/s (LoRA skips the base weights' gradients: ~1/3 of the linears' backward) and peak memory (no
+    # gradients or optimizer state for the frozen bf16 base). Llama 3.2 1B at seq 4096, canonical init on random
+    # tokens: the speed of a fine-tuning step does not depend on the weights or the data.
+    preset = "tiny-llama" if s.smoke else "llama3.2-1b"
+    seq, micro, steps = (64, 2, 3) if s.smoke else (4096, 2, s.args.steps)
+    rows = []
+    for engine in ENGINES:
+        common = [*run_overrides("", seq, micro, steps)[:-1], f"backend.name={engine}", "train.precision=bf16"]
+        check = not s.trains("lora", engine)
+        full = s.train(f"lora/{engine}/full", preset, common, warmup=4, check_only=check)
+        lora = s.train(f"lora/{engine}/lora", preset, [*common, "train.lora.rank=16"], warmup=4, check_only=check)
+        if not check:
+            speed_pair(lora, full, 1.0 - NOISE, "LoRA slower than full fine-tuning")
+            if lora.get("peak_gib") and full.get("peak_gib"):
+                lora["memory_ratio"] = lora["peak_gib"] / full["peak_gib"]
+                if lora["status"] == "passed" and not s.smoke and lora["memory_ratio"] >= 1.0:
+                    lora["status"], lora["reason"] = (
+                        "failed",
+                        f"LoRA's peak {lora['peak_gib']:.1f} GiB not below full's",
+                    )
+        rows += [full, lora]
+    return rows
+
+
 def part_profile(s: Suite) -> list[dict]:
     preset, model = _small_model(s)
     out = s.work / "profile"
@@ -796,6 +824,7 @@ PARTS: dict[str, Callable[[Suite], list[dict]]] = {
     "gemm_tuning": part_gemm_tuning,
     "eval_resume": part_eval_resume,
     "sft_hf": part_sft_hf,
+    "lora": part_lora,
     "profile": part_profile,
     "startup": part_startup,
     "edges": part_edges,
@@ -837,7 +866,7 @@ BESIDE = ("eval_resume", "sft_hf", "profile")
 
 
 def run_part(suite: Suite, part: str) -> None:
-    if suite.elapsed() > suite.args.budget:
+    if not suite.smoke and suite.elapsed() > suite.args.budget:  # a smoke run is a test: every part runs
         reason = f"suite past its {suite.args.budget:.0f} s budget"
         suite.add(part, [{"row": part, "status": "not run", "reason": reason}])
         return
