@@ -27,7 +27,6 @@ sequence parallelism and this rank's tokens' part with it (summed over TP).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +36,6 @@ from torch import nn
 
 from primus.core.config.schema import LORA_TARGETS, PrimusConfig
 from primus.core.run import lora as core
-
-log = logging.getLogger("primus.megatron.lora")
 
 # the megatron linear of a TransformerLayer -> the HF projections it fuses, in its order of output features
 LINEARS = {
@@ -172,10 +169,6 @@ def _submodule(layer: nn.Module, path: str) -> nn.Module | None:
     return obj
 
 
-def attached(chunks: list[nn.Module]) -> bool:
-    return any(isinstance(m, LoRA) for c in chunks for m in c.modules())
-
-
 def modules(chunks: list[nn.Module]) -> list[tuple[int, str, LoRA]]:
     """(global layer, megatron linear path, its adapters) of every adapted linear in ``chunks``."""
     out = []
@@ -280,6 +273,7 @@ def hf_adapters(chunks: list[nn.Module], cfg: PrimusConfig) -> dict[str, torch.T
     """HF name -> fp32 CPU value of every adapter in ``chunks`` (the whole model: one rank, no pipeline)."""
     from primus.core.hf.contract import layer_names
 
+    assert cfg.train.lora is not None
     out = {}
     for layer, _path, module in modules(chunks):
         names = layer_names(cfg.model, layer)
