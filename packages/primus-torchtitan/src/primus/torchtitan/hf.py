@@ -1,12 +1,5 @@
-"""Hugging Face <-> torchtitan models, through torchtitan's own state-dict adapters.
-
-- ``llama3`` (Llama 3.x, Mistral): torchtitan's ``Llama3StateDictAdapter``. torchtitan's llama3 applies RoPE to
-  interleaved (complex) pairs, HF to rotate-half halves: the adapter permutes the rows of ``wq`` / ``wk``.
-- ``qwen3``: torchtitan's ``Qwen3StateDictAdapter`` (its RoPE is rotate-half already: no permutation; it ties
-  the head to the embedding when the HF folder has no ``lm_head``).
-- ``dense`` (Primus's llama3 with qkv bias / tied embeddings, :mod:`primus.torchtitan.dense`):
-  :class:`DenseStateDictAdapter`, the llama3 adapter plus the q/k/v biases (q and k biases permuted like their
-  weights) and the tied head.
+"""Hugging Face <-> torchtitan models, through the state-dict adapter of each model family
+(:mod:`primus.torchtitan.state_dict`: torchtitan's own, and Primus's where they lack a part).
 
 ``train.init_from`` with a HF folder fills each rank's model parts through the adapter, layer by layer
 (:func:`fill_from_hf`, which ``train.init: canonical`` uses too). Checkpoints written by ``primus checkpoint import``
