@@ -9,6 +9,7 @@ initial ones: the base a LoRA run without ``train.init_from`` names."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,9 +19,10 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
+from conftest import FakeBackends  # noqa: E402
+
 from primus.core import hookimpl  # noqa: E402
 from primus.core.config.errors import ConfigError  # noqa: E402
-from primus.core.contracts.engine import BackendSpec  # noqa: E402
 from primus.core.contracts.errors import UserError  # noqa: E402
 from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager  # noqa: E402
 from primus.core.hf.config import hf_config  # noqa: E402
@@ -40,15 +42,7 @@ class LoRABackend:
     @staticmethod
     @hookimpl
     def primus_backends():
-        return [
-            BackendSpec(
-                name="fake",
-                description="test backend",
-                engine="primus.core.run.testing:StandInEngine",
-                model_families=frozenset({"llama", "qwen2", "qwen3", "mistral"}),
-                hf="test_lora_peft:FAKE_HF",
-            )
-        ]
+        return [dataclasses.replace(spec, hf="test_lora_peft:FAKE_HF") for spec in FakeBackends.primus_backends()]
 
 
 class FakeHF:
