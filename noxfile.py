@@ -18,8 +18,12 @@ file that pins it (and triton, to the release on disk), so no dependency can pul
 
 from __future__ import annotations
 
+import atexit
+import functools
+import json
 import os
 import shutil
+import tempfile
 import tomllib
 from datetime import datetime
 from pathlib import Path
@@ -119,9 +123,92 @@ def needs_torch(name: str) -> bool:
     return any(Requirement(r).name == "torch" for r in pyproject(name)["project"].get("dependencies", []))
 
 
-def requirement(name: str, extras: list[str]) -> str:
-    path = str(PACKAGES[name])
+WHEELS: dict[str, Path] = {}  # in-tree package -> its wheel, built once per nox process (wheel())
+
+
+@functools.cache
+def wheel_dir() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="primus-wheels-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def wheel(session: nox.Session, name: str) -> str:
+    """The package's wheel, built from its folder once per nox process and installed by every session that takes the
+    package: pip given the folder builds a wheel in each install, each in an isolated environment of its own with
+    hatchling installed afresh (~1-2 s a package; CI's sessions built 33, now 6)."""
+    if name not in WHEELS:
+        out = wheel_dir() / name
+        session.run_install("python", "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(out), str(PACKAGES[name]))
+        if (built := next(out.glob("*.whl"), None)) is None:  # --no-install on a reused venv: nothing is installed
+            return str(PACKAGES[name])
+        WHEELS[name] = built
+    return str(WHEELS[name])
+
+
+def requirement(session: nox.Session, name: str, extras: list[str]) -> str:
+    path = wheel(session, name)
     return f"{path}[{','.join(sorted(extras))}]" if extras else path
+
+
+def site_packages(session: nox.Session) -> Path:
+    return Path(session.virtualenv.location, "lib", f"python{PYTHON}", "site-packages")
+
+
+# The two largest wheels, torch (0.7 GB unpacked) and triton (0.9 GB): unpacked by pip once a nox run, into the first
+# session that takes them, then hard-linked from there into each later session's virtualenv before its pip install
+# (as uv installs from its cache), which finds them installed: their unpacking saved in each later session, and the
+# bytecode of their modules, compiled by the first session's processes, comes along. pip never writes into an
+# installed file (it removes one before writing over it, and an uninstall moves files away), nor does Python (bytecode
+# is written to a new file, then renamed): a linked file is never changed under another session. A distribution's
+# scripts (torchrun, ...) are written anew, for the session's interpreter.
+SHARED = ("torch", "triton")
+UNPACKED: dict[str, Path] = {}  # distribution -> its .dist-info folder in the session that installed it this run
+
+
+def link_shared(session: nox.Session, requirements: tuple[str, ...]) -> None:
+    site = site_packages(session)
+    for name, info in UNPACKED.items():
+        # a requirement naming torch or triton brings it (torch==..., an extra [torch] / [triton], primus-torchtitan)
+        if any(site.glob(f"{name}-*.dist-info")) or not any(name in r.lower() for r in requirements):
+            continue
+        record = [line.rsplit(",", 2)[0] for line in (info / "RECORD").read_text().splitlines()]
+        tops = {Path(r).parts[0] for r in record if not r.startswith("..")} - {info.name}
+        try:
+            for top in sorted(tops) + [info.name]:  # the .dist-info last: pip takes the dist as installed from it on
+                source = info.parent / top
+                if source.is_dir():
+                    shutil.copytree(source, site / top, copy_function=os.link, dirs_exist_ok=True)
+                else:
+                    os.link(source, site / top)
+        except OSError as exc:  # another file system, say: pip unpacks it (removing what was linked first)
+            session.log(f"{name} not linked from {info.parent} ({exc}): pip installs it")
+            continue
+        for script in (info.parent / r for r in record if r.startswith("../../../bin/")):
+            target = Path(session.virtualenv.location, "bin", script.name)
+            _, body = script.read_text().split("\n", 1)
+            target.write_text(f"#!{Path(session.virtualenv.location, 'bin', 'python')}\n{body}")
+            target.chmod(0o755)
+
+
+def remember_shared(session: nox.Session) -> None:
+    for name in SHARED:
+        if name not in UNPACKED and (info := next(site_packages(session).glob(f"{name}-*.dist-info"), None)):
+            UNPACKED[name] = info
+
+
+def uninstall_stale(session: nox.Session, requirements: tuple[str, ...]) -> None:
+    """pip takes a wheel of the version already installed as installed: an in-tree package a reused virtualenv
+    holds from another build (another nox run) is uninstalled first, so that this run's wheel goes in."""
+    site = site_packages(session)
+    stale = []
+    for path in (r.split("[")[0] for r in requirements if r.split("[")[0] in map(str, WHEELS.values())):
+        for info in site.glob(f"{Path(path).name.split('-')[0]}-*.dist-info"):
+            origin = info / "direct_url.json"
+            if not origin.exists() or json.loads(origin.read_text()).get("url") != Path(path).as_uri():
+                stale.append(info.name.split("-")[0])
+    if stale:
+        session.run_install("python", "-m", "pip", "uninstall", "--yes", "--quiet", *stale, silent=True)
 
 
 def test_deps(name: str) -> list[str]:
@@ -137,7 +224,10 @@ def install(session: nox.Session, *requirements: str) -> None:
     session.env["PYTHONDONTWRITEBYTECODE"] = ""  # empty: Python writes bytecode
     constraints = Path(session.create_tmp()) / "constraints.txt"
     constraints.write_text(f"{TORCH}\n{TRITON}\n")
+    uninstall_stale(session, requirements)
+    link_shared(session, requirements)
     session.install("--no-compile", "--constraint", str(constraints), *requirements)
+    remember_shared(session)
 
 
 def install_packages(
@@ -163,18 +253,18 @@ def install_packages(
             ]
         else:  # primus-core, as a dependency
             extras = ["torch"] if torch else []
-        reqs.append(requirement(name, extras))
+        reqs.append(requirement(session, name, extras))
     install(session, *([TORCH] if torch else []), *reqs, *more)
 
 
-def pytest(session: nox.Session, *args: str) -> None:
+def pytest(session: nox.Session, *args: str, program: str = "pytest", env: dict[str, str] | None = None) -> None:
     # Exit code 5 is "no tests collected": a package whose tests are still to be written is not a failure.
     # --durations: every CI log lists the slowest tests (what to trim when the suite grows past its budget).
     # Beside other xdist workers, one intra-op thread a process: torch's OpenMP threads of two processes on two cores
     # spin against each other (two tiny-deepseek runs side by side: 12.5 s each with torch's default threads, 7.0 s
     # with one, as one run alone takes 7.3 s).
-    env = {"OMP_NUM_THREADS": "1"} if "-n" in args else {}
-    session.run("pytest", "-q", "--durations=12", *args, *session.posargs, success_codes=[0, 5], env=env)
+    env = {**(env or {}), **({"OMP_NUM_THREADS": "1"} if "-n" in args else {})}
+    session.run(program, "-q", "--durations=12", *args, *session.posargs, success_codes=[0, 5], env=env)
 
 
 @nox.session(python=PYTHON, reuse_venv=True)
@@ -195,7 +285,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON, reuse_venv=True)
 def core_alone(session: nox.Session) -> None:
     """primus-core with no extras and nothing else (no torch): the CLI's config side must work."""
-    install(session, str(PACKAGES["core"]))
+    install(session, wheel(session, "core"))
     session.run("python", "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)")
     session.run("primus", "--help", silent=True)
     session.run("primus", "presets", "list", silent=True)
@@ -218,7 +308,7 @@ def smoke(session: nox.Session, name: str) -> None:
         return
     siblings = [f"primus-{n}" for n in PACKAGES if n not in ("core", name)]
     session.run("pip", "uninstall", "--yes", "--quiet", *siblings, silent=True)  # what a reused virtualenv holds
-    install(session, *([TORCH] if needs_torch(name) else []), str(PACKAGES["core"]), str(PACKAGES[name]))
+    install(session, *([TORCH] if needs_torch(name) else []), wheel(session, "core"), wheel(session, name))
     tmp = Path(session.create_tmp()) / f"smoke-{datetime.now():%H%M%S%f}"
     for command in commands:
         session.run(*(arg.replace("{tmp}", str(tmp)) for arg in command), silent=True)
@@ -251,19 +341,42 @@ def tests(session: nox.Session, package: str) -> None:
     pytest(session, *parallel, str(PACKAGES[package] / "tests"))
 
 
-@nox.session(python=PYTHON, reuse_venv=True)
+@nox.session(venv_backend="none", requires=["tests(megatron)"])
 def megatron_compat(session: nox.Session) -> None:
     """Compatibility check: primus-megatron against megatron-core 0.19.2, the release `pip install primus-megatron`
     takes on Python >= 3.12 (the real target: the GPU images run 3.12), on CI's Python 3.11 with 0.19.2's cp311 wheel
-    installed past its Requires-Python (>= 3.12). The package as tests(megatron) installs it (which takes 0.16.1 here),
-    then 0.19.2 over it; pip says primus-megatron asks for 0.16.1 on this Python, which is so. Runs
-    MEGATRON_NEXT_TESTS, a subset of the package's tests (what differs between the releases)."""
-    install_packages(session, ["megatron", *TEST_PACKAGES["megatron"]], *test_deps("megatron"), XDIST)
-    install(session, "--no-deps", "--ignore-requires-python", *MEGATRON_NEXT)
-    session.run("python", "-c", "import primus.megatron.compat as c; assert c.MCORE_0_19, c.INSTALLED", silent=True)
-    tests = PACKAGES["megatron"] / "tests"
-    workers = ["-n", str(WORKERS["megatron"]), "--dist", "loadfile"]
-    pytest(session, *workers, *(str(tests / t) for t in MEGATRON_NEXT_TESTS))
+    installed past its Requires-Python (>= 3.12). The package as tests(megatron) installs it (which takes 0.16.1 here):
+    that session's own virtualenv (it runs first: requires=; `--no-dependencies` skips it when it has run), with 0.19.2
+    over it for the check and 0.16.1 put back after, so the venv is installed once, not twice; pip says
+    primus-megatron asks for 0.16.1 on this Python, which is so. Runs MEGATRON_NEXT_TESTS, a subset of the package's
+    tests (what differs between the releases)."""
+    venv = session.cache_dir.parent / "tests-megatron"  # nox's folder of tests(megatron): envdir / session name
+    scripts = venv / "bin"
+    python = scripts / "python"
+    if not python.exists():
+        session.error(f"{venv} is missing: run tests(megatron) first (nox -s megatron_compat runs it)")
+    env = {
+        "PYTHONDONTWRITEBYTECODE": "",
+        "VIRTUAL_ENV": str(venv),
+        "PATH": f"{scripts}{os.pathsep}{os.environ['PATH']}",
+    }
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    constraints.write_text(f"{TORCH}\n{TRITON}\n")
+    pip = [str(python), "-m", "pip", "install", "--no-compile", "--constraint", str(constraints), "--no-deps"]
+    session.run(*pip, "--ignore-requires-python", *MEGATRON_NEXT, env=env)
+    try:
+        check = "import primus.megatron.compat as c; assert c.MCORE_0_19, c.INSTALLED"
+        session.run(str(python), "-c", check, silent=True, env=env)
+        tests = PACKAGES["megatron"] / "tests"
+        workers = ["-n", str(WORKERS["megatron"]), "--dist", "loadfile"]
+        pytest(
+            session, *workers, *(str(tests / t) for t in MEGATRON_NEXT_TESTS), program=str(scripts / "pytest"), env=env
+        )
+    finally:  # tests(megatron)'s venv as it installed it: primus-megatron's pin for this Python (0.16.1)
+        pins = [Requirement(r) for r in pyproject("megatron")["project"]["dependencies"]]
+        here = {"python_version": PYTHON}
+        current = [f"{r.name}{r.specifier}" for r in pins if r.name == "megatron-core" and r.marker.evaluate(here)]
+        session.run(*pip, *current, env=env)
 
 
 @nox.session(python=PYTHON, reuse_venv=True)
