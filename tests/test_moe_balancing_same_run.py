@@ -21,7 +21,7 @@ import sys
 import pytest
 import yaml
 from hf_helpers import primus, train
-from test_moe_same_run import GNORM_RTOL, LOSS_RTOL, RECIPE
+from test_moe_same_run import GNORM_RTOL, LOSS_RTOL, RECIPE, torchtitan_run
 
 AUX_RTOL = 1e-5
 AUX = ["model.moe.balancing=aux_loss", "model.moe.aux_loss_coeff=1.0", "model.moe.seq_aux_loss_coeff=0.5"]
@@ -45,6 +45,9 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("moe_balancing")
     out = {}
     for name, (model, backend, nproc, overrides) in RUNS.items():
+        if name == "torchtitan-none":  # test_moe_same_run's "torchtitan" run, the same one: trained once for both
+            out[name] = torchtitan_run(tmp_path_factory)
+            continue
         config = root / f"{name}.yaml"
         recipe = RECIPE | {"extends": [model], "backend": {"name": backend}}
         if model != "tiny-qwen3-moe":

@@ -15,9 +15,13 @@ the bundled corpus as a clean interpreter walks it (the layouts of each engine's
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from hf_helpers import train
+
+from primus.core.run.testing import built_once
 
 STEPS = 6
 LOSS_RTOL, GNORM_RTOL = 2e-5, 1e-3
@@ -46,14 +50,32 @@ RECIPE = {
 }
 
 
+def train_recipe(root, name: str, backend: str, nproc: int = 1, overrides=()) -> list[dict]:
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(RECIPE | {"backend": {"name": backend}}, sort_keys=False))
+    return train(config, root / name, *overrides, nproc=nproc)
+
+
+def torchtitan_run(tmp_path_factory) -> list[dict]:
+    """TorchTitan on the recipe as it is (one rank, no balancing): this file's "torchtitan" and
+    test_moe_balancing_same_run's "torchtitan-none", the same run, trained once for both (either pytest-xdist
+    worker)."""
+    folder = built_once(
+        tmp_path_factory, "moe_same_run_torchtitan", lambda root: train_recipe(root, "run", "torchtitan")
+    )
+    return [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("moe_same_run")
     out = {}
     for name, (backend, nproc, overrides) in RUNS.items():
-        config = root / f"{name}.yaml"
-        config.write_text(yaml.safe_dump(RECIPE | {"backend": {"name": backend}}, sort_keys=False))
-        out[name] = train(config, root / name, *overrides, nproc=nproc)
+        if name == "torchtitan":
+            out[name] = torchtitan_run(tmp_path_factory)
+        else:
+            out[name] = train_recipe(root, name, backend, nproc, overrides)
     return out
 
 
