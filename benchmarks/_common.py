@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -136,12 +135,6 @@ def time_autograd(fn: Any, inputs: list[Any], dout: Any, warmup: int, iters: int
         "bwd_ms": statistics.median(b - f for f, b in zip(fwd, both, strict=True)),
         "fwd_bwd_ms_all": [round(x, 3) for x in both],
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def steady(values: list[float], warmup: int, steps: list[int] | None = None, last: int | None = None) -> float:

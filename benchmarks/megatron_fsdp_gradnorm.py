@@ -37,13 +37,14 @@ import json
 import math
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+
+from primus.core.launch.env import free_port
 
 LAYERS, HIDDEN, HEADS, FFN, VOCAB, SEQ, MBS = 4, 256, 4, 1024, 1024, 128, 2
 LR, CLIP = 1e-4, 1.0
@@ -67,12 +68,6 @@ PREDICTIONS = {
     "(optim_grads, optim_grads_params)",
     "doubling_once": "2 * sum_k g_k: one reduction after the last micro-batch (optim, with M > 1)",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------------ worker

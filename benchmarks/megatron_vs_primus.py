@@ -38,7 +38,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import LastStepsProfiler, free_port, overhead_args, plain_gpt_parts, steady  # noqa: E402
+from _common import LastStepsProfiler, overhead_args, plain_gpt_parts, steady  # noqa: E402
+
+from primus.core.launch.env import free_port  # noqa: E402
 
 # plain megatron-core's argument -> the preset's ModelConfig field it takes
 PLAIN_FROM_PRESET = {"num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",

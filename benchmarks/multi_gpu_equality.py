@@ -23,8 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _common import free_port  # noqa: E402
+from primus.core.launch.env import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {

@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import free_port, run_overrides, run_shape_args, steady, versions  # noqa: E402
+from _common import run_overrides, run_shape_args, steady, versions  # noqa: E402
+
+from primus.core.launch.env import free_port  # noqa: E402
 
 LAYOUTS = {  # engine -> overrides for N data-parallel ranks
     "torchtitan": lambda n: [f"parallel.dp_shard={n}"],

@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import free_port, overhead_args, release, run_overrides, steady  # noqa: E402
+from _common import overhead_args, release, run_overrides, steady  # noqa: E402
+
+from primus.core.launch.env import free_port  # noqa: E402
 
 
 def preset_model(preset: str):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
+from primus.core.launch.env import free_port as _free_port
 
 VOCAB = 2048
 # Tiny shapes that also match the tiny-* presets (so a run of the preset can start from these weights).
@@ -114,12 +115,6 @@ def hf_model_section(folder: Path) -> dict:
     from primus.core.hf.config import model_fields_from_hf
 
     return model_fields_from_hf(json.loads((folder / "config.json").read_text()), name=folder.name)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:

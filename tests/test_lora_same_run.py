@@ -57,7 +57,7 @@ def test_lora_trains_the_same_curve_on_both_engines(runs):
 
 
 def test_both_engines_say_what_trains(runs):
-    # core's one line (primus.core.run.lora.describe): tiny-llama's 2 layers x 7 projections at rank 4
+    # core's one line (primus.core.hf.lora.describe): tiny-llama's 2 layers x 7 projections at rank 4
     lines = {e: re.findall(r"LoRA: [^;]*; the base frozen in \w+", runs[e]["log"]) for e in ENGINES}
     assert (
         lines["megatron"]

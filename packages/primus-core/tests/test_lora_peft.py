@@ -25,13 +25,14 @@ from primus.core import hookimpl  # noqa: E402
 from primus.core.config.errors import ConfigError  # noqa: E402
 from primus.core.contracts.errors import UserError  # noqa: E402
 from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager  # noqa: E402
+from primus.core.hf import lora  # noqa: E402
 from primus.core.hf.config import hf_config  # noqa: E402
 from primus.core.hf.contract import hf_names  # noqa: E402
-from primus.core.hf.lora_export import export as export_checkpoint  # noqa: E402
 from primus.core.hf.peft import CONFIG, PREFIX, WEIGHTS, AdapterError, merge, read_adapter, write_adapter  # noqa: E402
 from primus.core.hf.safetensors_io import write_hf  # noqa: E402
+from primus.core.launch.lora_export import export as export_checkpoint  # noqa: E402
 from primus.core.launch.train import resolve  # noqa: E402
-from primus.core.run import init, lora  # noqa: E402
+from primus.core.run import init  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 

@@ -126,3 +126,21 @@ def test_torchrun_command_forms():
     )
     elastic = torchrun_command(["train", "c.yaml"], nproc_per_node=8, nnodes=4, rdzv="h0:29400")
     assert "--rdzv-endpoint=h0:29400" in elastic and not any(a.startswith("--master-addr") for a in elastic)
+
+
+def test_free_port_is_below_the_ephemeral_range(tmp_path, monkeypatch):
+    """The rendezvous port is not one the kernel hands to outgoing connections (which took a test's port between
+    its check and torchrun's bind: EADDRINUSE); where no such port is left, bind(0)'s."""
+    import socket
+
+    from primus.core.launch import env
+
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    monkeypatch.setattr(env, "EPHEMERAL", ranges)
+    ports = {env.free_port() for _ in range(20)}
+    assert all(20000 <= p < 32768 for p in ports) and len(ports) > 1, ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free: it binds
+    ranges.write_text("1024 60999\n")  # nothing below the range: the kernel's pick
+    assert 1024 <= env.free_port() <= 65535

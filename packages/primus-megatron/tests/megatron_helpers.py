@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from primus.core.launch.env import free_port
 from primus.core.run.testing import built_once
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -46,12 +46,6 @@ init_parallel(1, 1, 1, 1)
 seed(0)
 reg = get_registry()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def primus(

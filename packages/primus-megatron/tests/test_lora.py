@@ -94,7 +94,7 @@ _MAPPING = (
 import json
 from primus.core.kernels import detect_device, select_kernels
 from primus.core.launch.train import resolve
-from primus.core.run import lora as core
+from primus.core.hf import lora as core
 from primus.megatron.hf import fill_from_hf, gather_to_hf, init_canonical
 from primus.megatron.lora import attach, hf_adapters, modules
 from primus.megatron.model import build_chunks, transformer_config
@@ -196,7 +196,7 @@ def test_resume_equals_straight_through(runs, tmp_path):
 def test_checkpoint_holds_the_adapters_and_their_optimizer_state_only(runs):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from primus.core.run.lora import adapters
+    from primus.core.hf.lora import adapters
 
     folder = runs["ckpt"] / "step_00000004"
     # (megatron-core 0.19 holds its common state, not a tensor of the model, in a key of its own)
@@ -215,7 +215,7 @@ def test_checkpoint_holds_the_adapters_and_their_optimizer_state_only(runs):
 
 
 def test_export_adapters_gives_back_what_was_trained_and_a_run_starts_from_them(runs):
-    from primus.core.run.lora import tensor_names
+    from primus.core.hf.lora import tensor_names
 
     out = runs["root"] / "exported.pt"
     tp2_ckpt = runs["root"] / "tp2" / "checkpoints" / "step_00000004"

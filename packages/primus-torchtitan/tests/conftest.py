@@ -3,13 +3,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from primus.core.launch.env import free_port
 from primus.core.run.testing import built_once
 from primus.torchtitan import compat
 
@@ -17,12 +17,6 @@ compat.import_torchtitan()  # before any test module imports torchtitan (CPU ada
 
 CONFIGS = Path(__file__).parent / "configs"
 TINY = str(CONFIGS / "tiny.yaml")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def primus_train(

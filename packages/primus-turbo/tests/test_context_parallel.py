@@ -9,7 +9,6 @@ for the reference only).
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 
 from primus.core.config.schema import KernelsConfig
 from primus.core.kernels import select_kernels
+from primus.core.launch.env import free_port as _free_port
 from primus.turbo import availability
 from primus.turbo.context_parallel import (
     VARIANTS,
@@ -121,12 +121,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

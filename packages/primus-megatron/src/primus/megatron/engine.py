@@ -221,7 +221,7 @@ class MegatronEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsNat
 
         chunks_fp = [Float16Module(config, c) for c in chunks] if t.precision in ("bf16", "fp16") else chunks
         if t.lora is not None:  # after the cast: the frozen base in bf16, the adapters fp32 (primus.megatron.lora)
-            from primus.core.run.lora import describe
+            from primus.core.hf.lora import describe
             from primus.megatron.lora import attach
 
             attach(chunks, cfg)

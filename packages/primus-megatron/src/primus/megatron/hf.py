@@ -366,7 +366,7 @@ class MegatronHF:
 
     def export_adapters(self, cfg: PrimusConfig, checkpoint: Path) -> dict[str, torch.Tensor]:
         """The LoRA adapters of a ``train.lora`` run's checkpoint (any layout), HF name -> fp32 CPU tensor: exactly
-        :func:`primus.core.run.lora.tensor_names` (one process builds the model and reads the adapters alone)."""
+        :func:`primus.core.hf.lora.tensor_names` (one process builds the model and reads the adapters alone)."""
         from megatron.core import dist_checkpointing
 
         from primus.core.contracts.errors import UserError

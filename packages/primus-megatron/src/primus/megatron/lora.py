@@ -1,6 +1,6 @@
 """LoRA on megatron-core (``train.lora``): the base model frozen as built, core's adapters added to its linears.
 
-The adapters are core's tensors in PEFT's Hugging Face layout (:mod:`primus.core.run.lora`): ``A`` [rank, in] and
+The adapters are core's tensors in PEFT's Hugging Face layout (:mod:`primus.core.hf.lora`): ``A`` [rank, in] and
 ``B`` [out, rank] of each targeted HF projection, held whole on every rank (tensor-parallel ranks too) as fp32
 parameters of a child module ``lora`` of the megatron linear they adapt (checkpoint key
 ``decoder.layers.self_attention.linear_qkv.lora.q_proj.lora_A``: one tensor, replicated over TP like a norm's), and
@@ -20,7 +20,7 @@ Megatron's layout of the linears' output features (:mod:`primus.megatron.hf`):
 Tensor parallelism: a column-parallel adapter sees the linear's whole input (copied into the TP region, or gathered
 from the sequence-parallel shards), so the input's gradient is summed (or reduce-scattered) over TP as the base
 linear's is; each rank's ``A`` and ``B`` gradients come from its output features only and are summed over TP
-(:func:`primus.core.run.lora.sum_grad_over`). A row-parallel adapter's ``A x`` is all-reduced (or reduce-scattered
+(:func:`primus.core.hf.lora.sum_grad_over`). A row-parallel adapter's ``A x`` is all-reduced (or reduce-scattered
 to the sequence shards); ``A``'s gradient is this rank's columns only (summed over TP), ``B``'s is whole without
 sequence parallelism and this rank's tokens' part with it (summed over TP).
 """
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from primus.core.config.schema import LORA_TARGETS, PrimusConfig
-from primus.core.run import lora as core
+from primus.core.hf import lora as core
 
 # the megatron linear of a TransformerLayer -> the HF projections it fuses, in its order of output features
 LINEARS = {
@@ -234,8 +234,7 @@ def attach(chunks: list[nn.Module], cfg: PrimusConfig, initialise: bool = True) 
 
 def _shape(cfg: PrimusConfig, hf: str) -> tuple[int, int]:
     """[out, in] of HF projection ``hf`` (the same in every layer of these dense models)."""
-    from primus.core.hf.contract import layer_names
-    from primus.core.run.init import shapes
+    from primus.core.hf.contract import layer_names, shapes
 
     (out, n), _ = shapes(cfg.model)[layer_names(cfg.model, 0)[LORA_TARGETS[hf]]]
     return out, n
@@ -253,7 +252,7 @@ def _input_requires_grad(chunk: nn.Module) -> None:
 def counts(cfg: PrimusConfig) -> tuple[int, int]:
     """(trainable, total) parameters of the whole model with ``train.lora``'s adapters (HF tensors, whatever the
     layout)."""
-    from primus.core.run.init import shapes
+    from primus.core.hf.contract import shapes
 
     lora = cfg.train.lora
     assert lora is not None

@@ -1,4 +1,4 @@
-"""LoRA (``train.lora``) on TorchTitan's model: core's adapters (:mod:`primus.core.run.lora`: PEFT's HF layout, its
+"""LoRA (``train.lora``) on TorchTitan's model: core's adapters (:mod:`primus.core.hf.lora`: PEFT's HF layout, its
 initial values, the delta) on torchtitan's linears, through its parallelize (TP plan, FSDP2, activation
 checkpointing, compile, pipeline stages).
 
@@ -14,7 +14,7 @@ the state-dict adapter's own ``from_hf``: qwen3's permutes nothing). Under TP th
 output hook, on the linear's DTensor output: a column-parallel linear's are the rank's output features (it takes
 the rank's rows of ``B``), a row-parallel one's (``wo``, ``w2``) a partial sum over the rank's input features (it
 takes the rank's columns of ``A``; its partial delta is reduced with the linear's). Every TP rank holds both
-adapters whole and computes their gradients from its part: core's :func:`~primus.core.run.lora.sum_grad_over` sums
+adapters whole and computes their gradients from its part: core's :func:`~primus.core.hf.lora.sum_grad_over` sums
 them over the TP group.
 
 The base is frozen (``requires_grad`` False: torchtitan's optimizer and FSDP's gradient reduction skip it) and held
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from primus.core.config.schema import LoRAConfig, PrimusConfig
-from primus.core.run import lora as core
+from primus.core.hf import lora as core
 
 log = logging.getLogger("primus.torchtitan.lora")
 

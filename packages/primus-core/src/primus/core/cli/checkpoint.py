@@ -298,8 +298,8 @@ def export(
     not what its manifest records, or a folder without manifest (an uncommitted save)."""
     from primus.core.config.errors import ConfigError
     from primus.core.contracts.errors import UserError
-    from primus.core.hf.lora_export import export as export_run
-    from primus.core.hf.lora_export import offline_overrides, run_base
+    from primus.core.launch.lora_export import export as export_run
+    from primus.core.launch.lora_export import offline_overrides, run_base
     from primus.core.launch.train import resolve
     from primus.core.run import checkpoints as ckpt
     from primus.core.run.checkpoints import readable

@@ -244,18 +244,26 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     return out
 
 
+def lora_unsupported(m: ModelConfig) -> str | None:
+    """Why ``train.lora`` cannot adapt model ``m``, or None. Adapters target the dense projections that every engine
+    and PEFT name alike; routed experts (PEFT has no per-expert modules for transformers 5's fused experts) and latent
+    attention (its projections differ) are not adapted yet."""
+    if m.moe is not None:
+        return "targets the projections of dense models; model.moe (routed experts) is not adapted yet"
+    if m.mla is not None:
+        return "targets q/k/v/o and the MLP's projections; model.mla (latent attention) is not adapted yet"
+    return None
+
+
 def lora_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
-    """``train.lora``'s engine-independent rules: a model the adapters can target, base weights that a checkpoint can
-    name (train.init_from, or the canonical initial weights of train.seed), and ``train.lora.init_from`` a PEFT
-    folder of these adapters (its ``adapter_config.json``: r, lora_alpha, target_modules; the tensors are checked
-    when read)."""
+    """``train.lora``'s engine-independent rules: a model the adapters can target, and base weights that a checkpoint
+    can name (train.init_from, or the canonical initial weights of train.seed). ``train.lora.init_from``, a folder, is
+    read when the config is resolved (:func:`primus.core.hf.peft.init_from_issues`)."""
     lora, t = cfg.train.lora, cfg.train
     if lora is None:
         return []
-    from primus.core.run.lora import unsupported
-
     out = []
-    if why := unsupported(cfg.model):
+    if why := lora_unsupported(cfg.model):
         out.append(ConfigIssue("train.lora", why, allowed="null for this model, or a dense model without model.mla"))
     if t.init == "engine" and not t.init_from:
         why = (
@@ -263,16 +271,6 @@ def lora_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
             "initial weights of train.seed); train.init engine's are the engine's own and cannot be named"
         )
         out.append(ConfigIssue("train.init", why, value=t.init, allowed="canonical, or set train.init_from"))
-    if lora.init_from:
-        from primus.core.hf.peft import AdapterError, adapter_settings, settings_problem
-
-        try:
-            problem = settings_problem(adapter_settings(lora.init_from), lora)
-        except AdapterError as exc:
-            problem = str(exc)
-        if problem:
-            allowed = "a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) of train.lora's adapters"
-            out.append(ConfigIssue("train.lora.init_from", problem, value=lora.init_from, allowed=allowed))
     return out
 
 

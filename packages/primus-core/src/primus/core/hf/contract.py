@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from primus.core.config.deepseek import ROUTER_BIAS, attention_names
+from primus.core.config.deepseek import ROUTER_BIAS, attention_names, attention_shapes
 from primus.core.config.schema import ParallelConfig
 from primus.core.contracts.errors import UserError
 from primus.core.contracts.plugins import get_registry
@@ -122,6 +122,54 @@ def hf_names(m: ModelConfig) -> list[str]:
     return names
 
 
+SCALED = ("o", "down")  # Megatron's output_layer_init_method: std / sqrt(2 L)
+
+
+def shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF name -> (shape, kind) of every tensor; kind is how :mod:`primus.core.run.init` draws it: ``normal``,
+    ``scaled`` (the output projections, :data:`SCALED`), ``ones`` or ``zeros``."""
+    h, c, f, v = m.hidden_size, m.kv_channels, m.ffn_hidden_size, m.vocab_size
+    q, kv = m.num_attention_heads * c, m.num_kv_heads * c
+    role_shape = {
+        "q": (q, h),
+        "k": (kv, h),
+        "v": (kv, h),
+        "o": (h, q),
+        "gate": (f, h),
+        "up": (f, h),
+        "down": (h, f),
+        "input_norm": (h,),
+        "post_norm": (h,),
+        "q_bias": (q,),
+        "k_bias": (kv,),
+        "v_bias": (kv,),
+        "q_norm": (c,),
+        "k_norm": (c,),
+    }
+    if m.moe is not None:  # each routed expert is a SwiGLU MLP of its own width; the router maps h to expert logits
+        ef = m.moe.expert_ffn_hidden_size
+        role_shape |= {"router": (m.moe.num_experts, h), "expert.gate": (ef, h), "expert.up": (ef, h)}
+        role_shape |= {"expert.down": (h, ef)}
+        sf = m.moe.shared_experts * ef  # the shared experts: one MLP of their summed width
+        role_shape |= {"shared.gate": (sf, h), "shared.up": (sf, h), "shared.down": (h, sf)}
+        role_shape["router_bias"] = (m.moe.num_experts,)
+    if m.mla is not None:  # multi-head latent attention's projections and norms (primus.core.config.deepseek)
+        role_shape |= attention_shapes(m)
+    role_shape |= {"enorm": (h,), "hnorm": (h,), "eh_proj": (h, 2 * h), "mtp_norm": (h,)}  # multi-token prediction
+    mtp = [mtp_names(m, k) for k in range(m.mtp.layers if m.mtp is not None else 0)]
+    out = {EMBED: ((v, h), "normal")}
+    for names in [layer_names(m, i) for i in range(m.num_layers)] + mtp:
+        for role, name in names.items():
+            kind = "ones" if role.endswith("norm") else "zeros" if role.endswith("bias") else "normal"
+            base = role.rsplit(".", 1)[-1]  # experts.{j}.down -> down
+            shape = role_shape["expert." + base] if role.startswith("experts.") else role_shape[role]
+            out[name] = (shape, "scaled" if base in SCALED else kind)
+    out[FINAL_NORM] = ((h,), "ones")
+    if not m.tie_word_embeddings:
+        out[LM_HEAD] = ((v, h), "normal")
+    return out
+
+
 class HFInterop(Protocol):
     """What a backend implements (``BackendSpec.hf``). Tensors are exchanged under :func:`hf_names`."""
 
@@ -143,7 +191,7 @@ class HFAdapterExport(Protocol):
 
     def export_adapters(self, cfg: PrimusConfig, checkpoint: Path) -> dict[str, Any]:
         """The trained adapters of the LoRA run's checkpoint ``checkpoint`` (``cfg.train.lora`` set) as fp32 CPU
-        tensors, named exactly :func:`primus.core.run.lora.tensor_names` ``(cfg.model, cfg.train.lora)`` (PEFT's HF
+        tensors, named exactly :func:`primus.core.hf.lora.tensor_names` ``(cfg.model, cfg.train.lora)`` (PEFT's HF
         names without its ``base_model.model.`` prefix). The checkpoint holds the adapters, not the frozen base:
         core writes them as a PEFT folder, and merges them into the base the run names for ``--merge``."""
         ...
@@ -293,7 +341,7 @@ def export_checkpoint(
     caller has verified (:func:`primus.core.run.checkpoints.readable` returns it for a checkpoint or a folder of
     them; the run room sits above this one). ``registry``: as in :func:`import_checkpoint`.
 
-    A LoRA run's checkpoint (``train.lora``) holds adapters, not the model: see :mod:`primus.core.hf.lora_export`
+    A LoRA run's checkpoint (``train.lora``) holds adapters, not the model: see :mod:`primus.core.launch.lora_export`
     (``primus checkpoint export`` takes it there)."""
     from primus.core.hf.config import hf_config
     from primus.core.hf.safetensors_io import write_hf
@@ -302,7 +350,7 @@ def export_checkpoint(
     registry = registry or _registry()
     if cfg.train.lora is not None:
         raise UserError(
-            f"{folder} is a LoRA run's checkpoint (train.lora): its adapters export with primus.core.hf.lora_export"
+            f"{folder} is a LoRA run's checkpoint (train.lora): its adapters export with primus.core.launch.lora_export"
         )
     ordered = full_weights(cfg, folder, registry)
     dtype = str(ordered[EMBED].dtype).removeprefix("torch.")

@@ -2,7 +2,7 @@
 read without importing PEFT (torch, safetensors and json only).
 
 A PEFT LoRA folder holds ``adapter_config.json`` (a ``LoraConfig``: ``r``, ``lora_alpha``, ``target_modules`` ...)
-and ``adapter_model.safetensors``, whose tensors are the adapters' HF names (:func:`primus.core.run.lora.
+and ``adapter_model.safetensors``, whose tensors are the adapters' HF names (:func:`primus.core.hf.lora.
 tensor_names`: ``model.layers.0.self_attn.q_proj.lora_A.weight``) behind PEFT's ``base_model.model.`` prefix.
 
 - :func:`write_adapter`: the trained adapters -> such a folder (``primus checkpoint export`` of a LoRA run).
@@ -23,6 +23,7 @@ from primus.core.contracts.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from primus.core.config.errors import ConfigIssue
     from primus.core.config.schema import LoRAConfig, PrimusConfig
 
 CONFIG = "adapter_config.json"
@@ -75,7 +76,7 @@ def adapter_config(lora: LoRAConfig, base: str | None) -> dict[str, Any]:
 
 def _expected(cfg: PrimusConfig) -> dict[str, tuple[int, int]]:
     """HF name -> shape of every adapter tensor of ``cfg`` (``train.lora`` set)."""
-    from primus.core.run.lora import A, B, adapters
+    from primus.core.hf.lora import A, B, adapters
 
     lora = _lora(cfg)
     return {a.name(w): a.shape(w, lora.rank) for a in adapters(cfg.model, lora) for w in (A, B)}
@@ -90,7 +91,7 @@ def _lora(cfg: PrimusConfig) -> LoRAConfig:
 def write_adapter(
     out: str | Path, tensors: Mapping[str, torch.Tensor], cfg: PrimusConfig, base: str | None = None
 ) -> Path:
-    """Write the adapters ``tensors`` (HF name -> tensor, exactly :func:`primus.core.run.lora.tensor_names` of
+    """Write the adapters ``tensors`` (HF name -> tensor, exactly :func:`primus.core.hf.lora.tensor_names` of
     ``cfg``) as the PEFT folder ``out`` (``adapter_config.json`` + ``adapter_model.safetensors``, fp32); ``base``:
     the base model it adapts (``base_model_name_or_path``). Returns ``out``."""
     from safetensors.torch import save_file
@@ -169,8 +170,27 @@ def settings_problem(settings: Mapping[str, Any], lora: LoRAConfig) -> str | Non
     return None
 
 
+def init_from_issues(lora: LoRAConfig | None) -> list[ConfigIssue]:
+    """``train.lora.init_from``: a PEFT folder of the adapters ``lora`` describes (its ``adapter_config.json``: r,
+    lora_alpha, target_modules, ...; the tensors are checked when read). Called when a config is resolved, before
+    anything is written; the config room's own rules (:func:`primus.core.config.validate.lora_issues`) read no
+    files."""
+    from primus.core.config.errors import ConfigIssue
+
+    if lora is None or not lora.init_from:
+        return []
+    try:
+        problem = settings_problem(adapter_settings(lora.init_from), lora)
+    except AdapterError as exc:
+        problem = str(exc)
+    if not problem:
+        return []
+    allowed = "a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) of train.lora's adapters"
+    return [ConfigIssue("train.lora.init_from", problem, value=lora.init_from, allowed=allowed)]
+
+
 def read_adapter(folder: str | Path, cfg: PrimusConfig) -> dict[str, torch.Tensor]:
-    """The adapters of the PEFT folder ``folder`` (HF name -> fp32 CPU tensor, exactly :func:`primus.core.run.lora.
+    """The adapters of the PEFT folder ``folder`` (HF name -> fp32 CPU tensor, exactly :func:`primus.core.hf.lora.
     tensor_names` of ``cfg``), for a run of ``cfg`` to start from (``train.lora.init_from``). Refuses, naming the
     key, the folder's value and the config's, a folder whose ``r``, ``lora_alpha`` or ``target_modules`` are not
     ``train.lora``'s, whose tensors are not the model's adapters (names, shapes), or that is not a plain LoRA."""
@@ -220,8 +240,8 @@ def merge(
 ) -> dict[str, torch.Tensor]:
     """The HF weights ``base`` with every adapted projection ``W`` replaced by ``W + (alpha / rank) · B A`` (in
     ``W``'s dtype, computed in fp32: PEFT's ``merge_and_unload``); the other tensors as they are."""
-    from primus.core.run.lora import A, B, merged
-    from primus.core.run.lora import adapters as adapted
+    from primus.core.hf.lora import A, B, merged
+    from primus.core.hf.lora import adapters as adapted
 
     lora = _lora(cfg)
     out = dict(base)

@@ -7,6 +7,8 @@ environment, or given with ``--env``, wins over these.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 COMMON: dict[str, tuple[str, str]] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("1", "a failed or timed-out collective aborts the job instead of hanging"),
     "CUDA_DEVICE_MAX_CONNECTIONS": ("1", "Megatron's TP/SP comm overlap needs kernels submitted in order"),
@@ -39,10 +41,30 @@ def defaults(family: str) -> dict[str, tuple[str, str]]:
     return {} if family == "cpu" else {**COMMON, **FAMILIES[family]}
 
 
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    """A free TCP port on this host, for the rendezvous of a single-process run (no launcher chose one)."""
+    """A free TCP port on this host for a rendezvous (torchrun's store, or a single-process run's), taken below the
+    kernel's ephemeral range (``ip_local_port_range``, 32768-60999 by default): a port the kernel hands out for
+    ``bind(0)`` is one it also hands to outgoing connections (gloo's, other runs' stores), which can take it between
+    this check and the store's bind (EADDRINUSE). A random pick in 20000-32767 that binds now; ``bind(0)`` where
+    none does (or the range starts lower)."""
+    import random
     import socket
 
+    try:
+        low = int(EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.SystemRandom()
+    for port in (pick.randrange(20000, low) for _ in range(64)) if low > 20000 else ():
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

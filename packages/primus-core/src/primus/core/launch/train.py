@@ -15,12 +15,14 @@ from typing import Any
 
 import yaml
 
+from primus.core.config.errors import ConfigError
 from primus.core.config.loader import Layered, load_layers, nest
 from primus.core.config.presets import resolver
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import resolve_parallel, validate_config
 from primus.core.contracts.engine import RunContext, RunInfo
 from primus.core.contracts.plugins import Registry, get_registry
+from primus.core.hf.peft import init_from_issues
 from primus.core.run.init_from import apply_layers
 from primus.core.run.oom import OutOfMemory
 from primus.core.run.rundir import LOCK_HELD_ENV, hold, output_dir, release
@@ -68,6 +70,8 @@ def resolve(
     layers = load_layers(config, overrides, resolver(registry), configure=configure_changes(registry))
     apply_layers(layers)  # train.init_from: a Hugging Face folder's config.json is the model's layer
     cfg = validate_config(layers.data, world_size=world_size, registry=registry if check_plugins else None)
+    if issues := init_from_issues(cfg.train.lora):  # the config's rules pass; now the folders it names
+        raise ConfigError(issues)
     strategy = cfg.parallel.strategy
     if strategy not in ("auto", "manual"):
         from primus.core.contracts.protocols import load_ref

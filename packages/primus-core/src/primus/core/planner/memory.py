@@ -189,8 +189,8 @@ def mlp_elements(model: ModelConfig) -> float:
 
 def lora_params_per_layer(model: ModelConfig, lora: LoRAConfig) -> float:
     """The adapters' parameters of one layer (``train.lora``): ``rank · (in + out)`` for each adapted projection,
-    averaged over the layers (:func:`primus.core.run.lora.adapters`)."""
-    from primus.core.run.lora import adapters
+    averaged over the layers (:func:`primus.core.hf.lora.adapters`)."""
+    from primus.core.hf.lora import adapters
 
     return sum(lora.rank * (a.in_features + a.out_features) for a in adapters(model, lora)) / model.num_layers
 
@@ -199,7 +199,7 @@ def lora_activation_elements(model: ModelConfig, lora: LoRAConfig) -> float:
     """Elements per token the adapters of one layer keep for their backward, besides the layer's own: each adapter's
     ``A x`` (``rank``), and with dropout the dropped copy of its input (``in``; its mask, one byte an element, is
     counted as a quarter of a bf16 element's two). Averaged over the layers."""
-    from primus.core.run.lora import adapters
+    from primus.core.hf.lora import adapters
 
     per_input = 1.5 if lora.dropout > 0 else 0.0
     return sum(lora.rank + per_input * a.in_features for a in adapters(model, lora)) / model.num_layers

@@ -21,8 +21,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from primus.core.config.deepseek import attention_shapes
-from primus.core.hf.contract import EMBED, FINAL_NORM, LM_HEAD, layer_names, mtp_names
+from primus.core.hf.contract import shapes
 
 if TYPE_CHECKING:
     import torch
@@ -30,51 +29,6 @@ if TYPE_CHECKING:
     from primus.core.config.schema import ModelConfig
 
 ROWS_PER_BLOCK = 64
-SCALED = ("o", "down")  # Megatron's output_layer_init_method: std / sqrt(2 L)
-
-
-def shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """HF name -> (shape, kind) of every tensor; kind is ``normal``, ``scaled``, ``ones`` or ``zeros``."""
-    h, c, f, v = m.hidden_size, m.kv_channels, m.ffn_hidden_size, m.vocab_size
-    q, kv = m.num_attention_heads * c, m.num_kv_heads * c
-    role_shape = {
-        "q": (q, h),
-        "k": (kv, h),
-        "v": (kv, h),
-        "o": (h, q),
-        "gate": (f, h),
-        "up": (f, h),
-        "down": (h, f),
-        "input_norm": (h,),
-        "post_norm": (h,),
-        "q_bias": (q,),
-        "k_bias": (kv,),
-        "v_bias": (kv,),
-        "q_norm": (c,),
-        "k_norm": (c,),
-    }
-    if m.moe is not None:  # each routed expert is a SwiGLU MLP of its own width; the router maps h to expert logits
-        ef = m.moe.expert_ffn_hidden_size
-        role_shape |= {"router": (m.moe.num_experts, h), "expert.gate": (ef, h), "expert.up": (ef, h)}
-        role_shape |= {"expert.down": (h, ef)}
-        sf = m.moe.shared_experts * ef  # the shared experts: one MLP of their summed width
-        role_shape |= {"shared.gate": (sf, h), "shared.up": (sf, h), "shared.down": (h, sf)}
-        role_shape["router_bias"] = (m.moe.num_experts,)
-    if m.mla is not None:  # multi-head latent attention's projections and norms (primus.core.config.deepseek)
-        role_shape |= attention_shapes(m)
-    role_shape |= {"enorm": (h,), "hnorm": (h,), "eh_proj": (h, 2 * h), "mtp_norm": (h,)}  # multi-token prediction
-    mtp = [mtp_names(m, k) for k in range(m.mtp.layers if m.mtp is not None else 0)]
-    out = {EMBED: ((v, h), "normal")}
-    for names in [layer_names(m, i) for i in range(m.num_layers)] + mtp:
-        for role, name in names.items():
-            kind = "ones" if role.endswith("norm") else "zeros" if role.endswith("bias") else "normal"
-            base = role.rsplit(".", 1)[-1]  # experts.{j}.down -> down
-            shape = role_shape["expert." + base] if role.startswith("experts.") else role_shape[role]
-            out[name] = (shape, "scaled" if base in SCALED else kind)
-    out[FINAL_NORM] = ((h,), "ones")
-    if not m.tie_word_embeddings:
-        out[LM_HEAD] = ((v, h), "normal")
-    return out
 
 
 def _seed(seed: int, name: str, block: int) -> int:

@@ -20,7 +20,7 @@ import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from primus.core.config.schema import LORA_TARGETS
-from primus.core.hf.contract import layer_names
+from primus.core.hf.contract import layer_names, shapes
 
 if TYPE_CHECKING:
     import torch
@@ -48,21 +48,8 @@ class Adapter(NamedTuple):
         return (rank, self.in_features) if which == A else (self.out_features, rank)
 
 
-def unsupported(m: ModelConfig) -> str | None:
-    """Why ``train.lora`` cannot adapt model ``m``, or None. Adapters target the dense projections that every engine
-    and PEFT name alike; routed experts (PEFT has no per-expert modules for transformers 5's fused experts) and latent
-    attention (its projections differ) are not adapted yet."""
-    if m.moe is not None:
-        return "targets the projections of dense models; model.moe (routed experts) is not adapted yet"
-    if m.mla is not None:
-        return "targets q/k/v/o and the MLP's projections; model.mla (latent attention) is not adapted yet"
-    return None
-
-
 def adapters(m: ModelConfig, lora: LoRAConfig) -> list[Adapter]:
     """Every adapted projection, layer by layer in ``lora.target_modules``' canonical order (:data:`LORA_TARGETS`)."""
-    from primus.core.run.init import shapes
-
     weights = shapes(m)
     out = []
     for i in range(m.num_layers):
@@ -160,10 +147,6 @@ def sum_grad_over(t: torch.Tensor, group: Any) -> torch.Tensor:
 def counts(cfg: PrimusConfig) -> tuple[int, int]:
     """(trainable, total) parameters of the whole model with ``train.lora``'s adapters, whatever the engine or
     layout: the adapters' ``rank · (in + out)`` each, beside every HF tensor of the base."""
-    import math
-
-    from primus.core.run.init import shapes
-
     lora = cfg.train.lora
     assert lora is not None
     trainable = sum(lora.rank * (a.in_features + a.out_features) for a in adapters(cfg.model, lora))

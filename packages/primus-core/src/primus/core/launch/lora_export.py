@@ -73,7 +73,7 @@ def export(
 
 def adapters_of(cfg: PrimusConfig, folder: Path, registry: Registry) -> dict[str, Any]:
     """The trained adapters of the LoRA run's checkpoint ``folder`` (:meth:`HFAdapterExport.export_adapters`)."""
-    from primus.core.run.lora import tensor_names
+    from primus.core.hf.lora import tensor_names
 
     assert cfg.train.lora is not None
     hf = interop(cfg, registry)
