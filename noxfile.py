@@ -45,8 +45,11 @@ TORCH = "torch==2.13.0"
 TRITON = "triton==3.8.0"
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
-# What lint type-checks (settings: mypy.ini): the engine contract and the adapters that declare it ...
+# What lint type-checks (settings: mypy.ini): the engine contract and the adapters that declare it, and the way from
+# the launcher to core's loop ...
 TYPED = ["-p", "primus.core.contracts", "-m", "primus.megatron.engine", "-m", "primus.torchtitan.engine"]
+TYPED += ["-m", "primus.core.launch.start", "-m", "primus.core.launch.resolve", "-m", "primus.core.launch.rank"]
+TYPED += ["-m", "primus.core.run.rundir"]
 # ... and an adapter that breaks it, on which the check must fail, naming each break
 WRONG_ADAPTER = ("tests/fixtures/wrong_adapter.py", ['"evaluate" incompatible with supertype', 'attribute "close"'])
 LINT_PATHS = ("packages", "tests", "benchmarks", "docs", "noxfile.py")

@@ -177,7 +177,7 @@ def throughput(args: argparse.Namespace, result: dict, out: Path) -> None:
 
 
 def summarize(runs: dict[str, list[dict]], model: str, seq: int) -> dict:
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.planner.modelmath import flops_per_token
 
     cfg = resolve(PRESETS[model], ["model.tie_word_embeddings=false", f"train.seq_len={seq}"], world_size=1).config

@@ -47,7 +47,7 @@ def log(msg: str) -> None:
 
 
 def record(preset: str, seq: int, micro_batch: int, device: str):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.tune.model import step_gemms
 
     cfg = resolve(preset, [f"train.seq_len={seq}", f"train.micro_batch_size={micro_batch}"], check_plugins=False).config

@@ -41,7 +41,8 @@ MODES = ("off", "offline", "online")
 
 
 def run_mode(mode: str, args: argparse.Namespace, out: Path, online_file: Path) -> dict:
-    from primus.core.launch.train import resolve, run_rank
+    from primus.core.launch.rank import run_rank
+    from primus.core.launch.resolve import resolve
 
     overrides = [
         *run_overrides(out, args.seq, args.micro_batch, args.steps),

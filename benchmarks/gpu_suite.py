@@ -97,7 +97,7 @@ def predicted_gib(preset: str, overrides: list[str]) -> float | None:
     ``memory_gib`` is ``torch.cuda.max_memory_allocated``: without the CUDA context and the allocator's
     fragmentation, which the planner's total adds); None where it cannot say."""
     try:
-        from primus.core.launch.train import resolve
+        from primus.core.launch.resolve import resolve
         from primus.core.planner.memory import MemoryBreakdown
         from primus.core.planner.strategies import estimate_memory
 
@@ -451,7 +451,7 @@ def trained_per_step(preset: str, overrides: list[str], steps: int) -> tuple[lis
     from primus.core.data import GlobalOrder
     from primus.core.data.sft import IGNORE_INDEX
     from primus.core.data.splits import training_samples
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     cfg = resolve(preset, overrides, world_size=1).config
     samples = training_samples(cfg)
@@ -750,7 +750,7 @@ FIT_CASE = ("llama3.2-3b", ["backend.name=megatron", "train.seq_len=4096", "data
 def _past_the_band(factor: float) -> int | None:
     """The smallest micro-batch of :data:`FIT_CASE` whose estimate on this GPU exceeds its usable memory's band
     × ``factor`` (1: just past the band, refused; more: certain to run out of memory)."""
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.planner import calibration as cal
     from primus.core.planner.auto import local_device
     from primus.core.planner.memory import GIB

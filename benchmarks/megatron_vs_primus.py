@@ -12,7 +12,7 @@ random tokens in both.
   [b, h, s, s] scores and runs out of memory at seq 4096), megatron ``DistributedDataParallel``,
   ``get_megatron_optimizer``, ``get_forward_backward_func``; its own loop, timed per step with a sync.
 - Primus: ``primus train llama3.2-1b backend.name=megatron ...`` resolved and run in-process
-  (``primus.core.launch.train``), kernels as selected: ``--kernels auto`` takes primus-turbo's where it is
+  (``primus.core.launch.resolve``, ``primus.core.launch.rank``), kernels as selected: ``--kernels auto`` takes primus-turbo's where it is
   installed, ``--kernels core`` pins core's SDPA attention and plain PyTorch norm / SwiGLU (the "no turbo"
   comparison); tokens/s per device as the backend reports it to ``metrics.jsonl``.
 
@@ -50,7 +50,7 @@ PLAIN_FROM_PRESET = {"num_layers": "num_layers", "hidden_size": "hidden_size", "
 
 def plain_shape(preset: str) -> dict:
     """The preset's model as the plain megatron-core side builds it (read from the preset, so both sides agree)."""
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     m = resolve(preset, [], world_size=1, check_plugins=False).config.model
     shape = {arg: getattr(m, field) for arg, field in PLAIN_FROM_PRESET.items()}
@@ -223,7 +223,8 @@ def primus_overrides(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def run_primus(args: argparse.Namespace) -> dict:
-    from primus.core.launch.train import resolve, run_rank
+    from primus.core.launch.rank import run_rank
+    from primus.core.launch.resolve import resolve
 
     preset = MODELS[args.model][0]
     out = Path(args.workdir)

@@ -7,7 +7,7 @@
 
 Each case (engine × preset × seq × micro-batch × recompute) is ``primus train`` resolved and run for a few
 steps in a fresh process (a clean allocator and clean engine globals), through the backends' own code
-(``primus.core.launch.train.run_rank``). Recorded per case: the planner's prediction for that exact config
+(``primus.core.launch.rank.run_rank``). Recorded per case: the planner's prediction for that exact config
 (``primus.core.planner.strategies.estimate_memory``, the estimate ``primus train`` checks before it starts) by
 category; ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``; the memory outside the allocator
 (device used per ``torch.cuda.mem_get_info`` minus reserved, at the end of the run: CUDA context, NCCL);
@@ -95,7 +95,8 @@ def run_case(case: list, steps: int, workdir: Path, profile: bool) -> dict:
     """One ``primus train`` in this process; returns predicted and measured memory."""
     import torch
 
-    from primus.core.launch.train import resolve, run_rank
+    from primus.core.launch.rank import run_rank
+    from primus.core.launch.resolve import resolve
     from primus.core.planner.memory import MemoryBreakdown
     from primus.core.planner.strategies import estimate_memory
 

@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 
 from primus.core.contracts.plugins import get_registry
-from primus.core.launch.ranking import resolve_on
+from primus.core.launch.cluster_plan import resolve_on
 from primus.core.planner import device
 from primus.core.planner.memory import KernelTerms, Layout
 from primus.core.planner.search import Cluster, evaluate

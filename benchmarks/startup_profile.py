@@ -45,7 +45,8 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from primus.core.launch.train import resolve, run_rank
+    from primus.core.launch.rank import run_rank
+    from primus.core.launch.resolve import resolve
 
     for engine in args.engines.split(","):
         run = out / f"run_{engine}"

@@ -36,7 +36,7 @@ def parse_case(spec: str) -> tuple[str, str, dict[str, int]]:
 
 def run_case(spec: str, work: Path, hbm: float, timeout: int) -> dict:
     from primus.core.contracts.plugins import get_registry
-    from primus.core.launch.ranking import resolve_on
+    from primus.core.launch.cluster_plan import resolve_on
     from primus.core.planner.modelmath import count_params
     from primus.core.profile.analyze import analyze_files, categorize
 

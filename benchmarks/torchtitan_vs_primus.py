@@ -11,7 +11,7 @@ random tokens in both (plain TorchTitan's text loader needs a downloaded dataset
   ``bench`` flavor added to ``torchtitan.models.llama3.llama3_args`` (0.2.2 has no registration API), the
   train spec is llama3's with a random-token ``ParallelAwareDataloader``; tokens/s per device is its own
   MetricsProcessor's ``throughput(tps)``.
-- Primus: ``primus train llama3.2-1b`` resolved and run in this process (``primus.core.launch.train``); tokens/s
+- Primus: ``primus train llama3.2-1b`` resolved and run in this process (``primus.core.launch.resolve``, ``primus.core.launch.rank``); tokens/s
   per device is what the backend reports to ``metrics.jsonl``.
 
 ``--model tiny --seq 64 --steps 12 --warmup 4`` runs the same comparison on a CPU in a few seconds (a check of
@@ -44,7 +44,7 @@ from primus.core.launch.env import free_port  # noqa: E402
 
 def preset_model(preset: str):
     """The preset's ModelConfig (the plain side builds the same shapes from it)."""
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     return resolve(preset, [], world_size=1, check_plugins=False).config.model
 
@@ -190,7 +190,8 @@ def run_primus(
     preset: str, steps: int, seq: int, micro: int, out: Path, compile_: bool, extra: tuple[str, ...] = ()
 ) -> dict:
     """``primus train`` on the torchtitan backend in this process; ``extra``: more overrides (kernels, profile)."""
-    from primus.core.launch.train import resolve, run_rank
+    from primus.core.launch.rank import run_rank
+    from primus.core.launch.resolve import resolve
 
     overrides = [
         "model.tie_word_embeddings=false",

@@ -214,13 +214,13 @@ def plugin_api_page() -> str:
     from primus.core.contracts import engine as engine_contract
     from primus.core.contracts import protocols
     from primus.core.kernels.contracts import CONTRACTS
-    from primus.core.planner.profile import EngineProfile
+    from primus.core.planner.engine_profile import EngineProfile
 
     lines = [
         "# Plugin API reference",
         "",
         "Generated from `primus.core.contracts.hookspecs`, `primus.core.kernels.contracts`, `primus.core.contracts.protocols`, "
-        "`primus.core.contracts.engine` and `primus.core.planner.profile`. How to write a plugin: [the plugin author's guide]"
+        "`primus.core.contracts.engine` and `primus.core.planner.engine_profile`. How to write a plugin: [the plugin author's guide]"
         "(../plugins.md).",
         "",
         "## Hooks",
@@ -268,7 +268,7 @@ def plugin_api_page() -> str:
     lines += [f"- `{name}`: {_cell(text)}" for name, text in engine_contract.CAPABILITIES.items()]
     lines += [
         "",
-        "## The planner's engine profile (`primus.core.planner.profile.EngineProfile`)",
+        "## The planner's engine profile (`primus.core.planner.engine_profile.EngineProfile`)",
         "",
         "A backend's `BackendSpec.planner` names a function returning one; unset fields keep the defaults below.",
         "",
@@ -327,7 +327,7 @@ def planner_speed(result: dict) -> list[dict]:
     of the result's GPU; ``primus.core.planner.strategies.predicted``) and ``error``: predicted / measured - 1."""
     import shlex
 
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.planner import device
     from primus.core.planner.strategies import predicted
 

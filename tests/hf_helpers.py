@@ -176,7 +176,7 @@ _CHECKPOINT_LOGITS = (
     _FORWARD
     + """
 from primus.core.hf.contract import OFFLINE_OVERRIDES
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 config, checkpoint, ids_path, out_path = sys.argv[1:5]
 cfg = resolve(config, list(OFFLINE_OVERRIDES), world_size=1).config
 torch.save(forward(cfg, checkpoint, torch.load(ids_path)), out_path)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 
 STEPS = 6
 GBS, MBS = 8, 2

@@ -97,7 +97,7 @@ def _first_loss_of_transformers(run_folder, hf_folder) -> float:
     """transformers' loss on the first global batch of the run in ``run_folder`` (core's order: both engines')."""
     import torch.nn.functional as F
 
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.megatron.data import Batches, primus_dataset
 
     cfg = resolve(str(run_folder / "config.yaml"), ["train.init_from=null", "model.mtp=null"]).config
@@ -131,7 +131,7 @@ def test_init_from_hf_folder_with_its_prediction_depth_on_megatron(tmp_path, hf_
 
     from primus.core.hf.config import model_config_from_hf
     from primus.core.hf.contract import mtp_names
-    from primus.core.run import init
+    from primus.core.run import initial_weights as init
 
     folder = as_transformers_writes(hf_folder, tmp_path / "hf")
     m = model_config_from_hf(json.loads((folder / "config.json").read_text()))
@@ -251,12 +251,12 @@ def test_plan_deepseek_v3_on_32_h200_nodes_is_accepted(engine):
     from primus.core.config.validate import validate_config
     from primus.core.contracts.engine import validate_with
     from primus.core.contracts.plugins import get_registry
-    from primus.core.launch.ranking import global_batch, rank, resolve_on
-    from primus.core.launch.train import searched_micro_batches
+    from primus.core.launch.cluster_plan import global_batch, rank, resolve_on
+    from primus.core.launch.resolve import searched_micro_batches
     from primus.core.planner import Cluster, device
     from primus.core.planner.auto import layout_config
     from primus.core.planner.calibration import HEADROOM
-    from primus.core.planner.profile import backend_spec
+    from primus.core.planner.engine_profile import backend_spec
 
     registry = get_registry()
     res, _ = resolve_on("deepseek-v3", [f"backend.name={engine}"], 256, registry)
@@ -328,7 +328,7 @@ def test_multi_token_prediction_weights_round_trip_on_megatron(tmp_path, hf_fold
 
     from primus.core.hf.config import model_config_from_hf
     from primus.core.hf.contract import mtp_names
-    from primus.core.run import init
+    from primus.core.run import initial_weights as init
 
     folder = tmp_path / "hf_mtp"
     shutil.copytree(hf_folder, folder)

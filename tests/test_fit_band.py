@@ -11,7 +11,8 @@ import re
 import pytest
 
 from primus.core.contracts.errors import UserError
-from primus.core.launch.train import resolve, run_rank, searched_micro_batches
+from primus.core.launch.rank import run_rank
+from primus.core.launch.resolve import resolve, searched_micro_batches
 from primus.core.planner import auto
 from primus.core.planner.hardware import device
 
@@ -52,11 +53,11 @@ def test_past_the_band_is_refused_unless_allowed():
 
 
 def test_a_refused_run_writes_nothing(tmp_path, monkeypatch):
-    import primus.core.kernels
+    import primus.core.kernels.selection
 
     out = tmp_path / "run"
     res = resolve("llama3.2-3b", [*WORDS, "train.micro_batch_size=2", f"logging.output_dir={out}"], world_size=1)
-    monkeypatch.setattr(primus.core.kernels, "detect_device", lambda: "cuda")
+    monkeypatch.setattr(primus.core.kernels.selection, "detect_device", lambda: "cuda")
     monkeypatch.setattr(auto, "local_device", lambda: H100)
     with pytest.raises(UserError, match="does not fit"):
         run_rank(res)

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from primus.core.cli import app as cli
-from primus.core.planner.profile import backend_spec
+from primus.core.planner.engine_profile import backend_spec
 
 ENGINES = ("megatron", "torchtitan")
 LACKS = {

@@ -93,7 +93,7 @@ def test_import_then_export_carries_the_folders_tokenizer_and_chat_template(hf5,
     assert max_diff(hf_logits(exported, ids), hf_logits(hf5, ids)) == 0.0
 
     # a run started from the imported checkpoint takes its tokenizer, as one started from the folder does
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     res = resolve(cfg, [f"train.init_from={imported}"], world_size=1, check_plugins=False)
     assert res.config.data.tokenizer == str(imported / "tokenizer")

@@ -59,7 +59,7 @@ def runs(tmp_path_factory, hf) -> dict[str, tuple[Path, list[float]]]:
 
 
 def test_first_loss_is_transformers_loss(runs, hf):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.megatron.data import Batches, primus_dataset
 
     run_dir = runs["megatron-tp1"][0]

@@ -30,7 +30,7 @@ import sys, torch
 from pathlib import Path
 from primus.core.hf.contract import OFFLINE_OVERRIDES
 from primus.core.hf.safetensors_io import HFReader
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.torchtitan import lora
 from primus.torchtitan.hf import INTEROP, build_model, fill_from_hf
 

@@ -1,6 +1,6 @@
 """A mixture-of-experts recipe is the same run on both engines: tiny-qwen3-moe (8 experts, top 2, renormalised
 softmax router) from core's canonical initial weights (routers and every expert drawn by its Hugging Face name,
-primus.core.run.init) trains the same loss curve on Megatron-Core and on TorchTitan (its qwen3 MoE), both with their
+primus.core.run.initial_weights) trains the same loss curve on Megatron-Core and on TorchTitan (its qwen3 MoE), both with their
 experts on the grouped_gemm provider, and routes the same tokens to the same experts (core's expert-load metrics,
 primus.core.run.expert_load, from each engine's routers). Expert parallelism equals one rank on each engine (their packages' test_moe.py), so EP 2 of either engine
 trains this curve too (checked once, when this test was written: both EP 2 runs within the tolerances below).

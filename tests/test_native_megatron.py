@@ -137,7 +137,7 @@ def _wait(procs: list[tuple[subprocess.Popen, Path]]) -> None:
 def _batches(config: Path, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches (tokens, labels) of steps 1..``steps`` of a one-rank Primus run of ``config``: the source
     trains on them, so the resumed run's steps after the source's read what the source's continuation read."""
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.megatron.data import Batches, primus_dataset
 
     cfg = resolve(str(config), [], world_size=1).config

@@ -14,12 +14,12 @@ from primus.core.config.presets import catalog
 from primus.core.config.validate import validate_config
 from primus.core.contracts.engine import validate_with
 from primus.core.contracts.plugins import get_registry
-from primus.core.launch.ranking import global_batch, rank, resolve_on
-from primus.core.launch.train import searched_micro_batches
+from primus.core.launch.cluster_plan import global_batch, rank, resolve_on
+from primus.core.launch.resolve import searched_micro_batches
 from primus.core.planner import Cluster, device
 from primus.core.planner.auto import layout_config
 from primus.core.planner.calibration import HEADROOM
-from primus.core.planner.profile import backend_spec
+from primus.core.planner.engine_profile import backend_spec
 
 ENGINES = ("megatron", "torchtitan")
 DEVICES = ("H100", "H200", "MI300X")

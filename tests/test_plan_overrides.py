@@ -16,7 +16,7 @@ from primus.core.cli import app as cli
 from primus.core.cli.plan import recipe_cluster
 from primus.core.config.presets import catalog
 from primus.core.contracts.plugins import get_registry
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.core.planner import auto
 from primus.core.planner.hardware import device
 from primus.core.planner.memory import GIB

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.core.planner.memory import MemoryBreakdown
 from primus.core.planner.strategies import estimate_memory
 

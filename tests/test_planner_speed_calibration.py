@@ -58,7 +58,7 @@ def test_planner_tokens_per_s_is_within_10_percent_of_every_held_suite_row():
 
 @pytest.mark.parametrize("preset,words,measured", ISSUE_RUNS, ids=[r[0] for r in ISSUE_RUNS])
 def test_planner_tokens_per_s_of_the_issue_runs_on_one_h100(preset, words, measured, monkeypatch):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.planner import auto, device
     from primus.core.planner.strategies import predicted
 

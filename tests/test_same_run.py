@@ -2,7 +2,7 @@
 decay, clipping on, weight decay with norms and biases exempt) and no seed checkpoint, Megatron and TorchTitan on
 1 and 2 gloo ranks (DP with the distributed optimizer, FSDP, TP, PP) use the same learning rate at every step
 (core's schedule, primus.core.run.schedule) and train the same loss curve from the same initial weights (core's
-canonical init, primus.core.run.init), within fp32 reduction-order tolerance; and both engines report the same
+canonical init, primus.core.run.initial_weights), within fp32 reduction-order tolerance; and both engines report the same
 metrics (one definition each, primus.core.run.loop.METRICS: memory included).
 
 Every run also evaluates (``eval``: a held-out 10% of the samples, every 3 steps, forward only): the evaluation
@@ -134,7 +134,7 @@ def test_eval_loss_is_transformers_loss_on_the_held_out_tokens(runs, tmp_path):
     import transformers
 
     from primus.core.data.splits import eval_samples
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     root = runs["root"]
     exported = tmp_path / "hf"

@@ -108,7 +108,7 @@ def _first_batch(overrides):
     """The first global batch, as core hands it to both engines (inputs, labels with -100 for context)."""
     from primus.core.data import GlobalOrder
     from primus.core.data.splits import training_samples
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     cfg = resolve("sft", overrides, world_size=1, check_plugins=False).config
     samples = training_samples(cfg)
@@ -138,7 +138,7 @@ def test_first_step_is_transformers_masked_loss_and_gradient(setup, trained):
 
 
 def test_the_sft_recipe_takes_the_model_and_tokenizer_from_the_folder(setup):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     res = resolve("sft", setup["overrides"], world_size=1, check_plugins=False)
     assert res.config.data.tokenizer == str(setup["hf"]) and res.config.train.objective == "sft"

@@ -99,7 +99,7 @@ def runs(setup):
 
 def _samples(setup, layout):
     from primus.core.data.splits import training_samples
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     overrides = [*setup["base"], *LAYOUTS[layout]]
     return training_samples(resolve("sft", overrides, world_size=1, check_plugins=False).config)
@@ -114,7 +114,7 @@ def reference(setup):
     from primus.core.data.sft import encode_records, renderer_for
     from primus.core.data.sources import source_inputs
     from primus.core.data.tokenizer import eos_id, load_tokenizer
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     cfg = resolve("sft", setup["base"], world_size=1, check_plugins=False).config
     tok = load_tokenizer(str(setup["hf"]))

@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from primus.core.launch.ranking import rank
-from primus.core.launch.train import resolve
+from primus.core.launch.cluster_plan import rank
+from primus.core.launch.resolve import resolve
 from primus.core.planner import Cluster, KernelTerms, candidates, device
 from primus.core.planner.auto import to_parallel
 from primus.core.planner.calibration import HEADROOM

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 
 from primus.core.cli.app import app
 from primus.core.contracts.errors import UserError
-from primus.core.launch.train import eval_rank, resolve, run_rank
+from primus.core.launch.rank import eval_rank, run_rank
+from primus.core.launch.resolve import resolve
 from primus.core.run import checkpoints as ckpt
 from primus.core.run.testing import WEIGHT_BYTES, StandInEngine, registry, weights
 

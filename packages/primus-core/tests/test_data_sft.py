@@ -55,7 +55,7 @@ def test_labels_of_context_positions_are_ignored():
 
 def test_sft_needs_records():
     from primus.core.data.checks import check_data
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     cfg = resolve("tiny-llama", ["train.objective=sft"], world_size=1, check_plugins=False).config
     with pytest.raises(DataError, match="train.objective sft trains on fine-tuning records"):
@@ -65,7 +65,7 @@ def test_sft_needs_records():
 def test_fine_tuning_evaluation_data_is_checked_as_records(tmp_path):
     """eval.source of a fine-tuning run holds records like data.source (not documents under data.text_key)."""
     from primus.core.data.checks import check_data
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     for name in ("train.jsonl", "eval.jsonl"):
         (tmp_path / name).write_text(json.dumps({"prompt": "Q:", "completion": " A"}) + "\n")
@@ -291,7 +291,7 @@ def test_containers_that_hold_no_records_are_refused(chat_tokenizer, tmp_path):
 
 def test_record_format_is_validated_by_name_and_objective(tmp_path):
     from primus.core.config.errors import ConfigError
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     path = write(ALPACA, tmp_path, "jsonl")
     sft = ["train.objective=sft", f"data.source={path}"]

@@ -174,7 +174,7 @@ def test_documents_come_from_the_records_not_from_eos(eos_folder, tmp_path):
 def test_sft_packing_is_validated(tmp_path):
     from primus.core.config.errors import ConfigError
     from primus.core.kernels.documents import masks_documents
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps({"prompt": "Q", "completion": " A"}) + "\n")
@@ -198,7 +198,7 @@ def test_a_resume_with_another_layout_is_a_data_change(tmp_path):
     """data.sft_packing moves the samples: a fine-tuning checkpoint records it (pretraining's fingerprint is as it
     was, so older checkpoints compare unchanged) and a resume with another layout names it."""
     from primus.core.data.fingerprint import changes, fingerprint
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps({"prompt": "Q", "completion": " A"}) + "\n")

@@ -123,7 +123,7 @@ def test_hf_names_and_shapes_are_transformers(hf_tiny):
     """Every tensor transformers saves is one core names (init.shapes, by HF name), with the same shape."""
     from safetensors import safe_open
 
-    from primus.core.run import init
+    from primus.core.run import initial_weights as init
 
     m, folder = hf_tiny
     saved = {}
@@ -191,7 +191,7 @@ def test_multi_token_prediction_names_shapes_and_counts(registry):
     eh_proj [h, 2h], shared_head.norm), drawn by the canonical init like the others; the planner counts them in the
     total and active parameters, and their head GEMM and attention in the FLOPs; another family is refused."""
     from primus.core.hf.contract import hf_names
-    from primus.core.run import init
+    from primus.core.run import initial_weights as init
 
     m = model_config("tiny-deepseek", registry)
     d, layers = m.hidden_size, m.num_layers
@@ -219,8 +219,8 @@ def test_multi_token_prediction_memory(registry):
     more block's activations, and a head's logits again; an engine that keeps its own loss under MTP (profile
     ``fused_loss_refused["mtp"]``) holds every logit, which the fused loss would not."""
     from primus.core.planner import calibration as cal
+    from primus.core.planner.engine_profile import EngineProfile
     from primus.core.planner.memory import KernelTerms, Layout, estimate, routed_expert_params
-    from primus.core.planner.profile import EngineProfile
 
     m = model_config("tiny-deepseek", registry)
     with_mtp = type(m).model_validate(m.model_dump() | {"mtp": {"layers": 1}})
@@ -283,7 +283,7 @@ def hf_as_transformers_writes(tmp_path_factory):
     from primus.core.contracts.plugins import get_registry
     from primus.core.hf.config import hf_config, model_config_from_hf
     from primus.core.hf.contract import mtp_names
-    from primus.core.run import init
+    from primus.core.run import initial_weights as init
 
     skip = ("architectures", "model_type", "num_nextn_predict_layers", "num_mtp_layers")
     cfg = hf_config(model_config("tiny-deepseek", get_registry()))
@@ -302,7 +302,7 @@ def hf_as_transformers_writes(tmp_path_factory):
 def _mtp(config, *overrides):
     """model.mtp as train.init_from and `primus checkpoint import --from-hf` each take it (both must agree)."""
     from primus.core.cli.checkpoint import config_with_hf_model
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     folder = next(o.split("=", 1)[1] for o in overrides if o.startswith("train.init_from="))
     res = resolve(config, list(overrides), world_size=1, check_plugins=False)
@@ -342,7 +342,7 @@ def test_init_from_takes_multi_token_prediction_as_import_does(hf_as_transformer
     [("bare", "model.mtp.layers=1"), ("bare", "model.mtp.loss_scale=0.3"), ("with", "model.mtp.layers=2")],
 )
 def test_init_from_refuses_a_prediction_depth_the_folder_cannot_supply(hf_as_transformers_writes, which, override):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     folder = hf_as_transformers_writes[0 if which == "bare" else 1]
     with pytest.raises(ConfigError) as info:

@@ -126,7 +126,7 @@ def test_a_folder_with_unmapped_tensors_is_refused_naming_them(shared_expert_fol
 
 
 def test_init_from_a_folder_with_unmapped_tensors_is_refused_before_the_run(shared_expert_folder):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     folder, _ = shared_expert_folder
     with pytest.raises(ConfigError) as err:
@@ -143,7 +143,7 @@ def test_shared_expert_config_keys_are_refused():
 
 def test_offline_overrides_read_a_checkpoint_of_any_parallel_layout(tmp_path):
     """The run's every parallel key (ep and dp_shard among them) gives way: one process loads the checkpoint."""
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     layout = dict(tp=2, pp=2, vpp=2, cp=2, ep=2, dp_shard=2, dp_replicate=2, sequence_parallel=True, fsdp=True)
     layout |= dict(pp_schedule="interleaved_1f1b", distributed_optimizer=True, recompute="full", recompute_layers=1)

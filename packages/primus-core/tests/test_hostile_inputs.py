@@ -18,7 +18,7 @@ from primus.core.config.loader import load_layers, read_yaml, substitute_env
 from primus.core.config.yaml_reader import MAX_DEPTH, MAX_NODES
 from primus.core.data import DataError
 from primus.core.data.sft import ROLES, check_record
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.core.run.rundir import output_dir
 
 BASE = "extends: [tiny-llama]\nbackend: {name: fake}\n"

@@ -14,8 +14,9 @@ import yaml
 from primus.core.config.errors import ConfigError
 from primus.core.config.schema import ModelConfig
 from primus.core.hf.contract import hf_names
-from primus.core.launch.train import resolve
-from primus.core.run import checkpoints, init
+from primus.core.launch.resolve import resolve
+from primus.core.run import checkpoints
+from primus.core.run import initial_weights as init
 from primus.core.run.init_from import source
 
 HF = {

@@ -10,8 +10,8 @@ torch = pytest.importorskip("torch")
 
 from primus.core import hookimpl  # noqa: E402
 from primus.core.config.schema import KernelsConfig  # noqa: E402
-from primus.core.kernels import KernelUnavailable, select_kernels  # noqa: E402
 from primus.core.kernels import reference as ref  # noqa: E402
+from primus.core.kernels.selection import KernelUnavailable, select_kernels  # noqa: E402
 
 
 def test_gqa_attention_matches_explicit_math():
@@ -171,7 +171,7 @@ class _RingAttention:
 def test_context_parallelism_refuses_a_whole_sequence_attention_once_for_every_backend(monkeypatch):
     from primus.core.config.schema import PrimusConfig
     from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
-    from primus.core.kernels import cp_attention_issues
+    from primus.core.kernels.selection import cp_attention_issues
 
     monkeypatch.setenv(DISABLE_ENV, "1")
     bare = Registry(build_plugin_manager())

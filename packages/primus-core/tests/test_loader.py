@@ -7,7 +7,7 @@ from primus.core.config.loader import RECIPE_NAME, load_layers
 from primus.core.config.presets import resolver
 from primus.core.config.validate import validate_config
 from primus.core.contracts.plugins import Registry, build_plugin_manager
-from primus.core.launch.train import configure_changes, resolve
+from primus.core.launch.resolve import configure_changes, resolve
 
 
 def test_extends_order_and_relative_paths(tmp_path, registry):

@@ -10,7 +10,7 @@ import pytest
 from primus.core import hookimpl
 from primus.core.config.errors import ConfigError
 from primus.core.contracts.plugins import DISABLE_ENV
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.core.run.testing import registry as stand_in_registry
 
 

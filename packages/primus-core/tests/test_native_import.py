@@ -12,7 +12,8 @@ import pytest
 from primus.core.cli.checkpoint import import_native_cli
 from primus.core.contracts.errors import UserError
 from primus.core.launch.native import recognised_or_refused
-from primus.core.launch.train import resolve, run_rank
+from primus.core.launch.rank import run_rank
+from primus.core.launch.resolve import resolve
 from primus.core.run.checkpoints import read_manifest, verify
 from primus.core.run.testing import TRAINER_FILE, StandInEngine, registry, weights
 

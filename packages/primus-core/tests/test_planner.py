@@ -100,7 +100,7 @@ def test_plan_cli_recommends():
 
 
 def test_strategy_auto_fills_the_parallel_section(registry, monkeypatch):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.planner import auto
 
     monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
@@ -129,7 +129,7 @@ def test_strategy_auto_fills_the_parallel_section(registry, monkeypatch):
 
 def test_strategy_auto_refuses_what_cannot_fit(registry, monkeypatch):
     from primus.core.config.errors import ConfigError
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.planner import auto
 
     monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
@@ -143,7 +143,7 @@ def test_strategy_auto_refuses_what_cannot_fit(registry, monkeypatch):
 
 
 def test_named_strategy_fills_and_keeps_explicit_sizes(registry):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     ddp = resolve("tiny-llama", ["backend.name=fake", "parallel.strategy=ddp"], world_size=4, registry=registry)
     p = ddp.config.parallel
@@ -162,7 +162,7 @@ def test_named_strategy_fills_and_keeps_explicit_sizes(registry):
 
 def test_strategy_estimate_is_the_planners_model(registry):
     from primus.core.contracts.protocols import load_ref
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     res = resolve(
         "llama3.1-8b",
@@ -182,7 +182,7 @@ def test_strategy_estimate_is_the_planners_model(registry):
 
 def test_auto_refusal_gives_the_numbers(registry, monkeypatch):
     from primus.core.config.errors import ConfigError
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.planner import auto
 
     monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
@@ -196,9 +196,10 @@ def test_auto_refusal_gives_the_numbers(registry, monkeypatch):
 
 
 def test_a_layout_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypatch):
-    import primus.core.kernels
+    import primus.core.kernels.selection
     from primus.core.contracts.errors import UserError
-    from primus.core.launch.train import resolve, run_rank
+    from primus.core.launch.rank import run_rank
+    from primus.core.launch.resolve import resolve
     from primus.core.planner import auto
 
     out = tmp_path / "run"
@@ -208,7 +209,7 @@ def test_a_layout_that_cannot_fit_is_refused_before_any_work(tmp_path, monkeypat
         world_size=1,
         check_plugins=False,  # core's tests run without the backends installed too
     )
-    monkeypatch.setattr(primus.core.kernels, "detect_device", lambda: "cuda")
+    monkeypatch.setattr(primus.core.kernels.selection, "detect_device", lambda: "cuda")
     monkeypatch.setattr(auto, "local_device", lambda: device("H100"))
     with pytest.raises(UserError, match=r"llama3.1-70b does not fit: an estimated \d+\.\d GiB per device \(weights"):
         run_rank(res)
@@ -528,7 +529,7 @@ def test_fused_norm_and_swiglu_kernels_leave_the_engines_share_of_the_memory_bou
     the per-token memory-bound passes, and nothing else; core's own (torch) kernels are not fused."""
     from dataclasses import replace
 
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.planner.perf import layer_seconds_per_token, step_time
     from primus.core.planner.strategies import kernel_terms
 

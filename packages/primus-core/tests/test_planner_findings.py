@@ -18,7 +18,7 @@ from primus.core.config.validate import validate_config
 from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
 from primus.core.contracts.protocols import ConfigIssue
-from primus.core.launch.ranking import rank, resolve_on
+from primus.core.launch.cluster_plan import rank, resolve_on
 from primus.core.planner import GENERIC, Cluster, KernelTerms, Layout, best, candidates, device
 from primus.core.planner import calibration as cal
 from primus.core.planner.auto import layout_config
@@ -149,7 +149,7 @@ def test_the_plan_says_what_the_backend_refuses(strict):
 
 
 def test_strategy_auto_picks_only_what_the_backend_accepts(strict, monkeypatch):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.planner import auto
 
     monkeypatch.setattr(auto, "local_device", lambda: device("H200"))

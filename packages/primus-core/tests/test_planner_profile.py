@@ -15,7 +15,7 @@ from primus.core import hookimpl
 from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import Registry, build_plugin_manager
 from primus.core.planner import GENERIC, EngineProfile, Layout, estimate, profile_of
-from primus.core.planner.profile import load_profile
+from primus.core.planner.engine_profile import load_profile
 
 CORE = Path(__file__).resolve().parents[1] / "src" / "primus" / "core"
 ENGINE = re.compile(r"megatron|torchtitan", re.IGNORECASE)

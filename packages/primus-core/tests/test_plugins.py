@@ -13,7 +13,7 @@ from primus.core.contracts import plugins
 from primus.core.contracts.engine import BackendSpec, RunContext
 from primus.core.contracts.plugins import PrimusPluginManager, Registry, build_plugin_manager
 from primus.core.contracts.protocols import KernelProvider
-from primus.core.launch.train import configure_changes
+from primus.core.launch.resolve import configure_changes
 
 
 def _ep(name, dist, obj=None, exc=None):

@@ -18,8 +18,10 @@ from primus.core.config.loader import load_layers
 from primus.core.config.presets import resolver
 from primus.core.config.validate import validate_config
 from primus.core.data import write_indexed
-from primus.core.launch.run_checks import fp8_warning, has_complete_checkpoint, resume_warning
+from primus.core.launch.run_checks import fp8_warning
 from primus.core.run import checkpoints
+from primus.core.run.checkpoints import has_complete_checkpoint
+from primus.core.run.rundir import RunFolder
 
 
 @pytest.fixture(autouse=True)
@@ -237,13 +239,13 @@ def _train_argv(out: Path, *overrides: str) -> list[str]:
 def test_resume_warning_knows_a_complete_checkpoint(tmp_path, registry):
     cfg = validate_config(load_layers("tiny-llama", [f"logging.output_dir={tmp_path}"], resolver(registry)).data)
     root = tmp_path / "checkpoints"
-    assert "does not exist" in resume_warning(cfg)
+    assert "does not exist" in RunFolder(cfg).resume_warning()
     (root / "step_00000004").mkdir(parents=True)  # an incomplete save: no manifest
     (root / "step_00000006.tmp").mkdir()
     (root / "step_00000006.tmp" / checkpoints.MANIFEST).write_text(json.dumps({"step": 6}))
-    assert "holds no complete checkpoint" in resume_warning(cfg) and not has_complete_checkpoint(root)
+    assert "holds no complete checkpoint" in RunFolder(cfg).resume_warning() and not has_complete_checkpoint(root)
     (root / "step_00000004" / checkpoints.MANIFEST).write_text(json.dumps({"step": 4}))
-    assert resume_warning(cfg) is None
+    assert RunFolder(cfg).resume_warning() is None
     other = tmp_path / "other"  # a backend that runs its own loop, under its own folder names
     (other / "step-3").mkdir(parents=True)
     (other / "step-3" / checkpoints.MANIFEST).write_text(json.dumps({"step": 3}))

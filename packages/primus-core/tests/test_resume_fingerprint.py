@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from primus.core.cli.app import app
 from primus.core.contracts import plugins
-from primus.core.launch.train import resolve, run_rank
+from primus.core.launch.rank import run_rank
+from primus.core.launch.resolve import resolve
 from primus.core.run import checkpoints as ckpt
 from primus.core.run.testing import StandInEngine, registry
 

@@ -19,8 +19,9 @@ import pytest
 from typer.testing import CliRunner
 
 from primus.core import hookimpl
-from primus.core.launch.train import resolve, run_rank
-from primus.core.run import rundir
+from primus.core.launch.rank import run_rank
+from primus.core.launch.resolve import resolve
+from primus.core.run import disk, rundir
 from primus.core.run.testing import StandInEngine, registry
 
 pytest.importorskip("torch")  # run_rank detects the device through torch
@@ -150,7 +151,7 @@ def tmpfs(tmp_path):
 def test_a_checkpoint_on_a_full_disk_fails_in_one_line_and_the_last_one_resumes(tmpfs):
     fs = tmpfs("400k")  # 100 pages: one stand-in checkpoint (50) and the run's files fit, two do not
     out = fs / "run"
-    with pytest.raises(rundir.NoSpaceLeft) as info:
+    with pytest.raises(disk.NoSpaceLeft) as info:
         _run(out, "checkpoint.interval=2")
     message = str(info.value)
     assert message == (
@@ -172,7 +173,7 @@ def test_a_full_output_folder_names_the_metrics_file(tmpfs):
     out = fs / "run"
     out.mkdir()
     (fs / "filler").write_bytes(b"x" * (52 << 10))  # 3 pages left: the lock, config.yaml, a page of metrics
-    with pytest.raises(rundir.NoSpaceLeft, match=f"^no space left on tmpfs \\(mounted at {fs}\\) for {out}/"):
+    with pytest.raises(disk.NoSpaceLeft, match=f"^no space left on tmpfs \\(mounted at {fs}\\) for {out}/"):
         _run(out, "checkpoint.enabled=false", "train.steps=400")
 
 
@@ -180,12 +181,12 @@ def test_no_space_names_the_path_or_the_full_folder(tmp_path):
     import errno
 
     err = OSError(errno.ENOSPC, "No space left on device")
-    assert str(rundir.no_space(err, [tmp_path])).startswith("no space left on ")
-    assert rundir.no_space(err, [tmp_path]).path == tmp_path  # the error names no file: the candidate
+    assert str(disk.no_space(err, [tmp_path])).startswith("no space left on ")
+    assert disk.no_space(err, [tmp_path]).path == tmp_path  # the error names no file: the candidate
     named = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.npy"))
-    assert rundir.no_space(named, [tmp_path]).path == tmp_path / "x.npy"
-    assert rundir.no_space(RuntimeError("boom"), [tmp_path]) is None  # plenty of space: not a full disk
-    assert rundir.no_space(OSError(errno.EACCES, "denied"), [tmp_path]) is None
+    assert disk.no_space(named, [tmp_path]).path == tmp_path / "x.npy"
+    assert disk.no_space(RuntimeError("boom"), [tmp_path]) is None  # plenty of space: not a full disk
+    assert disk.no_space(OSError(errno.EACCES, "denied"), [tmp_path]) is None
 
 
 def test_the_torchrun_wrapper_names_the_root_cause():

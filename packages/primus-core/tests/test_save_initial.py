@@ -12,7 +12,8 @@ import pytest
 from primus.core import hookimpl
 from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.errors import UserError
-from primus.core.launch.train import resolve, run_rank
+from primus.core.launch.rank import run_rank
+from primus.core.launch.resolve import resolve
 from primus.core.run.checkpoints import verify
 from primus.core.run.testing import StandInEngine, registry, weights
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from primus.core.config.errors import ConfigError
-from primus.core.launch.train import resolve, run_rank
+from primus.core.launch.rank import run_rank
+from primus.core.launch.resolve import resolve
 from primus.core.run.testing import StandInEngine, registry
 
 pytest.importorskip("torch")  # run_rank detects the device through torch

@@ -9,7 +9,8 @@ import pytest
 from primus.core import hookimpl
 from primus.core.contracts.engine import BackendSpec
 from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager
-from primus.core.launch.train import resolve, run_rank
+from primus.core.launch.rank import run_rank
+from primus.core.launch.resolve import resolve
 from primus.core.run import testing
 
 pytest.importorskip("torch")  # run_rank detects the device through torch

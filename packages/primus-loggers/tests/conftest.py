@@ -41,7 +41,8 @@ def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def train(registry: Registry) -> Callable[..., dict]:
     """``train(out, *overrides)``: one run of 8 steps into ``out`` (metrics every 3 steps and at the last)."""
-    from primus.core.launch.train import resolve, run_rank
+    from primus.core.launch.rank import run_rank
+    from primus.core.launch.resolve import resolve
 
     def run(out: Path, *overrides: str) -> dict:
         base = [

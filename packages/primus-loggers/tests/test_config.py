@@ -14,7 +14,7 @@ import pytest
 from primus.core.config.errors import ConfigError
 from primus.core.config.schema import PrimusConfig
 from primus.core.contracts.engine import RunInfo
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.loggers import mlflow_logger, wandb_logger
 
 LIBRARIES = {"wandb": "wandb", "mlflow": "mlflow"}

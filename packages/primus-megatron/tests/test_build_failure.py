@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from megatron_helpers import TINY
 
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.megatron import engine as eng
 
 

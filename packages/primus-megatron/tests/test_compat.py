@@ -329,7 +329,7 @@ def test_interleaved_pipeline_uses_unbatched_p2p():
     from megatron.core.transformer import TransformerConfig
     from megatron_helpers import TINY
 
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.megatron.model import transformer_config
 
     src = inspect.getsource(p2p_communication._batched_p2p_ops)

@@ -78,7 +78,7 @@ def test_moe_block_spec_in_fp8():
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from primus.core.contracts.plugins import get_registry
-    from primus.core.kernels import select_fp8
+    from primus.core.kernels.selection import select_fp8
     from primus.megatron.experts import StackedExperts
     from primus.megatron.fp8 import linear_classes
     from primus.megatron.layer_spec import moe_spec

@@ -20,7 +20,7 @@ import pytest
 import torch
 from megatron_helpers import LOSS_TOL, ONE_RANK_SCRIPT, TINY, losses, read_metrics, train
 
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 
 LORA = ("train.lora.rank=4", "train.steps=4")
 CKPT = ("checkpoint.enabled=true", "checkpoint.interval=2")
@@ -30,7 +30,8 @@ _PROBE = """
 import json, sys, torch
 from primus.core import hookimpl
 from primus.core.contracts.plugins import Registry, build_plugin_manager
-from primus.core.launch.train import resolve, run_rank
+from primus.core.launch.resolve import resolve
+from primus.core.launch.rank import run_rank
 from primus.megatron.lora import hf_adapters
 
 config, out, *overrides = sys.argv[1:]
@@ -65,7 +66,7 @@ _EXPORT = """
 import sys, torch
 from pathlib import Path
 from primus.core.hf.contract import OFFLINE_OVERRIDES
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.megatron.hf import INTEROP
 
 out, *checkpoints = sys.argv[1:]
@@ -92,8 +93,8 @@ _MAPPING = (
     ONE_RANK_SCRIPT
     + """
 import json
-from primus.core.kernels import detect_device, select_kernels
-from primus.core.launch.train import resolve
+from primus.core.kernels.selection import detect_device, select_kernels
+from primus.core.launch.resolve import resolve
 from primus.core.hf import lora as core
 from primus.megatron.hf import fill_from_hf, gather_to_hf, init_canonical
 from primus.megatron.lora import attach, hf_adapters, modules

@@ -8,7 +8,7 @@ from megatron_helpers import TINY
 from primus.core.config.errors import ConfigError
 from primus.core.contracts.plugins import get_registry
 from primus.core.contracts.protocols import load_ref
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.megatron.validate import validate
 
 

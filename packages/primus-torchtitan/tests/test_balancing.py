@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import CONFIGS, metrics, primus_train
 
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.core.run.balancing import balancing_scores, batch_loss, sequence_loss
 
 MOE = str(CONFIGS / "tiny_moe.yaml")

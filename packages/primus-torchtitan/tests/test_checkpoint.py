@@ -13,7 +13,7 @@ from conftest import TINY
 from test_data import Samples, take
 
 from primus.core.config.errors import ConfigError
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 from primus.core.run import checkpoints as core
 from primus.torchtitan import job_config
 from primus.torchtitan.checkpoint import NAMING, check_compatible, complete_steps

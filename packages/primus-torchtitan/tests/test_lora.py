@@ -23,8 +23,8 @@ from conftest import CONFIGS, drive, metrics, primus_train, summary
 
 from primus.core.hf import lora as core
 from primus.core.hf.contract import hf_names
-from primus.core.launch.train import resolve
-from primus.core.run import init
+from primus.core.launch.resolve import resolve
+from primus.core.run import initial_weights as init
 from primus.torchtitan import lora
 from primus.torchtitan.hf import INTEROP, adapter, build_model
 

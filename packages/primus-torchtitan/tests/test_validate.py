@@ -6,7 +6,7 @@ import pytest
 from conftest import CONFIGS, TINY
 
 from primus.core.config.errors import ConfigError
-from primus.core.launch.train import resolve
+from primus.core.launch.resolve import resolve
 
 MOE = ["model.family=qwen3", "model.qk_norm=true", "model.head_dim=64", "model.moe.num_experts=4"]
 MOE += ["model.moe.balancing=loss_free", "train.init=engine"]

@@ -11,9 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from primus.core.config.schema import KernelsConfig  # noqa: E402
-from primus.core.kernels import KernelUnavailable, select_kernels  # noqa: E402
 from primus.core.kernels import reference as ref  # noqa: E402
 from primus.core.kernels.documents import document_ids  # noqa: E402
+from primus.core.kernels.selection import KernelUnavailable, select_kernels  # noqa: E402
 from primus.turbo import availability  # noqa: E402
 from primus.turbo.attention_flex import attention, block_mask  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from primus.core.config.schema import KernelsConfig
-from primus.core.kernels import select_kernels
+from primus.core.kernels.selection import select_kernels
 from primus.core.launch.env import free_port as _free_port
 from primus.turbo import availability
 from primus.turbo.context_parallel import (

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from primus.core.config.schema import KernelsConfig
-from primus.core.kernels import KernelUnavailable, select_fp8, select_kernels
+from primus.core.kernels.selection import KernelUnavailable, select_fp8, select_kernels
 from primus.turbo import availability
 from primus.turbo.fp8.quantize import quantize_torch
 from primus.turbo.fp8.recipe import Fp8Recipe
@@ -50,7 +50,7 @@ def test_experts_stay_bf16_unless_measured_faster(registry, monkeypatch, caplog)
     """core's rule over the provider's measurement: ``auto`` takes the FP8 grouped GEMM only where it was measured
     faster than bf16 on this device (a measured 0.15x keeps bf16, a device not measured too); ``fp8`` forces it with a
     warning naming the ratio; ``bf16`` keeps bf16 whatever was measured."""
-    from primus.core.kernels import fp8_experts
+    from primus.core.kernels.selection import fp8_experts
     from primus.turbo.fp8 import grouped
 
     fp8 = select_fp8(KernelsConfig(fp8="rowwise"), registry, "cpu", moe=True)

@@ -8,7 +8,7 @@ import torch
 
 from primus.core.config.schema import KernelsConfig
 from primus.core.kernels import reference as ref
-from primus.core.kernels import select_kernels
+from primus.core.kernels.selection import select_kernels
 from primus.turbo import availability
 from primus.turbo.grouped_gemm import grouped_gemm
 

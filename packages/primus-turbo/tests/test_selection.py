@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from primus.core.config.schema import KernelsConfig
-from primus.core.kernels import KernelUnavailable, select_kernels
+from primus.core.kernels.selection import KernelUnavailable, select_kernels
 
 
 def test_providers_are_registered_with_their_priorities(registry):

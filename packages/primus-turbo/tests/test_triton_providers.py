@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from primus.core.config.schema import KernelsConfig
-from primus.core.kernels import KernelUnavailable, select_kernels
+from primus.core.kernels.selection import KernelUnavailable, select_kernels
 from primus.turbo import availability
 
 TRITON_OPS = ("rms_norm", "swiglu", "rope", "cross_entropy")

@@ -33,8 +33,8 @@ from primus.core.contracts.engine import (
     StepResult,
     Summarises,
 )
-from primus.core.kernels import fp8_experts
 from primus.core.kernels.documents import document_eos, document_ids
+from primus.core.kernels.selection import fp8_experts
 from primus.core.run.health import collective_timeout
 from primus.core.run.metrics import global_token_loss
 

@@ -22,7 +22,7 @@ from megatron.core.models.gpt import GPTModel
 
 from primus.core.config.schema import PrimusConfig
 from primus.core.contracts.protocols import KernelProvider
-from primus.core.planner.profile import fused_loss_refusal
+from primus.core.planner.engine_profile import fused_loss_refusal
 
 
 class FusedLossGPTModel(GPTModel):

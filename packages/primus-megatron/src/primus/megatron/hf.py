@@ -254,7 +254,7 @@ class _Engine:
 
     def __init__(self, cfg: PrimusConfig, single: bool, registry: Any = None):
         """``registry``: the caller's (kernel providers); the process's own only when none is handed in."""
-        from primus.core.kernels import detect_device, select_kernels
+        from primus.core.kernels.selection import detect_device, select_kernels
         from primus.megatron.dist import init_distributed, init_parallel, seed
         from primus.megatron.model import build_chunks, transformer_config
 
@@ -283,9 +283,9 @@ class _Engine:
 
 
 def init_canonical(chunks: list[Any], cfg: PrimusConfig) -> None:
-    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.run.init`, by HF name), into this rank's
+    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.run.initial_weights`, by HF name), into this rank's
     TP/PP shards, so every layout, and the TorchTitan backend, starts from the same weights."""
-    from primus.core.run import init
+    from primus.core.run import initial_weights as init
 
     n = fill_from_hf(chunks, lambda name: init.tensor(name, cfg.model, cfg.train.seed), cfg.model)
     log.info("initialised %d tensors from train.seed %d (canonical init)", n, cfg.train.seed)

@@ -30,7 +30,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from primus.core.contracts.protocols import KernelProvider, load_ref
-from primus.core.kernels import fp8_experts, reference
+from primus.core.kernels import reference
+from primus.core.kernels.selection import fp8_experts
 from primus.megatron import compat
 from primus.megatron.fp8 import Fp8Linears
 from primus.megatron.rope import KernelRoPESelfAttention, rope_impl

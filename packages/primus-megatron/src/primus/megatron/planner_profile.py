@@ -1,10 +1,10 @@
-"""Megatron-Core's facts for Primus's planner (:mod:`primus.core.planner.profile`), named by the backend's spec
+"""Megatron-Core's facts for Primus's planner (:mod:`primus.core.planner.engine_profile`), named by the backend's spec
 (``BackendSpec(planner="primus.megatron.planner_profile:PROFILE")``). Imports primus.core only: no torch, no engine.
 """
 
 from __future__ import annotations
 
-from primus.core.planner.profile import EngineProfile
+from primus.core.planner.engine_profile import EngineProfile
 
 # core's linear roles (primus.core.kernels.linears) megatron runs as one GEMM, by its submodule name
 GEMM_GROUPS = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}

@@ -35,7 +35,7 @@ def validate(cfg: PrimusConfig, world_size: int = 1) -> list[ConfigIssue]:
     # it), over megatron's 2 × cp chunks of the sequence (core checks that seq_len splits into them)
     if p.cp > 1:
         from primus.core.contracts.plugins import get_registry
-        from primus.core.kernels import cp_attention_issues
+        from primus.core.kernels.selection import cp_attention_issues
 
         out.extend(cp_attention_issues(cfg, get_registry()))
     if p.cp > 1 and p.fsdp is True:

@@ -384,7 +384,7 @@ def import_torchtitan(device: str | None = None) -> str:
     """Import torchtitan for ``device`` ("cuda", "rocm" or "cpu"; default: this machine's) with the CPU
     adaptations where needed; returns the device type torchtitan uses. Call before any torchtitan import."""
     if device is None:
-        from primus.core.kernels import detect_device
+        from primus.core.kernels.selection import detect_device
 
         device = detect_device()
     check_version()

@@ -23,10 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 from primus.core.contracts.protocols import ConfigIssue
-from primus.core.kernels import fp8_experts as fp8_experts_rule
 from primus.core.kernels import linears
 from primus.core.kernels.fp8_recipe import config_issues, fp8_blocks, fp8_linear_rule, fp8_linears_note, gemm_tokens
 from primus.core.kernels.linears import RankLinear
+from primus.core.kernels.selection import fp8_experts as fp8_experts_rule
 
 log = logging.getLogger("primus.torchtitan")
 

@@ -75,9 +75,9 @@ def fill_from_hf(model_parts: list[torch.nn.Module], cfg: PrimusConfig, get: Any
 
 
 def init_canonical(model_parts: list[torch.nn.Module], cfg: PrimusConfig) -> None:
-    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.run.init`, by HF name) into this rank's
+    """``train.init: canonical``: core's initial tensors (:mod:`primus.core.run.initial_weights`, by HF name) into this rank's
     shards, so every layout, and the Megatron backend, starts from the same weights."""
-    from primus.core.run import init
+    from primus.core.run import initial_weights as init
 
     n = fill_from_hf(model_parts, cfg, lambda name: init.tensor(name, cfg.model, cfg.train.seed))
     log.info("initialised %d tensors from train.seed %d (canonical init)", n, cfg.train.seed)

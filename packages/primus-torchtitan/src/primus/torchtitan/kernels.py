@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from primus.core.kernels import reference
-from primus.core.planner.profile import fused_loss_refusal
+from primus.core.planner.engine_profile import fused_loss_refusal
 from primus.torchtitan import compat
 from primus.torchtitan.loss import fuse_output, head_loss, token_sum
 

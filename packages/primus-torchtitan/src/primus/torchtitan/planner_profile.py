@@ -1,11 +1,11 @@
-"""TorchTitan 0.2.2's facts for Primus's planner (:mod:`primus.core.planner.profile`), named by the backend's spec
+"""TorchTitan 0.2.2's facts for Primus's planner (:mod:`primus.core.planner.engine_profile`), named by the backend's spec
 (``BackendSpec(planner="primus.torchtitan.planner_profile:PROFILE")``). Imports primus.core only: no torch, no
 engine.
 """
 
 from __future__ import annotations
 
-from primus.core.planner.profile import EngineProfile
+from primus.core.planner.engine_profile import EngineProfile
 
 
 def dp_modes(tp: int, pp: int, dp: int) -> list[str]:

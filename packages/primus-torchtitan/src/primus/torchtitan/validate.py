@@ -281,7 +281,7 @@ def _dtensor_reason(cfg: PrimusConfig, op: str) -> str:
 
 def _kernel_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     from primus.core.contracts.plugins import get_registry
-    from primus.core.kernels import cp_attention_issues
+    from primus.core.kernels.selection import cp_attention_issues
 
     out = []
     for op, ref in REFERENCE_KERNELS.items():

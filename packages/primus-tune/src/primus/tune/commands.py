@@ -34,7 +34,7 @@ def _fail(msg: str, code: int = 2) -> typer.Exit:
 
 def _config(config: str, overrides: list[str] | None):
     from primus.core.config.errors import ConfigError
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     try:
         return resolve(config, overrides or [], check_plugins=False).config
@@ -43,7 +43,7 @@ def _config(config: str, overrides: list[str] | None):
 
 
 def _platform() -> str:
-    from primus.core.kernels import detect_device
+    from primus.core.kernels.selection import detect_device
 
     return detect_device()
 

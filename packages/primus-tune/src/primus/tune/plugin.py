@@ -44,7 +44,7 @@ def primus_check_run(config: Any) -> list[Any]:
     written. Imports torch only when tuning is on."""
     if config.kernels.gemm_tuning == "off":
         return []
-    from primus.core.kernels import detect_device
+    from primus.core.kernels.selection import detect_device
     from primus.tune.runtime import run_issues
 
     return run_issues(config, detect_device())

@@ -57,7 +57,7 @@ class Searcher(Protocol):
 
 
 def select_searcher(platform: str) -> Searcher:
-    """The searcher for ``"cuda"``, ``"rocm"`` or ``"cpu"`` (:func:`primus.core.kernels.detect_device`)."""
+    """The searcher for ``"cuda"``, ``"rocm"`` or ``"cpu"`` (:func:`primus.core.kernels.selection.detect_device`)."""
     if platform == "rocm":
         return TunableOpSearcher()
     if platform == "cuda":

@@ -3,7 +3,7 @@
 Core's ``sdpa`` provider lets torch pick a backend per call. Forcing one makes the choice visible in
 the run log and the config ("attention: cudnn"), and a call that the backend cannot serve raises
 instead of quietly running the slower math kernel. Same call contract as
-:mod:`primus.core.kernels`: q ``[b, h, s, d]``, k/v ``[b, h_kv, s, d]``.
+:mod:`primus.core.kernels.selection`: q ``[b, h, s, d]``, k/v ``[b, h_kv, s, d]``.
 """
 
 from __future__ import annotations

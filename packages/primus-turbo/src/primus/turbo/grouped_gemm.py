@@ -7,7 +7,7 @@ grouped form (both operands split by ``offs``). A loop of per-expert matmuls (co
 SequentialMLP) launches 3 × experts small GEMMs per layer forward; at 128 experts that loop, not the math, set
 the step time (``benchmarks/moe_h200.py``).
 
-Contract (:mod:`primus.core.kernels`): x ``[T, K]`` sorted by expert, w ``[G, N, K]``, offs ``[G]`` int32
+Contract (:mod:`primus.core.kernels.selection`): x ``[T, K]`` sorted by expert, w ``[G, N, K]``, offs ``[G]`` int32
 cumulative group ends; y ``[T, N]``; rows past ``offs[-1]`` undefined.
 """
 

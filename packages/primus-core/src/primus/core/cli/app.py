@@ -146,13 +146,13 @@ def config_validate(
     """Check a config against the schema, the world size and the installed plugins, and that its run folder
     (logging.output_dir, checkpoint.dir) can be written."""
     from primus.core.cli.plan import recipe_cluster
-    from primus.core.launch.run_checks import check_folders
+    from primus.core.run.rundir import RunFolder
 
     if world_size is None and (cluster := recipe_cluster(config, overrides or [])) is not None:
         world_size = cluster.world_size  # the recipe's own cluster (nodes × GPUs per node)
     res = resolve_or_exit(config, overrides, world_size)
     try:
-        check_folders(res.config)
+        RunFolder(res.config).check_writable()
     except UserError as exc:
         raise fail(exc) from None
     out.print(

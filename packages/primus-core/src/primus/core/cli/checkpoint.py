@@ -35,7 +35,7 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str, check_p
 
     from primus.core.config.validate import resolve_parallel, validate_config
     from primus.core.hf.config import model_fields_from_hf
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.run.init_from import settle_mtp, takes_model_tokenizer
 
     res = resolve(config, overrides, check_plugins=check_plugins)
@@ -99,7 +99,7 @@ def import_(
     from primus.core.contracts.errors import UserError
     from primus.core.hf.contract import import_checkpoint
     from primus.core.hf.safetensors_io import folder_problem
-    from primus.core.launch.train import output_dir
+    from primus.core.run.rundir import output_dir
 
     if bool(from_hf) == bool(from_):
         raise fail(
@@ -151,7 +151,7 @@ def native_config(
     from primus.core.config.validate import validate_config
     from primus.core.hf.contract import OFFLINE_OVERRIDES
     from primus.core.launch.native import IMPORT_OVERRIDES
-    from primus.core.launch.train import Resolved, resolve
+    from primus.core.launch.resolve import Resolved, resolve
 
     config, overrides = _split_config(config, overrides)
     if config is None and model is None:
@@ -223,9 +223,8 @@ def _import_native(config, overrides, path, out, to_hf, registry, weights_only, 
     from primus.core.contracts.plugins import get_registry
     from primus.core.hf.contract import export_checkpoint
     from primus.core.launch.native import import_native, recognised_or_refused
-    from primus.core.launch.train import check_output_dir, output_dir
     from primus.core.run.checkpoints import NAMING
-    from primus.core.run.rundir import checkpoint_root
+    from primus.core.run.rundir import RunFolder, checkpoint_root, output_dir
 
     registry = registry or get_registry()
     backend, found = recognised_or_refused(path, registry)
@@ -240,7 +239,7 @@ def _import_native(config, overrides, path, out, to_hf, registry, weights_only, 
         return None
     resumable = found.optimizer and not weights_only
     if out is None:
-        check_output_dir(cfg, resume=False)  # an earlier run's folder is not written into
+        RunFolder(cfg).check_unused(resume=False)  # an earlier run's folder is not written into
         target = (checkpoint_root(cfg) if resumable else output_dir(cfg) / "imported") / name
     else:
         target = Path(out)
@@ -300,7 +299,7 @@ def export(
     from primus.core.contracts.errors import UserError
     from primus.core.launch.lora_export import export as export_run
     from primus.core.launch.lora_export import offline_overrides, run_base
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.run import checkpoints as ckpt
     from primus.core.run.checkpoints import readable
 

@@ -34,7 +34,7 @@ def evaluate(
     """Evaluate a checkpoint: eval_loss and eval_perplexity over eval.batches global batches (one JSON line)."""
     from primus.core.contracts.errors import UserError
     from primus.core.launch.launcher import LAUNCHED_ENV, launch_torchrun
-    from primus.core.launch.train import eval_rank
+    from primus.core.launch.rank import eval_rank
 
     setup_logging("warning")
     config, checkpoint = run_folder(config, checkpoint)

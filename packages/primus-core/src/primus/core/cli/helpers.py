@@ -47,7 +47,7 @@ def fail(exc: Exception, code: int = 2) -> typer.Exit:
 def resolve_or_exit(
     config: str | None, overrides: list[str] | None, world_size: int | None, check_plugins: bool = True
 ):
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     try:
         return resolve(config, overrides or [], world_size, check_plugins=check_plugins)

@@ -2,7 +2,7 @@
 
 The config is read at the cluster's world size (``--gpus`` × ``--nodes``); only layouts that fit within the usable
 memory less ``--headroom`` and that the engine's backend accepts (its own validation) are ranked, each with its fastest
-micro-batch (:mod:`primus.core.launch.ranking`)."""
+micro-batch (:mod:`primus.core.launch.cluster_plan`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rich.table import Table
 
 from primus.core.planner.calibration import HEADROOM
 
-#: ``--engine generic``: plan core's generic engine (:data:`primus.core.planner.profile.GENERIC`) by name. Primus's own
+#: ``--engine generic``: plan core's generic engine (:data:`primus.core.planner.engine_profile.GENERIC`) by name. Primus's own
 #: engines not installed here are planned as it too (and said so); any other name no backend has is refused.
 GENERIC_ENGINE = "generic"
 
@@ -66,12 +66,12 @@ def plan(
     from primus.core.cli.helpers import err, fail, out
     from primus.core.config.errors import ConfigError
     from primus.core.contracts.plugins import KNOWN_BACKEND_DISTS
-    from primus.core.launch.ranking import ANY_LAYOUT, global_batch, rank, resolve_on
-    from primus.core.launch.train import searched_micro_batches
+    from primus.core.launch.cluster_plan import ANY_LAYOUT, global_batch, rank, resolve_on
+    from primus.core.launch.resolve import searched_micro_batches
     from primus.core.planner import Cluster, device
     from primus.core.planner.auto import layout_overrides
+    from primus.core.planner.engine_profile import backend_spec, load_profile
     from primus.core.planner.memory import GIB
-    from primus.core.planner.profile import backend_spec, load_profile
     from primus.core.planner.strategies import kernel_terms
 
     if preset and config:  # with --preset, positional words are all overrides
@@ -113,7 +113,7 @@ def plan(
     spec = backend_spec(engine, res.registry)
     if spec is None and engine != GENERIC_ENGINE and engine not in KNOWN_BACKEND_DISTS:  # a typo is no engine
         from primus.core.config.fields import suggest
-        from primus.core.planner.profile import installed_backends
+        from primus.core.planner.engine_profile import installed_backends
 
         names = sorted({*res.registry.backends, *installed_backends()})
         hint = suggest(engine, [*names, GENERIC_ENGINE])
@@ -133,7 +133,7 @@ def plan(
     if (spec is None and engine != GENERIC_ENGINE) or (spec is not None and spec.planner is None):  # generic, said
         why = res.registry.missing_backend_message(engine) if spec is None else f"backend {engine!r} gives no profile"
         err.print(
-            f"note: {why}; planned as the generic engine (primus.core.planner.profile.GENERIC)",
+            f"note: {why}; planned as the generic engine (primus.core.planner.engine_profile.GENERIC)",
             style="yellow",
             markup=False,
         )

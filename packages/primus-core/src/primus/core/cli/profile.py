@@ -17,10 +17,10 @@ def profile(
 ) -> None:
     """Runs ``primus train`` with profiling on (checkpoints off), then analyzes the traces it wrote."""
     from primus.core.cli.helpers import err, out, resolve_or_exit
-    from primus.core.launch.train import output_dir
     from primus.core.profile.analyze import analyze_run
     from primus.core.profile.capture import trace_dir
     from primus.core.profile.report import html_page, markdown
+    from primus.core.run.rundir import output_dir
 
     res = resolve_or_exit(config, overrides, nproc_per_node, check_plugins=False)
     p = res.config.profile

@@ -26,7 +26,7 @@ Out = Annotated[Path | None, typer.Option("--out", help="where the script is wri
 def _job(config, overrides, nodes, gpus_per_node, family, env, partition, account, time):
     from primus.core.cli.helpers import resolve_or_exit
     from primus.core.launch.slurm import SlurmJob
-    from primus.core.launch.train import output_dir
+    from primus.core.run.rundir import output_dir
 
     res = resolve_or_exit(config, overrides, nodes * gpus_per_node)  # refuse a bad config before anything is queued
     path = Path(config)

@@ -300,7 +300,7 @@ class TrainConfig(Section):
     init: Literal["canonical", "engine"] = Field(
         "canonical",
         description="initial weights: canonical = each tensor drawn from train.seed by its Hugging Face name, the "
-        "same on every engine and layout (primus.core.run.init); engine = the engine's own init (the default of a "
+        "same on every engine and layout (primus.core.run.initial_weights); engine = the engine's own init (the default of a "
         "model with shared experts, which have no Hugging Face mapping yet)",
     )
     health: HealthConfig = Field(default_factory=HealthConfig)

@@ -200,7 +200,7 @@ class BackendSpec:
     dist: str = ""  # filled in by the plugin manager
     # Hugging Face import/export: an object with the methods of primus.core.hf.contract.HFInterop (named lazily)
     hf: str | Callable[..., Any] | None = None
-    # the engine's facts for the planner (primus.core.planner.profile.EngineProfile); None: the planner's defaults
+    # the engine's facts for the planner (primus.core.planner.engine_profile.EngineProfile); None: the planner's defaults
     planner: str | Any | None = None
     # the checkpoints its engine's own trainer writes, recognised for import: a
     # primus.core.contracts.native.NativeFormat (named lazily); its engine then offers load_native

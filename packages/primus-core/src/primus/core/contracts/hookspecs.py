@@ -132,7 +132,7 @@ def primus_check_run(config: PrimusConfig) -> list[ConfigIssue] | None:
 
     Use in plugins: called once by ``primus train`` (the launcher, before the ranks start), after the config
     and the run folder are checked. A check that needs this machine's device calls
-    :func:`primus.core.kernels.detect_device`, which imports torch: do it only when the plugin's feature is on.
+    :func:`primus.core.kernels.selection.detect_device`, which imports torch: do it only when the plugin's feature is on.
     """
 
 

@@ -126,7 +126,7 @@ SCALED = ("o", "down")  # Megatron's output_layer_init_method: std / sqrt(2 L)
 
 
 def shapes(m: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """HF name -> (shape, kind) of every tensor; kind is how :mod:`primus.core.run.init` draws it: ``normal``,
+    """HF name -> (shape, kind) of every tensor; kind is how :mod:`primus.core.run.initial_weights` draws it: ``normal``,
     ``scaled`` (the output projections, :data:`SCALED`), ``ones`` or ``zeros``."""
     h, c, f, v = m.hidden_size, m.kv_channels, m.ffn_hidden_size, m.vocab_size
     q, kv = m.num_attention_heads * c, m.num_kv_heads * c

@@ -2,7 +2,7 @@
 process per device, with the workers' stderr cut to what a person reads and a failure said in one line.
 
 Each worker runs :mod:`primus.core.launch.torchrun` (torchrun's own entry point, its failure report one line) and in it
-the command again, with :data:`LAUNCHED_ENV` set: one rank's run (:func:`primus.core.launch.train.run_rank`).
+the command again, with :data:`LAUNCHED_ENV` set: one rank's run (:func:`primus.core.launch.rank.run_rank`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ frozen base, so its export is either
 The engine gives the adapters alone (its :class:`~primus.core.hf.contract.HFInterop` object's ``export_adapters``,
 :class:`~primus.core.hf.contract.HFAdapterExport`); the base and the merge are core's: the run's ``train.init_from``
 (a HF folder, read here; a Primus checkpoint, its engine's export, itself merged where it is a LoRA run's), or
-without one the canonical initial weights of ``train.seed`` (:mod:`primus.core.run.init`). The run's saved
+without one the canonical initial weights of ``train.seed`` (:mod:`primus.core.run.initial_weights`). The run's saved
 ``config.yaml`` names that base (the resolved config of an export has ``train.init_from`` null:
 :data:`~primus.core.hf.contract.OFFLINE_OVERRIDES`, so :func:`run_base` reads it from the file).
 """
@@ -94,13 +94,13 @@ def base_weights(cfg: PrimusConfig, base: str | None, registry: Registry) -> dic
     """The frozen base weights of a LoRA run of ``cfg`` (HF-named, :func:`hf_names` order), at the run's compute
     dtype (``train.precision``: how the engine held them): ``base`` is the run's ``train.init_from``, a HF folder
     (read here) or a Primus checkpoint (its engine's export; a LoRA checkpoint's merged weights), or None: the
-    canonical initial weights of ``train.seed`` (:mod:`primus.core.run.init`)."""
+    canonical initial weights of ``train.seed`` (:mod:`primus.core.run.initial_weights`)."""
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.train.precision]
     names = hf_names(cfg.model)
     if base is None:
-        from primus.core.run.init import tensor
+        from primus.core.run.initial_weights import tensor
 
         return {n: tensor(n, cfg.model, cfg.train.seed).to(dtype) for n in names}
     from primus.core.hf.safetensors_io import HFReader
@@ -115,7 +115,7 @@ def base_weights(cfg: PrimusConfig, base: str | None, registry: Registry) -> dic
         reader = HFReader(src.path)
         check_folder(cfg.model, reader, where)
         return {n: reader.get(n).to(dtype) for n in names}
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
     from primus.core.run.checkpoints import readable
     from primus.core.run.init_from import find_run_config
 

@@ -23,7 +23,7 @@ from primus.core.run import checkpoints as ckpt
 
 if TYPE_CHECKING:
     from primus.core.contracts.plugins import Registry
-    from primus.core.launch.train import Resolved
+    from primus.core.launch.resolve import Resolved
 
 log = logging.getLogger("primus.import")
 
@@ -99,7 +99,7 @@ def import_native(res: Resolved, found: NativeCheckpoint, out: Path, *, weights_
     ``train.init_from`` and an export read; always where the source holds no optimizer state). ``res`` is resolved
     for one process with :data:`IMPORT_OVERRIDES`."""
     from primus.core.contracts.engine import check_engine
-    from primus.core.launch.train import rank_context
+    from primus.core.launch.rank import rank_context
 
     spec: BackendSpec = res.registry.backends[res.config.backend.name]
     weights_only = weights_only or not found.optimizer

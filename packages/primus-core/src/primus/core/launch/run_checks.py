@@ -1,6 +1,5 @@
-"""What ``primus train`` and ``primus config validate`` check beyond the config itself, before anything is written:
-the folders a run writes, what installed plugins refuse on this machine, ``--resume`` with nothing to resume, FP8
-linears on a CPU.
+"""What ``primus train`` checks beyond the config itself and its run folder (:class:`primus.core.run.rundir.RunFolder`),
+before anything is written: what installed plugins refuse on this machine, FP8 linears on a CPU.
 
 Importing this module imports neither torch nor an engine (:func:`fp8_warning` imports torch to find the device,
 only when FP8 is on and no device is given).
@@ -8,29 +7,13 @@ only when FP8 is on and no device is given).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primus.core.config.errors import ConfigError
-from primus.core.config.validate import folder_issue
 
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig
     from primus.core.contracts.plugins import Registry
-
-
-def check_folders(cfg: PrimusConfig) -> None:
-    """Refuse (:class:`ConfigError`, exit 2) a run folder the run could not create or write: ``logging.output_dir``
-    (default ``outputs/<recipe>``) and, where checkpoints are saved, ``checkpoint.dir``."""
-    from primus.core.launch.train import output_dir
-    from primus.core.run.loop import checkpoint_root
-
-    issues = [issue] if (issue := folder_issue("logging.output_dir", output_dir(cfg))) else []
-    # the default checkpoint folder lies in the output folder: one mistake, one message
-    if cfg.checkpoint.enabled and (cfg.checkpoint.dir or not issues):
-        issues += [issue] if (issue := folder_issue("checkpoint.dir", checkpoint_root(cfg))) else []
-    if issues:
-        raise ConfigError(issues)
 
 
 def check_plugins(cfg: PrimusConfig, registry: Registry) -> None:
@@ -39,37 +22,6 @@ def check_plugins(cfg: PrimusConfig, registry: Registry) -> None:
     issues = [issue for result in registry.pm.hook.primus_check_run(config=cfg) for issue in result or ()]
     if issues:
         raise ConfigError(issues)
-
-
-def has_complete_checkpoint(root: Path) -> bool:
-    """Whether ``root`` holds a committed checkpoint: a folder named by :data:`primus.core.run.checkpoints.NAMING` (what
-    core's loop writes) with its manifest, or, for a backend that runs its own loop under another naming, any
-    folder whose manifest records its step."""
-    from primus.core.run import checkpoints as ckpt
-
-    if ckpt.complete_checkpoints(root, ckpt.NAMING):  # committed (whether it verifies is the resume's to say)
-        return True
-    if not root.is_dir():
-        return False
-    return any(
-        p.is_dir() and not p.name.endswith(ckpt.TMP_SUFFIX) and "step" in (ckpt.read_manifest(p) or {})
-        for p in root.iterdir()
-    )
-
-
-def resume_warning(cfg: PrimusConfig) -> str | None:
-    """What to tell a user who passed ``--resume`` when there is nothing to resume (None when there is): the run
-    would start from step 0, which after a mistyped folder only costs their time, but should not pass unsaid."""
-    from primus.core.run.loop import checkpoint_root
-
-    root = checkpoint_root(cfg)
-    if has_complete_checkpoint(root):
-        return None
-    where = "does not exist" if not root.exists() else "holds no complete checkpoint"
-    return (
-        f"--resume: {root} {where}; this run starts from step 0, not from a checkpoint "
-        "(check logging.output_dir / checkpoint.dir, or drop --resume to start fresh)"
-    )
 
 
 def fp8_warning(cfg: PrimusConfig, device: str | None = None) -> str | None:
@@ -81,7 +33,7 @@ def fp8_warning(cfg: PrimusConfig, device: str | None = None) -> str | None:
     if cfg.kernels.fp8 == "off":
         return None
     if device is None:
-        from primus.core.kernels import detect_device
+        from primus.core.kernels.selection import detect_device
 
         device = detect_device()
     if device != "cpu":

@@ -9,6 +9,6 @@ __all__, __getattr__ = exports(
     __name__,
     hardware="DEVICES Device device",
     memory="KernelTerms Layout MemoryBreakdown estimate",
-    profile="GENERIC EngineProfile profile_of",
+    engine_profile="GENERIC EngineProfile profile_of",
     search="Candidate Cluster best candidates",
 )

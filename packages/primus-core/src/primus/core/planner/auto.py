@@ -3,7 +3,7 @@
 Fields the user set explicitly under ``parallel`` (any layer but the defaults) are kept: the planner
 only considers layouts that agree with them. The device is the one this process sees (the first
 GPU, or the host for CPU runs). The engine is ``backend.name``'s, planned with its backend's profile
-(:mod:`primus.core.planner.profile`; the generic engine's where it gives none), and only the layouts its backend's
+(:mod:`primus.core.planner.engine_profile`; the generic engine's where it gives none), and only the layouts its backend's
 own validation accepts are picked (:func:`refusals`), as in ``primus plan``.
 """
 
@@ -21,9 +21,9 @@ from primus.core.contracts.engine import validate_with
 from primus.core.contracts.errors import UserError
 from primus.core.contracts.protocols import ConfigIssue
 from primus.core.planner import calibration as cal
+from primus.core.planner.engine_profile import backend_spec
 from primus.core.planner.hardware import Device, device
 from primus.core.planner.memory import GIB, Layout
-from primus.core.planner.profile import backend_spec
 from primus.core.planner.search import Candidate, Cluster, candidates
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ LOSS_COPY_BYTES = 4
 # A fused linear + cross-entropy (primus-turbo) holds one chunk of logits at a time (its CHUNK_BUDGET_BYTES).
 FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
 # What is particular to an engine (its state bytes per parameter, the share of activations its selective recompute
-# keeps, a multiplier on the activation formula) is in its planner profile (primus.core.planner.profile), each
+# keeps, a multiplier on the activation formula) is in its planner profile (primus.core.planner.engine_profile), each
 # number there with where it was measured: primus.megatron.planner_profile, primus.torchtitan.planner_profile.
 #
 # An engine that trains fp32 weights under torch.autocast (profile.autocast; TorchTitan without FSDP): the residual

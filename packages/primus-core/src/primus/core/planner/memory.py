@@ -2,7 +2,7 @@
 
 Bytes per parameter of the most loaded pipeline stage (P = its parameters after TP/PP division,
 n = the data-parallel degree; bf16 compute, Adam), read from the engine's profile
-(:class:`~primus.core.planner.profile.EngineProfile`: w = ``weight_bytes``, g = ``grad_bytes``, m = ``master_bytes``;
+(:class:`~primus.core.planner.engine_profile.EngineProfile`: w = ``weight_bytes``, g = ``grad_bytes``, m = ``master_bytes``;
 fp32 runs: w = 4, m = 0). The two in-tree engines' profiles, as examples:
 
 =========================== ========= ============= ===========================================
@@ -59,8 +59,15 @@ from primus.core.kernels.fp8_recipe import FP8_RULE_TOKENS, call_tokens, fp8_blo
 from primus.core.kernels.linears import RankLinear, attention_linears, fused, mlp_linears, shared_expert_width
 from primus.core.planner import calibration as cal
 from primus.core.planner.calibration import GIB
+from primus.core.planner.engine_profile import (
+    ADAM_BYTES,
+    NO_GROUPS,
+    EngineProfile,
+    GemmGroups,
+    fused_loss_refusal,
+    profile_of,
+)
 from primus.core.planner.modelmath import count_params, expert_params
-from primus.core.planner.profile import ADAM_BYTES, NO_GROUPS, EngineProfile, GemmGroups, fused_loss_refusal, profile_of
 
 # parts of the breakdown that live outside the framework's caching allocator (torch.cuda.max_memory_reserved
 # does not see them); the rest is what the allocator holds at the peak
@@ -307,7 +314,7 @@ class KernelTerms:
     ) -> float:
         """In an FP8 layer, the share of a device's layer parameters in FP8 linears: the dense linears (attention,
         a dense or shared-expert MLP; ``groups``: those the engine runs as one GEMM,
-        :attr:`EngineProfile.gemm_groups <primus.core.planner.profile.EngineProfile>`) whose per-rank weight
+        :attr:`EngineProfile.gemm_groups <primus.core.planner.engine_profile.EngineProfile>`) whose per-rank weight
         ``fp8_linears`` puts in FP8 at ``tokens`` a micro-batch (None: the rule's own; compiled: every one), and the
         routed experts where ``fp8_experts`` says so. Linears a TP run keeps whole stay bf16 (both engines)."""
         at = FP8_RULE_TOKENS if tokens is None else tokens

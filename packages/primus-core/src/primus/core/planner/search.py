@@ -1,7 +1,7 @@
 """Enumerate the layouts an engine can run on a cluster, keep those that fit, rank by estimated step time.
 
 Which data-parallel modes and recompute options an engine runs is its profile's to say
-(:class:`~primus.core.planner.profile.EngineProfile`: ``dp_modes``, ``recompute``, ``partial_recompute``); whether
+(:class:`~primus.core.planner.engine_profile.EngineProfile`: ``dp_modes``, ``recompute``, ``partial_recompute``); whether
 the engine's backend accepts a layout is its own validation's (``check``: :func:`primus.core.planner.auto.refusals`
 builds it from a config and the backend's ``BackendSpec.validate``).
 
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 from primus.core.config.schema import LoRAConfig, ModelConfig
 from primus.core.planner import calibration as cal
+from primus.core.planner.engine_profile import GENERIC, EngineProfile, profile_of
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import GIB, PLAIN_KERNELS, KernelTerms, Layout, MemoryBreakdown, estimate
 from primus.core.planner.modelmath import flops_per_token
 from primus.core.planner.perf import StepTime, step_time
-from primus.core.planner.profile import GENERIC, EngineProfile, profile_of
 
 if TYPE_CHECKING:
     from primus.core.contracts.plugins import Registry

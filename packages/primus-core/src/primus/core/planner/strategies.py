@@ -51,8 +51,8 @@ def fill_tp_pp_vpp(parallel: dict[str, Any], world_size: int, cfg: PrimusConfig 
 def config_layout(cfg: PrimusConfig, world_size: int, registry: Registry | None = None) -> Layout:
     """The planner's :class:`~primus.core.planner.memory.Layout` of ``cfg``'s own parallel section on ``world_size``
     devices, with its engine's profile (``registry`` first, then the installed backends)."""
+    from primus.core.planner.engine_profile import profile_of
     from primus.core.planner.memory import Layout
-    from primus.core.planner.profile import profile_of
 
     p, t = cfg.parallel, cfg.train
     shard = p.shard_size(world_size)

@@ -206,7 +206,7 @@ def atomic_save(
     reads the files whose index in the sorted listing is ``r`` modulo ``world`` and writes their records to a
     sidecar; rank 0 merges the sidecars into the manifest and records itself any file no sidecar has (a rank whose
     listing lagged the shared file system's), so the manifest lists every file rank 0 sees. A save that fails on a
-    full file system removes its temporary folder and raises :class:`primus.core.run.rundir.NoSpaceLeft` (one line)."""
+    full file system removes its temporary folder and raises :class:`primus.core.run.disk.NoSpaceLeft` (one line)."""
     tmp = tmp_folder(final)
     try:
         if rank == 0:
@@ -238,7 +238,7 @@ def atomic_save(
 def _no_space(exc: BaseException, tmp: Path, final: Path, naming: Naming) -> None:
     """A save that failed on a full file system: remove its partial folder (the space goes back; the newest complete
     checkpoint was never touched) and raise one line naming the device, the folder and what can resume."""
-    from primus.core.run.rundir import no_space
+    from primus.core.run.disk import no_space
 
     if (full := no_space(exc, [tmp, final.parent])) is None:
         return
@@ -410,3 +410,16 @@ def check_data_order(path: Path, man: dict[str, Any], now: dict[str, Any], allow
             log.warning("checkpoint.allow_data_change: resuming %s although %s", path, change)
         for note in fp.notes(saved, now):
             log.warning("resuming %s: %s", path, note)
+
+
+def has_complete_checkpoint(root: Path) -> bool:
+    """Whether ``root`` holds a committed checkpoint: a folder named by :data:`primus.core.run.checkpoints.NAMING`
+    (what core's loop writes) with its manifest, or, for a backend that runs its own loop under another naming, any
+    folder whose manifest records its step."""
+    if complete_checkpoints(root, NAMING):  # committed (whether it verifies is the resume's to say)
+        return True
+    if not root.is_dir():
+        return False
+    return any(
+        p.is_dir() and not p.name.endswith(TMP_SUFFIX) and "step" in (read_manifest(p) or {}) for p in root.iterdir()
+    )

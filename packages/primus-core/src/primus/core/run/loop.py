@@ -2,11 +2,12 @@
 
 The path of one run, file by file::
 
-    primus train CONFIG        primus/core/cli/train.py      parse, relaunch under torchrun for several devices
-      resolve(...)             primus/core/launch/train.py   layer + validate the config, plan the layout
-      run_rank(...)            primus/core/launch/train.py   select kernels, RunInfo, lifecycle hooks
-        train(cfg, ctx, spec)  primus/core/run/loop.py       this module: steps, LR, health, metrics, checkpoints
-          spec.engine(cfg,ctx) <backend>/engine.py           the adapter: builds the engine's own objects, one step
+    primus train CONFIG        primus/core/cli/train.py      the command's arguments
+      start(...)               primus/core/launch/start.py   the launcher's checks; torchrun for several devices
+        resolve(...)           primus/core/launch/resolve.py layer + validate the config, plan the layout
+        run_rank(...)          primus/core/launch/rank.py    select kernels, RunInfo, the run folder, hooks
+          fit(cfg, ctx, spec)  primus/core/run/loop.py       this module: steps, LR, health, metrics, checkpoints
+            spec.engine(...)   <backend>/engine.py           the adapter: builds the engine's own objects, one step
 
 A backend is an adapter (:class:`Engine`): it builds its engine's native objects from the resolved config and
 answers a handful of calls: ``train_step`` (one optimizer step over the global batch of a step, at the learning
@@ -40,7 +41,7 @@ over evaluation samples), ``save`` / ``load`` (its state into / from a folder co
 - **profiling** (``profile``): :class:`~primus.core.profile.capture.StepProfiler` around the steps;
 - **hooks**: ``primus_on_model_ready`` once the engine is built, ``primus_on_train_start`` once its state is
   loaded, per step and per logging interval during the run (``RunContext``); ``primus_on_train_end`` is the
-  caller's (:func:`primus.core.launch.train.run_rank`).
+  caller's (:func:`primus.core.launch.rank.run_rank`).
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ class _Checkpoints:
         self.saved = final
 
 
-def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, Any]:
+def fit(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, Any]:
     """Build ``spec``'s engine on this rank and train it for ``train.steps`` steps; returns the run's summary
     (``status`` ``preempted`` when a stop signal or ``train.max_minutes`` ended it early, after a checkpoint). Running
     out of memory raises :class:`~primus.core.run.oom.OutOfMemory` (one line, its own exit code)."""
@@ -245,10 +246,10 @@ def train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec) -> dict[str, An
 
     where = oom.Where(ctx.info.device, last)
     with where.watch(ctx.info.rank):
-        return _train(cfg, ctx, spec, checkpoints, where)
+        return _fit(cfg, ctx, spec, checkpoints, where)
 
 
-def _train(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _Checkpoints, where: oom.Where):
+def _fit(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _Checkpoints, where: oom.Where):
     from primus.core.profile.capture import StepProfiler
     from primus.core.run import evaluation
     from primus.core.run.stop import StopRequest

@@ -1,5 +1,5 @@
 """A run that ran out of device memory ends in one line: where (the step), the memory in use, the planner's estimate
-and what to type instead (filled in by the launcher, :func:`primus.core.launch.train.run_rank`), the last checkpoint
+and what to type instead (filled in by the launcher, :func:`primus.core.launch.rank.run_rank`), the last checkpoint
 (left as it was: nothing is saved from a step that failed half way), and its own exit code, :data:`OOM_EXIT`, on
 every rank count (the launcher prefers it, like a refusal, over the lost-connection failures of the other ranks).
 No torch import at module level."""

@@ -1,5 +1,7 @@
-"""Where a run writes: its output folder and its checkpoint folder; the lock that makes one run its only writer;
-what a full file system is called in an error.
+"""Where a run writes, and the rules of that folder in one place (:class:`RunFolder`): its output folder and its
+checkpoint folder; whether a run may start there (writable, not another live run's, no earlier run's results unless
+resumed); the lock that makes one run its only writer; the config it records (a full file system's error:
+:mod:`primus.core.run.disk`).
 
 The lock is ``fcntl.flock`` on ``<output_dir>/.primus.lock``: the OS releases it when its holder dies (a killed run
 leaves no stale lock; the file stays, naming the last holder). The file is never removed, so two runs can never
@@ -8,16 +10,16 @@ lock two different files of the same name."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
-import shutil
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from primus.core.config.errors import ConfigError
 from primus.core.config.schema import PrimusConfig
+from primus.core.config.validate import folder_issue
 from primus.core.contracts.errors import UserError
 from primus.core.contracts.protocols import ConfigIssue
 
@@ -48,6 +50,118 @@ def output_dir(cfg: PrimusConfig) -> Path:
 def checkpoint_root(cfg: PrimusConfig) -> Path:
     """``checkpoint.dir``, by default ``<output_dir>/checkpoints``."""
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else output_dir(cfg) / "checkpoints"
+
+
+class RunFolder:
+    """The folder of the run of ``cfg`` (:func:`output_dir`, its checkpoints :func:`checkpoint_root`) and every rule
+    about it: what the launcher checks before anything is written (:meth:`check`), the one-writer lock
+    (:meth:`claim`, :meth:`release`), the config the run records, what an earlier run left there (:meth:`earlier`,
+    :meth:`has_checkpoint`), and a write that failed on a full file system as one line (:meth:`one_line_if_full`)."""
+
+    #: what an earlier run leaves (a fresh run is refused there; ``--resume`` continues it)
+    EARLIER = ("metrics.jsonl", "summary.json", "checkpoints")
+
+    def __init__(self, cfg: PrimusConfig) -> None:
+        self.cfg = cfg
+        self.path = output_dir(cfg)
+        self.checkpoints = checkpoint_root(cfg)
+
+    def check(self, resume: bool) -> None:
+        """Before anything is written: a folder the run can create and write (:meth:`check_writable`), that no live
+        run holds (:func:`check_free`: creates nothing), holding no earlier run's results unless ``resume``
+        (:meth:`check_unused`)."""
+        self.check_writable()
+        check_free(self.path)
+        self.check_unused(resume)
+
+    def check_writable(self) -> None:
+        """:class:`ConfigError` (exit 2) for a run folder the run could not create or write: ``logging.output_dir``
+        and, where checkpoints are saved, ``checkpoint.dir``."""
+        issues = [issue] if (issue := folder_issue("logging.output_dir", self.path)) else []
+        # the default checkpoint folder lies in the output folder: one mistake, one message
+        if self.cfg.checkpoint.enabled and (self.cfg.checkpoint.dir or not issues):
+            issues += [issue] if (issue := folder_issue("checkpoint.dir", self.checkpoints)) else []
+        if issues:
+            raise ConfigError(issues)
+
+    def earlier(self) -> list[str]:
+        """What an earlier run left here (of :data:`EARLIER`, the non-empty ones)."""
+        return [n for n in self.EARLIER if (self.path / n).exists() and not _empty_dir(self.path / n)]
+
+    def check_unused(self, resume: bool) -> None:
+        """Refuse a fresh run in a folder that holds an earlier run's results (nothing is overwritten); ``resume``
+        (``--resume`` or ``checkpoint.resume``) continues it instead."""
+        if (found := self.earlier()) and not (resume or self.cfg.checkpoint.resume):
+            raise UserError(
+                f"logging.output_dir {self.path} holds an earlier run ({', '.join(found)}); pass --resume to "
+                "continue it, or choose another logging.output_dir"
+            )
+
+    def claim(self, resume: bool) -> int | None:
+        """Lock the folder for this run (:func:`hold`: refused, naming the holder, while another run writes there),
+        then check it again under the lock (:meth:`check_unused`). The lock's fd."""
+        fd = hold(self.path)
+        try:
+            self.check_unused(resume)
+        except BaseException:
+            release(self.path)
+            raise
+        return fd
+
+    def release(self) -> None:
+        release(self.path)
+
+    def write_config(self, cfg: PrimusConfig) -> None:
+        """``config.yaml``: the resolved config the run trains (an export or a resume reads it back)."""
+        import yaml
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+    def drop_if_only_lock(self) -> None:
+        """A launcher's folder whose ranks refused the run: only its lock is there, so nothing stays."""
+        if self.path.is_dir() and [p.name for p in self.path.iterdir()] == [LOCK_NAME]:
+            (self.path / LOCK_NAME).unlink()
+            self.path.rmdir()
+
+    def has_checkpoint(self) -> bool:
+        from primus.core.run.checkpoints import has_complete_checkpoint
+
+        return has_complete_checkpoint(self.checkpoints)
+
+    def resume_warning(self) -> str | None:
+        """What to tell a user who passed ``--resume`` when there is nothing to resume (None when there is): the run
+        would start from step 0, which after a mistyped folder only costs their time, but should not pass unsaid."""
+        if self.has_checkpoint():
+            return None
+        where = "does not exist" if not self.checkpoints.exists() else "holds no complete checkpoint"
+        return (
+            f"--resume: {self.checkpoints} {where}; this run starts from step 0, not from a checkpoint "
+            "(check logging.output_dir / checkpoint.dir, or drop --resume to start fresh)"
+        )
+
+    @contextlib.contextmanager
+    def one_line_if_full(self) -> Iterator[None]:
+        """A write that failed on a full file system (the run folder, the checkpoints, the data cache, the temporary
+        folder) becomes :class:`~primus.core.run.disk.NoSpaceLeft`: one line naming the device and the path."""
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # (torch's CheckpointException is a BaseException)
+            import tempfile
+
+            from primus.core.data.cache import cache_root
+            from primus.core.run.disk import no_space
+
+            folders = [self.path, self.checkpoints, cache_root(), Path(tempfile.gettempdir())]
+            if (full := no_space(exc, folders)) is not None:
+                raise full from None
+            raise
+
+
+def _empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
 
 
 # -- one writer per output folder --------------------------------------------------------------------------------
@@ -135,86 +249,3 @@ def relock(out: Path) -> None:
         hold(out)
     finally:
         os.close(old)
-
-
-# -- a full file system ------------------------------------------------------------------------------------------
-
-#: Free bytes under which a file system counts as full when a write failed without saying why (torch's writer:
-#: ``[enforce fail at inline_container.cc] ... file write failed``).
-FULL_BELOW = 1 << 20
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-class NoSpaceLeft(UserError):
-    """A write failed on a full file system (or quota): one line naming the device and the path. Exits 1: the run
-    failed (nothing in its config is wrong)."""
-
-    exit_code = 1
-
-    def __init__(self, path: Path | str, detail: str = "") -> None:
-        self.path = Path(path)
-        device, mount = device_of(self.path)
-        where = f"{device} (mounted at {mount})" if mount else device
-        super().__init__(f"no space left on {where} for {path}{detail}")
-
-
-def device_of(path: Path) -> tuple[str, str | None]:
-    """(device, mount point) of the file system holding ``path`` (its nearest existing parent), from
-    ``/proc/self/mounts``; ``("device", None)`` where that cannot be read."""
-    p = Path(os.path.abspath(path))
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    p = p.resolve()
-    best: tuple[str, str] | None = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mounts").read_text().splitlines():
-            device, mount = line.split()[:2]
-            mount = mount.replace("\\040", " ")
-            if (p == Path(mount) or Path(mount) in p.parents) and (best is None or len(mount) >= len(best[1])):
-                best = (device, mount)
-    return best or ("device", None)
-
-
-def _free(path: Path) -> int | None:
-    p = Path(os.path.abspath(path))
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return None
-
-
-def _chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def no_space(exc: BaseException, candidates: list[Path]) -> NoSpaceLeft | None:
-    """``exc`` as a :class:`NoSpaceLeft` when it comes from a full file system, else None. The path is the one the
-    error names, else the first of ``candidates`` (the folders the failing code wrote to) whose file system is full.
-    Full: ``ENOSPC`` / ``EDQUOT`` anywhere in the exception's chain or message, or any failure (such as torch's
-    ``[enforce fail at inline_container.cc]``, wrapped by its distributed checkpoint in a ``CheckpointException``)
-    while a candidate has under 1 MiB free."""
-    if isinstance(exc, NoSpaceLeft):
-        return exc
-    said = False
-    named: str | None = None
-    for e in _chain(exc):
-        if isinstance(e, OSError) and e.errno in _NO_SPACE:
-            said, named = True, named or e.filename
-        elif "No space left on device" in str(e) or "Disk quota exceeded" in str(e) or "os error 28" in str(e):
-            said = True
-    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-        return None
-    full = next((p for p in candidates if (free := _free(p)) is not None and free < FULL_BELOW), None)
-    if named:
-        return NoSpaceLeft(named)
-    if full is not None:
-        return NoSpaceLeft(full)
-    if said:
-        return NoSpaceLeft(candidates[0] if candidates else "a file")
-    return None

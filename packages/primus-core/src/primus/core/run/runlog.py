@@ -13,7 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from primus.core.run.rundir import no_space, relock
+from primus.core.run.disk import no_space
+from primus.core.run.rundir import relock
 
 log = logging.getLogger("primus.run")
 

@@ -1,6 +1,6 @@
 """Mixture-of-experts token permute / unpermute as Triton row-gather kernels, each with its backward.
 
-The contract is core's (:mod:`primus.core.kernels`, ``moe_permute``): ``order`` is the stable sort of the token-expert
+The contract is core's (:mod:`primus.core.kernels.selection`, ``moe_permute``): ``order`` is the stable sort of the token-expert
 slots (slot ``t·k + j``) by expert, so the permuted row ``i`` is a copy of token ``order[i] // k``. Every direction is
 a *gather* (each program reads the rows it needs and writes its own row once), so there are no atomics and the
 results do not depend on scheduling:

@@ -1,6 +1,6 @@
 """Mixture-of-experts router after its gate, in one Triton program per token: scores, top-k, weights, and backward.
 
-Core's contract (:mod:`primus.core.kernels`, ``moe_router``): scores = softmax or sigmoid of the gate's logits (fp32);
+Core's contract (:mod:`primus.core.kernels.selection`, ``moe_router``): scores = softmax or sigmoid of the gate's logits (fp32);
 each token's k experts are the top k of ``scores + bias`` (loss-free balancing's expert bias chooses, it does not
 weigh); their weights are the chosen scores, divided by their sum when ``normalize``, times ``scale``.
 

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 from primus.core.config.errors import ConfigError
 from primus.core.planner.auto import refusals
-from primus.core.planner.profile import backend_spec
+from primus.core.planner.engine_profile import backend_spec
 from primus.core.planner.search import Candidate, Cluster, candidates
 
 if TYPE_CHECKING:
     from primus.core.config.schema import PrimusConfig
     from primus.core.contracts.plugins import Registry
     from primus.core.contracts.protocols import ConfigIssue
-    from primus.core.launch.train import Resolved
+    from primus.core.launch.resolve import Resolved
 
 # what a config is refused for when its parallel sizes or batch were written for another cluster
 WORLD_PATHS = frozenset({"parallel", "parallel.strategy", "train.global_batch_size"})
@@ -51,7 +51,7 @@ def resolve_on(
     Where the only refusals are of its parallel sizes or global batch against the world size (:data:`WORLD_PATHS`),
     it is read again with its parallel section left to the search (:data:`ANY_LAYOUT`, checked on one device: the
     planner checks each layout it ranks at ``world_size``); any other refusal is raised (:class:`ConfigError`)."""
-    from primus.core.launch.train import resolve
+    from primus.core.launch.resolve import resolve
 
     try:
         return resolve(config, list(overrides), world_size, registry, check_plugins=False), []

@@ -163,7 +163,7 @@ def load_profile(spec: BackendSpec | None) -> EngineProfile:
     if not isinstance(found, EngineProfile):
         raise TypeError(
             f"backend {spec.name!r} ({spec.dist or 'unknown distribution'}): planner={spec.planner!r} gives a "
-            f"{type(found).__name__}, not a primus.core.planner.profile.EngineProfile"
+            f"{type(found).__name__}, not a primus.core.planner.engine_profile.EngineProfile"
         )
     return found
 
@@ -197,7 +197,7 @@ def fused_loss_refusal(
 ) -> str:
     """Why ``engine`` (a backend's name, or its planner profile) keeps its own output layer + loss instead of a
     provider's ``linear_cross_entropy`` in this layout ("" where it fuses them). One rule for the backends and the
-    planner's memory model: :meth:`EngineProfile.fused_loss_refusal <primus.core.planner.profile.EngineProfile>`
+    planner's memory model: :meth:`EngineProfile.fused_loss_refusal <primus.core.planner.engine_profile.EngineProfile>`
     with the engine's facts (``fused_loss``, ``fused_loss_refused``: what it cannot fuse under PP or CP).
     ``fp8_head``: the output head is an FP8 linear (:func:`~primus.core.kernels.fp8_recipe.fp8_output_head`), which
     the bf16 fused kernel would bypass; ``mtp``: the model has multi-token-prediction depths."""
