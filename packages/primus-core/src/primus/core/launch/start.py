@@ -1,4 +1,5 @@
-"""``primus train``'s launcher: everything between the command's arguments and a rank's run (:func:`start`).
+"""The launcher: everything between a command's arguments and a rank's run: ``primus train`` (:func:`start`) and
+``primus eval`` (:func:`evaluate`).
 
 In the user's process: the config resolved at the job's world size, then what comes before anything is written (the
 run folder's rules: :class:`~primus.core.run.rundir.RunFolder`; what installed plugins refuse on this machine), the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from primus.core.launch.resolve import Resolved, resolve
@@ -127,3 +129,106 @@ def _launch(
 
 def _say(console: Console, text: str, style: str | None = None) -> None:
     console.print(text, style=style, highlight=False, markup=False)
+
+
+def evaluate(
+    config: str,
+    overrides: list[str],
+    checkpoint: Path | None,
+    nproc_per_node: int,
+    output: Path | None,
+    console: Console,
+) -> int:
+    """``primus eval``: the evaluation loss of a checkpoint alone, one JSON line on ``console`` (stdout) and in
+    ``output``; under torchrun for several processes (its exit code). ``config`` is a run folder (its config.yaml
+    and, unless ``checkpoint`` is given, its checkpoints/) or a YAML file or preset with ``checkpoint``."""
+    from primus.core.contracts.errors import UserError
+    from primus.core.launch.env import free_port
+    from primus.core.launch.launcher import LAUNCHED_ENV, launch_torchrun
+    from primus.core.launch.rank import eval_rank
+
+    config, checkpoint = run_folder(config, checkpoint)
+    inside = bool(os.environ.get(LAUNCHED_ENV)) or "LOCAL_RANK" in os.environ
+    res = resolve(config, overrides, None if inside else nproc_per_node)
+    if not checkpoint.exists():
+        raise UserError(f"--checkpoint {checkpoint}: no such folder")
+    if nproc_per_node > 1 and not inside:
+        argv = ["eval", config, *overrides, "--checkpoint", str(checkpoint)]
+        argv += ["--output", str(output)] if output else []
+        return launch_torchrun(argv, nproc_per_node=nproc_per_node, master_port=free_port())
+    result = eval_rank(res, checkpoint)
+    if int(os.environ.get("RANK", "0")) == 0:
+        line = json.dumps(result)
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+        if output:
+            output.write_text(line + "\n")
+    return 0
+
+
+def run_folder(config: str, checkpoint: Path | None) -> tuple[str, Path]:
+    """A run folder stands for its ``config.yaml`` (what it trained) and, unless ``checkpoint`` is given, its
+    ``checkpoints/``; a YAML file or preset needs ``checkpoint``."""
+    from primus.core.contracts.errors import UserError
+
+    folder = Path(config)
+    if folder.is_dir():
+        if not (folder / "config.yaml").is_file():
+            raise UserError(f"{config}: a folder without config.yaml, so not a run folder")
+        return str(folder / "config.yaml"), checkpoint or folder / "checkpoints"
+    if checkpoint is None:
+        raise UserError(f"--checkpoint is needed with {config!r} (a run folder names its own checkpoints)")
+    return config, checkpoint
+
+
+def profile(
+    config: str, overrides: list[str], nproc_per_node: int, master_port: int, console: Console
+) -> tuple[int, str | None, Path | None]:
+    """``primus profile``: a few steps of the run under torch.profiler (checkpoints off), then the step-time report
+    of the traces it wrote (``<output_dir>/profile/report.md`` and ``.html``). (exit code, the report's markdown, its
+    folder); the exit code alone where the run or its traces failed."""
+    from primus.core.profile.analyze import analyze_run
+    from primus.core.profile.capture import trace_dir
+    from primus.core.profile.report import html_page, markdown
+
+    res = resolve(config, overrides, nproc_per_node, check_plugins=False)
+    p = res.config.profile
+    # a few steps, not the recipe's run: the profiler's schedule and one more. train.steps=N on the command line
+    # gives more; fewer would end before the traced steps (an empty trace), so the schedule's count is taken then.
+    needed = p.wait + p.warmup + p.active + 1
+    given = {o.split("=")[0] for o in overrides}
+    steps = max(res.config.train.steps, needed) if "train.steps" in given else needed
+    if "train.steps" in given and res.config.train.steps < needed:
+        _say(
+            console,
+            f"note: train.steps={res.config.train.steps} ends before the traced steps "
+            f"(profile.wait + warmup + active + 1 = {needed}): running {needed}",
+        )
+    extra = ["profile.enabled=true", "checkpoint.enabled=false"]
+    extra.append(f"train.schedule.warmup_steps={min(res.config.train.schedule.warmup_steps, steps)}")
+    extra = [e for e in extra if e.split("=")[0] not in given] + [f"train.steps={steps}"]
+    res = resolve(config, [*overrides, *extra], nproc_per_node)
+    out_dir = RunFolder(res.config).path
+    if code := start(config, [*overrides, *extra], False, Topology(nproc_per_node, master_port=master_port), console):
+        return code, None, None
+    traces = sorted(trace_dir(out_dir).glob("rank*.json"))
+    if not traces:
+        _say(console, f"error: the backend wrote no trace under {trace_dir(out_dir)}", style="red")
+        return 1, None, None
+    run = analyze_run(traces)  # HolisticTraceAnalysis where it can read them (GPU traces), else primus's parser
+    title = f"Step time breakdown: {res.config.model.name} on {res.config.backend.name}"
+    text = markdown(run, title)
+    metrics = out_dir / "metrics.jsonl"
+    notes = []
+    if metrics.is_file():
+        last = json.loads(metrics.read_text().splitlines()[-1])
+        if "mfu" in last:
+            notes.append(f"MFU (last logged interval): {last['mfu']:.1%}")
+        if "tflops_per_device" in last:
+            notes.append(f"TFLOP/s per device: {last['tflops_per_device']:.1f}")
+    if notes:
+        text += "\n" + "\n".join(notes) + "\n"
+    report_dir = out_dir / "profile"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "report.md").write_text(text)
+    (report_dir / "report.html").write_text(html_page(run, title, notes))
+    return 0, text, report_dir
