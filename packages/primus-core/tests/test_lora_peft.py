@@ -383,3 +383,50 @@ def test_plan_of_a_lora_run_uses_the_lora_estimate(lora_registry):
     b = estimate_memory(mine.config, 1, lora_registry)
     assert b.total < a.total
     assert b.parts["gradients"] < 0.01 * a.parts["gradients"]
+
+
+def test_planner_step_time_and_flops_of_a_lora_run(lora_registry):
+    """Frozen base weights have no weight gradient: 4 FLOPs a weight and token instead of 6 (the input gradient still
+    runs through them), the adapters 6; attention's backward is whole. The optimizer steps the adapters alone and
+    their fp32 gradients are all DDP reduces; FSDP still gathers the frozen weights."""
+    from primus.core.config.presets import model_config
+    from primus.core.config.schema import LoRAConfig
+    from primus.core.planner import GENERIC, Layout, device
+    from primus.core.planner.calibration import LOSS_BYTES_PER_LOGIT
+    from primus.core.planner.modelmath import count_params, flops_per_token, matmul_params
+    from primus.core.planner.perf import gemm_rate, layer_seconds_per_token, step_time
+
+    m = model_config("llama3.2-1b", lora_registry)
+    cfg = LoRAConfig(rank=16, alpha=32)
+    h, f, L, V = m.hidden_size, m.ffn_hidden_size, m.num_layers, m.vocab_size
+    q, kv = m.num_attention_heads * m.kv_channels, m.num_kv_heads * m.kv_channels
+    n_adapters = L * 16 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h))
+    full_flops, lora_flops = flops_per_token(m, 4096), flops_per_token(m, 4096, cfg)
+    attention = full_flops - 6 * matmul_params(m)
+    assert lora_flops == pytest.approx(4 * matmul_params(m) + 6 * n_adapters + attention)
+
+    dev = device("H100")
+    full_layer = layer_seconds_per_token(m, 4096, dev)
+    lora_layer = layer_seconds_per_token(m, 4096, dev, lora=cfg)
+    adapters_s = 6 * n_adapters / L / gemm_rate(dev)
+    assert lora_layer["gemm"] - adapters_s == pytest.approx(4 / 6 * full_layer["gemm"])
+    assert {k: v for k, v in lora_layer.items() if k != "gemm"} == {k: v for k, v in full_layer.items() if k != "gemm"}
+
+    ddp = Layout("generic", "ddp", dp=8, micro_batch=2, profile=GENERIC)
+    full, mine = step_time(m, ddp, 4096, 16, dev, 8), step_time(m, ddp, 4096, 16, dev, 8, lora=cfg)
+    hbm = dev.step_hbm_gbps * 1e9
+    head = (6 * V * h, 4 * V * h)
+    loss = LOSS_BYTES_PER_LOGIT * V / hbm
+    per_token = [
+        L * sum(layer.values()) + w / gemm_rate(dev) + loss
+        for layer, w in zip((full_layer, lora_layer), head, strict=True)
+    ]
+    optimizer = [GENERIC.optimizer_bytes_per_param * n / hbm for n in (count_params(m).total, n_adapters)]
+    for t, token_s, opt in zip((full, mine), per_token, optimizer, strict=True):
+        assert t.compute == pytest.approx(2 * 4096 * token_s + opt)  # one micro-batch of 2 × 4096 tokens a device
+    assert mine.dp_comm < 0.01 * full.dp_comm  # fp32 adapters' gradients, not the model's
+    assert 0.6 < mine.total / full.total < 0.75
+    fsdp = Layout("generic", "fsdp", dp=8, micro_batch=2, profile=GENERIC)
+    # FSDP gathers the frozen weights all the same: the gather is most of its traffic either way
+    frozen, trained = step_time(m, fsdp, 4096, 16, dev, 8, lora=cfg), step_time(m, fsdp, 4096, 16, dev, 8)
+    assert 0.5 < frozen.dp_comm / trained.dp_comm < 1.0

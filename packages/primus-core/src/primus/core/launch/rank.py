@@ -86,7 +86,7 @@ def rank_context(
         output_dir=str(out),
         kernels={op: k.name for op, k in kernels.items()},
         num_params=count_params(cfg.model).total,
-        flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len),
+        flops_per_token=flops_per_token(cfg.model, cfg.train.seq_len, cfg.train.lora),
         peak_flops=peak_flops(device_name),
         extra={"device_name": device_name or "cpu"},
     )

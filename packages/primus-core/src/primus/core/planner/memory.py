@@ -67,7 +67,7 @@ from primus.core.planner.engine_profile import (
     fused_loss_refusal,
     profile_of,
 )
-from primus.core.planner.modelmath import count_params, expert_params
+from primus.core.planner.modelmath import count_params, expert_params, lora_params
 
 # parts of the breakdown that live outside the framework's caching allocator (torch.cuda.max_memory_reserved
 # does not see them); the rest is what the allocator holds at the peak
@@ -195,11 +195,9 @@ def mlp_elements(model: ModelConfig) -> float:
 
 
 def lora_params_per_layer(model: ModelConfig, lora: LoRAConfig) -> float:
-    """The adapters' parameters of one layer (``train.lora``): ``rank · (in + out)`` for each adapted projection,
-    averaged over the layers (:func:`primus.core.hf.lora.adapters`)."""
-    from primus.core.hf.lora import adapters
-
-    return sum(lora.rank * (a.in_features + a.out_features) for a in adapters(model, lora)) / model.num_layers
+    """The adapters' parameters of one layer (``train.lora``), averaged over the layers
+    (:func:`~primus.core.planner.modelmath.lora_params`)."""
+    return lora_params(model, lora) / model.num_layers
 
 
 def lora_activation_elements(model: ModelConfig, lora: LoRAConfig) -> float:

@@ -20,6 +20,9 @@ the router's (E) and each expert's (2·e + d, ``model.moe.expert_bias``).
 Multi-token prediction (``model.mtp``, D depths): each depth is one more block (MoE where layer L + k would be) plus
 its two input norms, ``eh_proj`` (2·d·d) and its output norm, counted in the total and the active parameters; its
 logits run the shared output head again (V·d more GEMM weights a depth) and its attention over the sequence.
+
+LoRA (``train.lora``, frozen base weights, adapters of A rank·(in + out) parameters in all): 4 · N_matmul + 6 · A +
+the same attention term: a frozen weight's GEMM has no weight gradient, but the input gradient still runs through it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from primus.core.config.deepseek import attention_flops_per_token, attention_params
-from primus.core.config.schema import ModelConfig
+from primus.core.config.schema import LoRAConfig, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -128,12 +131,26 @@ def matmul_params(m: ModelConfig) -> int:
     return p.active - p.embedding - p.output_head + heads * p.embedding
 
 
-def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Training (fwd + bwd) FLOPs per token; see the module docstring for the formula."""
+def flops_per_token(m: ModelConfig, seq_len: int, lora: LoRAConfig | None = None) -> float:
+    """Training (fwd + bwd) FLOPs per token; see the module docstring for the formula. With ``lora`` (``train.lora``)
+    the base weights are frozen: their GEMMs run forward and the input gradient only (4 · N_matmul, no weight
+    gradient), the adapters all three (6 · their parameters); attention's backward runs whole either way."""
     blocks = m.num_layers + (m.mtp.layers if m.mtp is not None else 0)  # multi-token prediction's attend too
     if m.mla is not None:
-        return 6.0 * matmul_params(m) + attention_flops_per_token(m, seq_len) * blocks / m.num_layers
-    return 6.0 * matmul_params(m) + 12.0 * blocks * m.num_attention_heads * m.kv_channels * attended_keys(m, seq_len)
+        attention = attention_flops_per_token(m, seq_len) * blocks / m.num_layers
+    else:
+        attention = 12.0 * blocks * m.num_attention_heads * m.kv_channels * attended_keys(m, seq_len)
+    if lora is None:
+        return 6.0 * matmul_params(m) + attention
+    return 4.0 * matmul_params(m) + 6.0 * lora_params(m, lora) + attention
+
+
+def lora_params(m: ModelConfig, lora: LoRAConfig) -> int:
+    """The adapters' parameters (``train.lora``): ``rank · (in + out)`` for each adapted projection of every layer
+    (:func:`primus.core.hf.lora.adapters`)."""
+    from primus.core.hf.lora import adapters
+
+    return sum(lora.rank * (a.in_features + a.out_features) for a in adapters(m, lora))
 
 
 def human(n: float) -> str:

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from primus.core.config.deepseek import head_width
-from primus.core.config.schema import ModelConfig
+from primus.core.config.schema import LoRAConfig, ModelConfig
 from primus.core.planner import calibration as cal
 from primus.core.planner.hardware import Device
 from primus.core.planner.memory import (
@@ -51,6 +51,7 @@ from primus.core.planner.memory import (
     KernelTerms,
     Layout,
     layer_mean,
+    lora_params_per_layer,
     routed_expert_params,
     stage_params,
 )
@@ -128,13 +129,15 @@ def layer_seconds_per_token(
     expert_tokens: float = cal.MOE_GEMM_FULL_RATE_TOKENS,
     dispatch_passes: float = cal.MOE_DISPATCH_PASSES,
     kernels_kept: float = 1.0,
+    lora: LoRAConfig | None = None,
 ) -> dict[str, float]:
     """One transformer layer, forward + backward, one token (no TP, no recompute), by kind of work; ``compiled``:
     under torch.compile, which fuses the memory-bound work (``calibration.COMPILE_MEMORY_BOUND_KEPT`` of it left);
     ``expert_tokens``: the rows each routed expert's GEMM gets (:func:`tokens_per_expert`); ``dispatch_passes``: the
     engine's token routing in an MoE layer (EngineProfile.moe_dispatch_passes); ``kernels_kept``: the share of the
     memory-bound work left where the norms and SwiGLU run on a provider's fused kernels
-    (EngineProfile.fused_kernels_kept; 1: core's torch ones)."""
+    (EngineProfile.fused_kernels_kept; 1: core's torch ones); ``lora``: ``train.lora``, the base weights frozen (their
+    GEMMs forward and input gradient only, 4 FLOPs a weight and token) and the adapters trained (6 a parameter)."""
     d, f, h, kv, c = (
         model.hidden_size,
         model.ffn_hidden_size,
@@ -149,9 +152,12 @@ def layer_seconds_per_token(
     if model.moe is not None:  # the width of the elementwise work: the experts a token runs
         e = model.moe
         f = layer_mean(model, f, (e.experts_per_token + e.shared_experts) * e.expert_ffn_hidden_size)
+    per_weight = 6 if lora is None else 4  # forward, input gradient, weight gradient (none for a frozen weight)
+    adapters = 6 * lora_params_per_layer(model, lora) / gemm_rate(dev) if lora is not None else 0.0
     out = {
-        "gemm": 6 * dense / gemm_rate(dev, fp8)
-        + 6 * experts / (gemm_rate(dev, fp8) * moe_gemm_fraction(expert_tokens)),
+        "gemm": per_weight * dense / gemm_rate(dev, fp8)
+        + per_weight * experts / (gemm_rate(dev, fp8) * moe_gemm_fraction(expert_tokens))
+        + adapters,
         # ½ 12·h·c·s (s: the keys a query attends to, at most the window in a sliding layer)
         "attention": 6
         * h
@@ -177,22 +183,26 @@ def step_time(
     dev: Device,
     gpus_per_node: int,
     kernels: KernelTerms = PLAIN_KERNELS,
+    lora: LoRAConfig | None = None,
 ) -> StepTime:
+    """The step time of ``layout``; ``lora`` (``train.lora``): the base weights frozen, so no weight gradients for
+    them (:func:`layer_seconds_per_token`; the head's too), and the optimizer step and the gradients' data-parallel
+    traffic cover the adapters alone (fp32), while FSDP still gathers the frozen weights."""
     lps = math.ceil(model.num_layers / layout.pp)
     m = layout.micro_batches
     hbm = dev.step_hbm_gbps * 1e9
     profile = layout.engine_profile
     rows, passes = tokens_per_expert(model, layout, seq_len), profile.moe_dispatch_passes
     kept = profile.fused_kernels_kept if kernels.fused_elementwise else 1.0
-    terms = (kernels.compiled, rows, passes, kept)
+    terms = (kernels.compiled, rows, passes, kept, lora)
     bf16_layer = sum(layer_seconds_per_token(model, seq_len, dev, "off", *terms).values())
     fp8_layer = sum(layer_seconds_per_token(model, seq_len, dev, kernels.fp8, *terms).values())
     fp8_share = kernels.layout_fp8_share(model, layout, seq_len)
     layer_s = fp8_share * fp8_layer + (1 - fp8_share) * bf16_layer
     # the slowest pipeline stage sets the pace: the last one also runs the output head and the loss
-    head_s = (
-        6 * model.vocab_size * model.hidden_size / gemm_rate(dev) + cal.LOSS_BYTES_PER_LOGIT * model.vocab_size / hbm
-    )
+    head_s = (6 if lora is None else 4) * model.vocab_size * model.hidden_size / gemm_rate(
+        dev
+    ) + cal.LOSS_BYTES_PER_LOGIT * model.vocab_size / hbm
     token_s = lps * layer_s * recompute_factor(layout, lps) + head_s
     if model.mtp is not None:  # each multi-token-prediction depth (last stage): a block, its eh_proj, the head again
         d = model.hidden_size
@@ -216,6 +226,11 @@ def step_time(
         # data-parallel group (dp · cp / ep ranks: the experts differ across the ep ranks)
         dense_bytes /= layout.dp * layout.cp
         expert_bytes /= max(1.0, layout.dp * layout.cp / layout.ep)
+    trained = params  # the parameters the optimizer steps and whose gradients travel
+    if lora is not None:  # the adapters alone (fp32, whole on every TP rank), Adam over them; no experts (refused)
+        trained = lps * lora_params_per_layer(model, lora)
+        dense_bytes = layout.engine_profile.optimizer_bytes_per_param * trained
+        dense_bytes /= layout.dp * layout.cp if layout.dp_mode != "ddp" else 1
     optimizer = (dense_bytes + expert_bytes) / hbm
     compute += fp8_weight_casts + optimizer
     bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
@@ -225,11 +240,13 @@ def step_time(
     ring = (n - 1) / n if n > 1 else 0.0
     dp_spans_nodes = layout.tp * layout.cp * layout.dp > gpus_per_node
     bw = (dev.inter_gbps if dp_spans_nodes else dev.intra_gbps) * 1e9
-    if layout.dp_mode == "fsdp":
-        volume = m * ring * params * (2 + 2 + grad_bytes)
+    if lora is not None:
+        grad_bytes = 4  # the adapters' gradients are fp32
+    if layout.dp_mode == "fsdp":  # the (frozen or trained) weights gathered twice, the trained ones' grads reduced
+        volume = m * ring * (params * (2 + 2) + trained * grad_bytes)
         window, hidden = compute, 0.8
     else:
-        volume = ring * params * 2 * grad_bytes
+        volume = ring * trained * 2 * grad_bytes
         window, hidden = compute / m * 2 / 3, 0.9
     comm = volume / bw
     dp_exposed = max(comm - hidden * window, (1 - hidden) * comm) if comm else 0.0

@@ -128,9 +128,9 @@ def evaluate(
     lora: LoRAConfig | None = None,
 ) -> Candidate:
     mem = estimate(model, layout, seq_len, precision, kernels, lora)
-    t = step_time(model, layout, seq_len, global_batch, cluster.device, cluster.gpus_per_node, kernels)
+    t = step_time(model, layout, seq_len, global_batch, cluster.device, cluster.gpus_per_node, kernels, lora)
     tps = global_batch * seq_len / t.total / layout.world
-    mfu = tps * flops_per_token(model, seq_len) / cluster.device.peak_flops
+    mfu = tps * flops_per_token(model, seq_len, lora) / cluster.device.peak_flops
     return Candidate(layout, mem, t, mem.total <= cluster.budget, tps, mfu)
 
 
