@@ -23,6 +23,7 @@ from conftest import FakeBackends  # noqa: E402
 
 from primus.core import hookimpl  # noqa: E402
 from primus.core.config.errors import ConfigError  # noqa: E402
+from primus.core.config.schema import LORA_TARGETS  # noqa: E402
 from primus.core.contracts.errors import UserError  # noqa: E402
 from primus.core.contracts.plugins import DISABLE_ENV, Registry, build_plugin_manager  # noqa: E402
 from primus.core.hf import lora  # noqa: E402
@@ -143,6 +144,30 @@ def test_peft_loads_the_adapter_folder_with_the_merged_logits(lora_registry, tmp
     got = _logits(model)
     assert (got - want).abs().max().item() < 1e-5
     assert (want - _logits(_hf_model(cfg, base))).abs().max().item() > 1e-3  # the adapters change the logits
+
+
+def test_peft_loads_a_moe_models_attention_adapters(lora_registry, tmp_path):
+    """A mixture-of-experts model's adapters are its attention's: the MLP's names match nothing in a routed layer, as
+    PEFT finds no gate / up / down_proj in transformers 5's fused experts. PEFT loads the folder on the model read from
+    its HF folder and gives the merged model's logits."""
+    cfg = _cfg(lora_registry, "train.lora.target_modules=" + json.dumps(list(LORA_TARGETS)), preset="tiny-qwen3-moe")
+    assert [a.role for a in lora.adapters(cfg.model, cfg.train.lora)][:4] == ["q", "k", "v", "o"]
+    assert {a.role for a in lora.adapters(cfg.model, cfg.train.lora)} == {"q", "k", "v", "o"}
+    base, adapters = _canonical(cfg), _trained(cfg)
+    config = hf_config(cfg.model, "float32")
+    write_hf(tmp_path / "base", base, config)
+    write_hf(tmp_path / "merged", merge(base, adapters, cfg), config)
+    folder = write_adapter(tmp_path / "adapter", adapters, cfg, base=str(tmp_path / "base"))
+
+    def hf(path):
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    got, want = (
+        _logits(peft.PeftModel.from_pretrained(hf(tmp_path / "base"), str(folder))),
+        _logits(hf(tmp_path / "merged")),
+    )
+    assert (got - want).abs().max().item() < 1e-5
+    assert (want - _logits(hf(tmp_path / "base"))).abs().max().item() > 1e-3
 
 
 def test_read_adapter_takes_what_peft_saved(lora_registry, tmp_path):
@@ -320,8 +345,11 @@ def _refused(registry, preset: str, *overrides: str) -> str:
 
 
 def test_config_refusals(lora_registry, tmp_path):
-    text = _refused(lora_registry, "tiny-qwen3-moe", "train.lora.rank=4")
-    assert "train.lora" in text and "model.moe" in text
+    text = _refused(lora_registry, "tiny-deepseek", "train.lora.rank=4")
+    assert "train.lora" in text and "model.mla" in text
+    mlp = "train.lora.target_modules=" + json.dumps(["gate_proj", "up_proj"])
+    text = _refused(lora_registry, "tiny-qwen3-moe", "train.lora.rank=4", mlp)
+    assert "train.lora.target_modules" in text and "match no projection" in text and "routed experts" in text
     text = _refused(lora_registry, "tiny-llama", "train.lora.rank=4", "train.init=engine")
     assert "train.init" in text and "cannot be named" in text
     text = _refused(lora_registry, "tiny-llama", f"train.lora.init_from={tmp_path}")

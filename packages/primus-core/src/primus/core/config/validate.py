@@ -244,14 +244,25 @@ def semantic_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     return out
 
 
-def lora_unsupported(m: ModelConfig) -> str | None:
-    """Why ``train.lora`` cannot adapt model ``m``, or None. Adapters target the dense projections that every engine
-    and PEFT name alike; routed experts (PEFT has no per-expert modules for transformers 5's fused experts) and latent
-    attention (its projections differ) are not adapted yet."""
-    if m.moe is not None:
-        return "targets the projections of dense models; model.moe (routed experts) is not adapted yet"
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_unsupported(m: ModelConfig, targets: list[str]) -> str | None:
+    """Why ``train.lora`` with ``target_modules`` ``targets`` cannot adapt model ``m``, or None. Adapters target the
+    projections every engine and PEFT name alike. In a mixture-of-experts layer the MLP's names match nothing, as in
+    PEFT on transformers 5's fused experts (its attention and any dense layer's MLP are adapted); shared experts would
+    match them (PEFT adapts ``shared_experts.gate_proj``), and are not adapted yet; nor is latent attention (its
+    projections differ)."""
     if m.mla is not None:
         return "targets q/k/v/o and the MLP's projections; model.mla (latent attention) is not adapted yet"
+    if m.moe is None:
+        return None
+    mlp = [t for t in targets if t in MLP_TARGETS]
+    if mlp and m.moe.shared_experts:
+        return f"{', '.join(mlp)} would adapt model.moe's shared experts, which are not adapted yet"
+    dense_layers = [i for i in range(m.num_layers) if not m.moe.is_moe_layer(i)]
+    if not dense_layers and not [t for t in targets if t not in MLP_TARGETS]:
+        return f"{', '.join(mlp)} match no projection of this model: every layer's MLP is routed experts"
     return None
 
 
@@ -263,8 +274,12 @@ def lora_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
     if lora is None:
         return []
     out = []
-    if why := lora_unsupported(cfg.model):
-        out.append(ConfigIssue("train.lora", why, allowed="null for this model, or a dense model without model.mla"))
+    if why := lora_unsupported(cfg.model, lora.target_modules):
+        allowed = "q_proj, k_proj, v_proj, o_proj (and, on dense layers, the MLP's) of a model without model.mla"
+        path = "train.lora" if cfg.model.mla is not None else "train.lora.target_modules"
+        out.append(
+            ConfigIssue(path, why, value=None if cfg.model.mla is not None else lora.target_modules, allowed=allowed)
+        )
     if t.init == "engine" and not t.init_from:
         why = (
             "trains adapters on frozen base weights that a checkpoint names (train.init_from, or the canonical "

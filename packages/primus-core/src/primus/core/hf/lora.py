@@ -49,17 +49,28 @@ class Adapter(NamedTuple):
 
 
 def adapters(m: ModelConfig, lora: LoRAConfig) -> list[Adapter]:
-    """Every adapted projection, layer by layer in ``lora.target_modules``' canonical order (:data:`LORA_TARGETS`)."""
+    """Every adapted projection, layer by layer in ``lora.target_modules``' canonical order (:data:`LORA_TARGETS`);
+    in a mixture-of-experts layer, its attention's (the routed experts are not adapted, as PEFT adapts none of
+    transformers 5's fused experts)."""
     weights = shapes(m)
     out = []
     for i in range(m.num_layers):
         names = layer_names(m, i)
         for module, role in LORA_TARGETS.items():
-            if module in lora.target_modules:
+            # a mixture-of-experts layer has no dense gate / up / down: its MLP targets match nothing (as in PEFT)
+            if module in lora.target_modules and role in names:
                 weight = names[role]
                 (o, n), _ = weights[weight]
                 out.append(Adapter(weight.removesuffix(".weight"), i, role, o, n))
     return out
+
+
+def targets(m: ModelConfig, lora: LoRAConfig) -> list[str]:
+    """The ``target_modules`` that adapt a projection of ``m`` (``adapter_config.json``'s): on a model whose every
+    layer routes its MLP to experts, the attention's alone. PEFT would take the MLP's names to transformers 5's fused
+    experts, which Primus does not adapt."""
+    roles = {a.role for a in adapters(m, lora)}
+    return [t for t in lora.target_modules if LORA_TARGETS[t] in roles]
 
 
 def tensor_names(m: ModelConfig, lora: LoRAConfig) -> list[str]:
@@ -161,5 +172,5 @@ def describe(cfg: PrimusConfig) -> str:
     trainable, total = counts(cfg)
     return (
         f"LoRA: {trainable:,} trainable parameters of {total:,} ({100 * trainable / total:.2f}%): rank {lora.rank}, "
-        f"alpha {lora.alpha:g}, {', '.join(lora.target_modules)}; the base frozen in {cfg.train.precision}"
+        f"alpha {lora.alpha:g}, {', '.join(targets(cfg.model, lora))}; the base frozen in {cfg.train.precision}"
     )

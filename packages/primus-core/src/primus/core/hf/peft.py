@@ -40,10 +40,11 @@ def _number(x: float) -> int | float:
     return int(x) if float(x).is_integer() else float(x)
 
 
-def adapter_config(lora: LoRAConfig, base: str | None) -> dict[str, Any]:
+def adapter_config(lora: LoRAConfig, base: str | None, targets: list[str] | None = None) -> dict[str, Any]:
     """``adapter_config.json`` as PEFT 0.22's ``PeftModel.save_pretrained`` writes it for the ``LoraConfig`` of
     ``lora`` (task CAUSAL_LM, no bias, PEFT's default initialisation, plain ``alpha / r`` scaling); ``base``: the
-    base model's folder or Hub name (``base_model_name_or_path``), or None. (PEFT's keys for other frameworks' layers
+    base model's folder or Hub name (``base_model_name_or_path``), or None; ``targets``: the ``target_modules`` that
+    adapt the model (:func:`primus.core.hf.lora.targets`; default ``lora``'s). (PEFT's keys for other frameworks' layers
     and for options Primus does not use are left out: PEFT reads their defaults.)"""
     return {
         "alpha_pattern": {},
@@ -67,7 +68,7 @@ def adapter_config(lora: LoRAConfig, base: str | None) -> dict[str, Any]:
         "r": lora.rank,
         "rank_pattern": {},
         "revision": None,
-        "target_modules": list(lora.target_modules),
+        "target_modules": list(targets if targets is not None else lora.target_modules),
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": False,
@@ -107,7 +108,9 @@ def write_adapter(
     out.mkdir(parents=True, exist_ok=True)
     state = {PREFIX + n: tensors[n].detach().to("cpu").float().contiguous() for n in expected}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
-    text = json.dumps(adapter_config(_lora(cfg), base), indent=2, sort_keys=True)
+    from primus.core.hf.lora import targets
+
+    text = json.dumps(adapter_config(_lora(cfg), base, targets(cfg.model, _lora(cfg))), indent=2, sort_keys=True)
     (out / CONFIG).write_text(text + "\n")
     return out
 
@@ -131,9 +134,13 @@ def adapter_settings(folder: str | Path) -> dict[str, Any]:
     return settings
 
 
-def settings_problem(settings: Mapping[str, Any], lora: LoRAConfig) -> str | None:
+def settings_problem(settings: Mapping[str, Any], cfg: PrimusConfig) -> str | None:
     """Why a PEFT ``adapter_config.json`` (``settings``) is not the adapters ``lora`` describes: the key, the
-    folder's value and the config's; or None. Dropout is not compared (it acts in training only)."""
+    folder's value and the config's; or None. Dropout is not compared (it acts in training only); ``target_modules``
+    may be the config's or those that adapt its model (:func:`primus.core.hf.lora.targets`, what Primus writes)."""
+    from primus.core.hf.lora import targets as adapted
+
+    lora = _lora(cfg)
     peft_type = settings.get("peft_type")
     if peft_type != "LORA":
         return f"peft_type is {peft_type!r} in {CONFIG}; Primus reads LoRA adapters (peft_type 'LORA')"
@@ -143,7 +150,8 @@ def settings_problem(settings: Mapping[str, Any], lora: LoRAConfig) -> str | Non
     if not isinstance(alpha, int | float) or float(alpha) != float(lora.alpha):
         return f"lora_alpha is {alpha!r} in {CONFIG}, train.lora.alpha is {_number(lora.alpha)}"
     targets = settings.get("target_modules")
-    if not isinstance(targets, list) or set(targets) != set(lora.target_modules):
+    allowed = (set(lora.target_modules), set(adapted(cfg.model, lora)))
+    if not isinstance(targets, list) or set(targets) not in allowed:
         return f"target_modules is {targets!r} in {CONFIG}, train.lora.target_modules is {list(lora.target_modules)}"
     # what changes the adapters' meaning beyond W + (alpha / r) B A on every targeted projection: refused by key
     plain = {
@@ -170,17 +178,18 @@ def settings_problem(settings: Mapping[str, Any], lora: LoRAConfig) -> str | Non
     return None
 
 
-def init_from_issues(lora: LoRAConfig | None) -> list[ConfigIssue]:
-    """``train.lora.init_from``: a PEFT folder of the adapters ``lora`` describes (its ``adapter_config.json``: r,
+def init_from_issues(cfg: PrimusConfig) -> list[ConfigIssue]:
+    """``train.lora.init_from``: a PEFT folder of the adapters ``train.lora`` describes (its ``adapter_config.json``: r,
     lora_alpha, target_modules, ...; the tensors are checked when read). Called when a config is resolved, before
     anything is written; the config room's own rules (:func:`primus.core.config.validate.lora_issues`) read no
     files."""
     from primus.core.config.errors import ConfigIssue
 
+    lora = cfg.train.lora
     if lora is None or not lora.init_from:
         return []
     try:
-        problem = settings_problem(adapter_settings(lora.init_from), lora)
+        problem = settings_problem(adapter_settings(lora.init_from), cfg)
     except AdapterError as exc:
         problem = str(exc)
     if not problem:
@@ -199,7 +208,7 @@ def read_adapter(folder: str | Path, cfg: PrimusConfig) -> dict[str, torch.Tenso
     lora = _lora(cfg)
     folder = Path(folder).expanduser()
     where = f"train.lora.init_from {folder}"
-    if problem := settings_problem(adapter_settings(folder), lora):
+    if problem := settings_problem(adapter_settings(folder), cfg):
         raise AdapterError(f"{where}: {problem}")
     weights = folder / WEIGHTS
     if not weights.is_file():

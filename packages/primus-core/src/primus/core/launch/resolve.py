@@ -62,7 +62,7 @@ def resolve(
     layers = load_layers(config, overrides, resolver(registry), configure=configure_changes(registry))
     apply_layers(layers)  # train.init_from: a Hugging Face folder's config.json is the model's layer
     cfg = validate_config(layers.data, world_size=world_size, registry=registry if check_plugins else None)
-    if issues := init_from_issues(cfg.train.lora):  # the config's rules pass; now the folders it names
+    if issues := init_from_issues(cfg):  # the config's rules pass; now the folders it names
         raise ConfigError(issues)
     strategy = cfg.parallel.strategy
     if strategy not in ("auto", "manual"):

@@ -227,10 +227,11 @@ def step_time(
         dense_bytes /= layout.dp * layout.cp
         expert_bytes /= max(1.0, layout.dp * layout.cp / layout.ep)
     trained = params  # the parameters the optimizer steps and whose gradients travel
-    if lora is not None:  # the adapters alone (fp32, whole on every TP rank), Adam over them; no experts (refused)
+    if lora is not None:  # the adapters alone (fp32, whole on every TP rank), Adam over them; the experts frozen too
         trained = lps * lora_params_per_layer(model, lora)
         dense_bytes = layout.engine_profile.optimizer_bytes_per_param * trained
         dense_bytes /= layout.dp * layout.cp if layout.dp_mode != "ddp" else 1
+        expert_bytes = 0.0
     optimizer = (dense_bytes + expert_bytes) / hbm
     compute += fp8_weight_casts + optimizer
     bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
