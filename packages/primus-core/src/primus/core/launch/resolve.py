@@ -18,7 +18,6 @@ from primus.core.config.presets import resolver
 from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import resolve_parallel, validate_config
 from primus.core.contracts.plugins import Registry, get_registry
-from primus.core.hf.peft import init_from_issues
 from primus.core.run.init_from import apply_layers
 
 
@@ -62,8 +61,11 @@ def resolve(
     layers = load_layers(config, overrides, resolver(registry), configure=configure_changes(registry))
     apply_layers(layers)  # train.init_from: a Hugging Face folder's config.json is the model's layer
     cfg = validate_config(layers.data, world_size=world_size, registry=registry if check_plugins else None)
-    if issues := init_from_issues(cfg):  # the config's rules pass; now the folders it names
-        raise ConfigError(issues)
+    if cfg.train.lora is not None and cfg.train.lora.init_from:  # the config's rules pass; now the folder it names
+        from primus.core.hf.peft import init_from_issues
+
+        if issues := init_from_issues(cfg):
+            raise ConfigError(issues)
     strategy = cfg.parallel.strategy
     if strategy not in ("auto", "manual"):
         from primus.core.contracts.protocols import load_ref
