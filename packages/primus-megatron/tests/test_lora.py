@@ -255,3 +255,22 @@ def test_adapters_map_onto_megatrons_fused_layout(mapping, targets):
         linears.remove("self_attention.linear_proj")  # no o_proj
         assert not any("k_proj" in n or "gate_proj" in n for n in got["trainable"])
     assert got["adapted_linears"] == linears
+
+
+def test_a_bf16_run_checkpoints_and_resumes_its_fp32_adapters(tmp_path):
+    """A bf16 run (the frozen base in bf16, the adapters fp32) saves its adapters and their optimizer state on one
+    rank (megatron's bf16 optimizer maps only bf16 parameters to a checkpoint: the fp32 optimizer steps the adapters)
+    and with DP 2's distributed optimizer, and a resume from step 2 continues the one-rank curve exactly."""
+    import shutil
+
+    bf16 = (*LORA, *CKPT, "train.precision=bf16")
+    one = train(TINY, tmp_path / "one", 1, *bf16)
+    dp2 = train(TINY, tmp_path / "dp2", 2, *bf16)
+    assert len(one) == len(dp2) == 4 and losses(one)[-1] < losses(one)[0]
+    assert losses(dp2) == pytest.approx(losses(one), rel=1e-2)  # bf16: the layouts round differently
+    assert (tmp_path / "dp2" / "checkpoints" / "step_00000004").is_dir()
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tmp_path / "one" / "checkpoints" / "step_00000002", ckpt / "step_00000002")
+    rows = train(TINY, tmp_path / "resumed", 1, *bf16, f"checkpoint.dir={ckpt}", resume=True)
+    assert [r["step"] for r in rows] == [3, 4]
+    assert losses(rows) == losses(one)[2:]  # bit for bit

@@ -103,10 +103,13 @@ def _optimizer_config(cfg: PrimusConfig) -> Any:
         adam_beta2=o.beta2,
         adam_eps=o.eps,
         clip_grad=t.grad_clip,
-        bf16=t.precision == "bf16",
+        # a LoRA run trains fp32 adapters alone (the bf16 base frozen): megatron's fp32 optimizer steps them; its
+        # bf16 one would keep no master copies and cannot write their state to a checkpoint (it maps the model's
+        # bf16 parameters only)
+        bf16=t.precision == "bf16" and t.lora is None,
         fp16=t.precision == "fp16",
         params_dtype=torch.float32
-        if t.precision == "fp32"
+        if t.precision == "fp32" or t.lora is not None
         else (torch.bfloat16 if t.precision == "bf16" else torch.float16),
         use_distributed_optimizer=_sharded_optimizer(cfg),
         overlap_param_gather=p.overlap_param_gather,
@@ -221,12 +224,9 @@ class MegatronEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsNat
 
         chunks_fp = [Float16Module(config, c) for c in chunks] if t.precision in ("bf16", "fp16") else chunks
         if t.lora is not None:  # after the cast: the frozen base in bf16, the adapters fp32 (primus.megatron.lora)
-            from primus.core.hf.lora import describe
             from primus.megatron.lora import attach
 
             attach(chunks, cfg)
-            if self.rank == 0:
-                log.info(describe(cfg))
         if fully_sharded(cfg):
             from primus.megatron.fsdp import FSDP2
 

@@ -194,10 +194,9 @@ def initial_values(cfg: PrimusConfig) -> Callable[[core.Adapter, str], torch.Ten
     return lambda adapter, which: core.initial(adapter, which, lora, cfg.train.seed)
 
 
-def attach(chunks: list[nn.Module], cfg: PrimusConfig, initialise: bool = True) -> tuple[int, int]:
+def attach(chunks: list[nn.Module], cfg: PrimusConfig, initialise: bool = True) -> None:
     """Freeze every parameter of ``chunks`` and add ``train.lora``'s adapters to the targeted linears of their
-    decoder layers: at their initial values (``initialise``), or zeros that a checkpoint then fills. Returns
-    (trainable, total) parameters of the whole model."""
+    decoder layers: at their initial values (``initialise``), or zeros that a checkpoint then fills."""
     from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 
     lora = cfg.train.lora
@@ -229,7 +228,6 @@ def attach(chunks: list[nn.Module], cfg: PrimusConfig, initialise: bool = True) 
                             projection.lora_B.copy_(value(wanted[hf], core.B))
         if cfg.parallel.recompute == "full":
             _input_requires_grad(chunk)
-    return counts(cfg)
 
 
 def _shape(cfg: PrimusConfig, hf: str) -> tuple[int, int]:
@@ -247,18 +245,6 @@ def _input_requires_grad(chunk: nn.Module) -> None:
     embedding = getattr(chunk, "embedding", None)
     if embedding is not None:
         embedding.register_forward_hook(lambda _m, _a, out: out.requires_grad_() if torch.is_grad_enabled() else out)
-
-
-def counts(cfg: PrimusConfig) -> tuple[int, int]:
-    """(trainable, total) parameters of the whole model with ``train.lora``'s adapters (HF tensors, whatever the
-    layout)."""
-    from primus.core.hf.contract import shapes
-
-    lora = cfg.train.lora
-    assert lora is not None
-    trainable = sum(a.out_features * lora.rank + lora.rank * a.in_features for a in core.adapters(cfg.model, lora))
-    base = sum(torch.Size(shape).numel() for shape, _ in shapes(cfg.model).values())
-    return trainable, base + trainable
 
 
 def only_adapters(sd: dict) -> dict:

@@ -158,10 +158,10 @@ class TorchTitanEngine(Engine, Evaluates, RoutesExperts, IntervalMetrics, LoadsN
 
             load_init_from(trainer, cfg)
         self.frozen: frozenset[str] = frozenset()  # model keys checkpoints leave out: a LoRA run's frozen base
-        if cfg.train.lora is not None:  # the adapters' starting values; what trains, in the summary
+        if cfg.train.lora is not None:  # the adapters' starting values
             from primus.torchtitan import lora
 
-            self.summary["lora"] = lora.setup(trainer, cfg, ctx.info.rank)
+            lora.setup(trainer, cfg)
             self.frozen = lora.base_keys(trainer.checkpointer)
         self.data = trainer.batch_generator(trainer.dataloader)
         from primus.torchtitan.balancing import Balancing, coefficients

@@ -198,9 +198,9 @@ def with_adapters(spec: Any, cfg: PrimusConfig) -> Any:
     return dataclasses.replace(spec, parallelize_fn=parallelize_with_adapters(spec.parallelize_fn, cfg))
 
 
-def setup(trainer: Any, cfg: PrimusConfig, rank: int) -> dict[str, Any]:
-    """After the trainer is built: each adapter's part of the layout, its starting values (into this rank's shards);
-    logs (rank 0) and returns what trains (``{"trainable_params", "total_params"}``, whole-model counts)."""
+def setup(trainer: Any, cfg: PrimusConfig) -> None:
+    """After the trainer is built: each adapter's part of the layout, its starting values (into this rank's shards).
+    (What trains, its start line and its summary, is core's: :func:`primus.core.hf.lora.describe`.)"""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     dims = trainer.parallel_dims
@@ -214,10 +214,6 @@ def setup(trainer: Any, cfg: PrimusConfig, rank: int) -> dict[str, Any]:
                 t = module.target
                 mine |= {t.key(w): values[t.adapter.name(w)] for w in (core.A, core.B)}
         set_model_state_dict(part, mine, options=options)  # whole tensors into this rank's shards
-    trainable, total = core.counts(cfg)
-    if rank == 0:
-        log.info(core.describe(cfg))
-    return {"trainable_params": trainable, "total_params": total}
 
 
 def checkpoint_keys(cfg: PrimusConfig) -> dict[str, tuple[str, tuple[int, int]]]:

@@ -258,6 +258,13 @@ def _fit(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _Ch
     if cfg.checkpoint.enabled and not ctx.resume:
         checkpoints.refuse_earlier_run()
     eval_data = ctx.eval_samples if cfg.eval.interval else None
+    trains: dict[str, Any] = {}  # what a LoRA run trains, whatever the engine (its start line, its summary's "lora")
+    if t.lora is not None:
+        from primus.core.hf.lora import counts, describe
+
+        trains = dict(zip(("trainable_params", "total_params"), counts(cfg), strict=True))
+        if ctx.info.rank == 0:
+            log.info(describe(cfg))
     began, building = time.perf_counter(), time.time()
     engine: Engine = spec.load_engine()(cfg, ctx)
     try:
@@ -360,6 +367,7 @@ def _fit(cfg: PrimusConfig, ctx: RunContext, spec: BackendSpec, checkpoints: _Ch
             "checkpoint": str(checkpoints.saved) if checkpoints.saved else None,
             **health.metrics(),
             **(engine.summary if "summary" in offers else {}),
+            **({"lora": trains} if trains else {}),
         }
     finally:
         engine.close()
