@@ -186,7 +186,7 @@ torch.save(forward(cfg, checkpoint, torch.load(ids_path)), out_path)
 _ROUNDTRIP = (
     _FORWARD
     + """
-from primus.core.cli.checkpoint import config_with_hf_model
+from primus.core.launch.resolve import config_with_hf_model
 from primus.core.hf.contract import export_checkpoint, import_checkpoint
 from primus.core.run.checkpoints import readable
 config, hf_dir, checkpoint, hf_out, ids_path, out_path = sys.argv[1:7]

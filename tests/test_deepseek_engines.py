@@ -338,7 +338,7 @@ def test_multi_token_prediction_weights_round_trip_on_megatron(tmp_path, hf_fold
     save_file({n: init.tensor(n, m, 7) for n in mtp_names(m, 0).values()}, folder / "mtp.safetensors")
     run = run_config(tmp_path / "run.yaml", "megatron")
     code = (
-        "import sys\nfrom pathlib import Path\nfrom primus.core.cli.checkpoint import config_with_hf_model\n"
+        "import sys\nfrom pathlib import Path\nfrom primus.core.launch.resolve import config_with_hf_model\n"
         "from primus.core.hf.contract import export_checkpoint, import_checkpoint\n"
         "from primus.core.run.checkpoints import readable\n"
         "run, hf, ckpt, out, *overrides = sys.argv[1:]\ncfg = config_with_hf_model(run, overrides, hf)\n"

@@ -301,8 +301,7 @@ def hf_as_transformers_writes(tmp_path_factory):
 
 def _mtp(config, *overrides):
     """model.mtp as train.init_from and `primus checkpoint import --from-hf` each take it (both must agree)."""
-    from primus.core.cli.checkpoint import config_with_hf_model
-    from primus.core.launch.resolve import resolve
+    from primus.core.launch.resolve import config_with_hf_model, resolve
 
     folder = next(o.split("=", 1)[1] for o in overrides if o.startswith("train.init_from="))
     res = resolve(config, list(overrides), world_size=1, check_plugins=False)

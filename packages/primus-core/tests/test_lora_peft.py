@@ -31,7 +31,7 @@ from primus.core.hf.config import hf_config  # noqa: E402
 from primus.core.hf.contract import hf_names  # noqa: E402
 from primus.core.hf.peft import CONFIG, PREFIX, WEIGHTS, AdapterError, merge, read_adapter, write_adapter  # noqa: E402
 from primus.core.hf.safetensors_io import write_hf  # noqa: E402
-from primus.core.launch.lora_export import export as export_checkpoint  # noqa: E402
+from primus.core.launch.export import export as export_checkpoint  # noqa: E402
 from primus.core.launch.resolve import resolve  # noqa: E402
 from primus.core.run import initial_weights as init  # noqa: E402
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from primus.core.cli.checkpoint import import_native_cli
 from primus.core.contracts.errors import UserError
-from primus.core.launch.native import recognised_or_refused
+from primus.core.launch.native import import_native_run, recognised_or_refused
 from primus.core.launch.rank import run_rank
 from primus.core.launch.resolve import resolve
 from primus.core.run.checkpoints import read_manifest, verify
@@ -32,7 +31,7 @@ def test_import_commits_a_checkpoint_that_resumes_at_the_source_step(tmp_path):
     source = _trainer_checkpoint(tmp_path / "theirs" / "iter_7", 7)
     out = tmp_path / "run"
     StandInEngine.calls = []
-    done = import_native_cli("tiny-llama", [f"logging.output_dir={out}"], source, None, None, REGISTRY)
+    done = import_native_run("tiny-llama", [f"logging.output_dir={out}"], source, None, None, REGISTRY)
     assert done == out / "checkpoints" / "step_00000007"
     assert StandInEngine.calls == [("load_native", 7, False)]
     man = read_manifest(done)
@@ -57,13 +56,13 @@ def test_import_commits_a_checkpoint_that_resumes_at_the_source_step(tmp_path):
 
     # a second import into the same run folder is refused, nothing written
     with pytest.raises(UserError, match="holds an earlier run"):
-        import_native_cli("tiny-llama", [f"logging.output_dir={out}"], source, None, None, REGISTRY)
+        import_native_run("tiny-llama", [f"logging.output_dir={out}"], source, None, None, REGISTRY)
 
 
 def test_without_optimizer_state_the_weights_alone(tmp_path):
     source = _trainer_checkpoint(tmp_path / "theirs", 3, optimizer=False)
     StandInEngine.calls = []
-    done = import_native_cli("tiny-llama", [f"logging.output_dir={tmp_path / 'run'}"], source, None, None, REGISTRY)
+    done = import_native_run("tiny-llama", [f"logging.output_dir={tmp_path / 'run'}"], source, None, None, REGISTRY)
     assert done == tmp_path / "run" / "imported" / "step_00000003"
     assert StandInEngine.calls == [("load_native", 3, True)]
     man = read_manifest(done)
@@ -75,7 +74,7 @@ def test_weights_only_from_a_source_with_optimizer_state(tmp_path):
     source = _trainer_checkpoint(tmp_path / "theirs", 5)
     StandInEngine.calls = []
     words = [f"logging.output_dir={tmp_path / 'run'}"]
-    done = import_native_cli("tiny-llama", words, source, None, None, REGISTRY, weights_only=True)
+    done = import_native_run("tiny-llama", words, source, None, None, REGISTRY, weights_only=True)
     assert done == tmp_path / "run" / "imported" / "step_00000005"
     assert StandInEngine.calls == [("load_native", 5, True)] and "weights_only" in read_manifest(done)
 
@@ -85,12 +84,12 @@ def test_the_checkpoint_model_is_the_run_model(tmp_path):
     is refused without one, naming what to give."""
     model = {"name": "theirs", "hidden_size": 64, "num_layers": 3, "num_attention_heads": 4, "num_kv_heads": 4}
     source = _trainer_checkpoint(tmp_path / "a", 2, model=model)
-    done = import_native_cli(None, [f"logging.output_dir={tmp_path / 'run'}"], source, None, None, REGISTRY)
+    done = import_native_run(None, [f"logging.output_dir={tmp_path / 'run'}"], source, None, None, REGISTRY)
     man = read_manifest(done)
     assert man["model_name"] == "theirs" and man["model_shape"]["num_layers"] == 3
     bare = _trainer_checkpoint(tmp_path / "b", 2)
     with pytest.raises(ValueError, match="records no model config: give CONFIG"):
-        import_native_cli(None, [], bare, None, None, REGISTRY)
+        import_native_run(None, [], bare, None, None, REGISTRY)
 
 
 def test_refusals_say_what_the_path_is_and_what_is_expected(tmp_path):

@@ -341,7 +341,7 @@ def export_checkpoint(
     caller has verified (:func:`primus.core.run.checkpoints.readable` returns it for a checkpoint or a folder of
     them; the run room sits above this one). ``registry``: as in :func:`import_checkpoint`.
 
-    A LoRA run's checkpoint (``train.lora``) holds adapters, not the model: see :mod:`primus.core.launch.lora_export`
+    A LoRA run's checkpoint (``train.lora``) holds adapters, not the model: see :mod:`primus.core.launch.export`
     (``primus checkpoint export`` takes it there)."""
     from primus.core.hf.config import hf_config
     from primus.core.hf.safetensors_io import write_hf
@@ -350,7 +350,7 @@ def export_checkpoint(
     registry = registry or _registry()
     if cfg.train.lora is not None:
         raise UserError(
-            f"{folder} is a LoRA run's checkpoint (train.lora): its adapters export with primus.core.launch.lora_export"
+            f"{folder} is a LoRA run's checkpoint (train.lora): its adapters export with primus.core.launch.export"
         )
     ordered = full_weights(cfg, folder, registry)
     dtype = str(ordered[EMBED].dtype).removeprefix("torch.")

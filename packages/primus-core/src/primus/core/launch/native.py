@@ -12,6 +12,7 @@ folder whose manifest records the source's step, its applied updates and where i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,3 +125,139 @@ def import_native(res: Resolved, found: NativeCheckpoint, out: Path, *, weights_
     finally:
         engine.close()
     return out
+
+
+def _split_config(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """``primus checkpoint import --from PATH key=value ...`` without a config: the first word is an override."""
+    if config is not None and "=" in config and not Path(config).exists():
+        return None, [config, *overrides]
+    return config, overrides
+
+
+def native_config(
+    config: str | None,
+    overrides: list[str],
+    backend: str,
+    model: dict | None,
+    scratch: Path,
+    registry=None,
+    implied: tuple[str, ...] = (),
+):
+    """The run ``config`` + ``overrides`` on ``backend``, its model the checkpoint's where the checkpoint records one
+    (``model``: model fields, as Megatron-LM's arguments give them), with the words the checkpoint ``implied`` below
+    the user's. (The user's config, read at the world its parallel sizes need: what a resume reads; the config the
+    import's engine is built with, for one process (a checkpoint of any layout loads under any other): no data read,
+    whatever the engine writes as it builds in ``scratch``.)"""
+    from primus.core.config.validate import validate_config
+    from primus.core.hf.contract import OFFLINE_OVERRIDES
+    from primus.core.launch.resolve import Resolved, resolve
+
+    config, overrides = _split_config(config, overrides)
+    if config is None and model is None:
+        raise ValueError("the checkpoint records no model config: give CONFIG (a preset or YAML file naming its model)")
+    overrides = [*implied, *overrides]
+
+    def with_model(words: list[str], world: int) -> Resolved:
+        res = resolve(config, [*words, f"backend.name={backend}"], world_size=world, registry=registry)
+        if model is None:
+            return res
+        data = res.config.model_dump()
+        data["model"] = {**data["model"], **model}
+        cfg = validate_config(data, world_size=world, registry=res.registry)
+        return Resolved(cfg, res.layers, res.registry, world)
+
+    build = [*overrides, *OFFLINE_OVERRIDES, *IMPORT_OVERRIDES, f"logging.output_dir={scratch}"]
+    return with_model(overrides, layout_world(config, overrides, registry)), with_model(build, 1)
+
+
+def portable(res) -> dict:
+    """``res``'s config as a file to resume from on any number of devices: what the world size decided and the
+    user did not set (``parallel.dp_shard``, ``train.global_batch_size``) left to the resumed run's world."""
+    data = res.config.model_dump(mode="json")
+    set_ = {k for k, source in res.layers.sources.items() if source != "default"}
+    if "parallel.dp_shard" not in set_:
+        data["parallel"]["dp_shard"] = "auto"
+    if "train.global_batch_size" not in set_:
+        data["train"]["global_batch_size"] = None
+    return data
+
+
+def layout_world(config: str | None, overrides: list[str], registry=None) -> int:
+    """The devices the parallel sizes a config sets need (tp · pp · cp · dp_replicate, · dp_shard where it is a
+    number): the world the user's config is read at when nothing else says one (an import, written for a resume)."""
+    from primus.core.config.loader import load_layers
+    from primus.core.config.presets import resolver
+    from primus.core.contracts.plugins import get_registry
+
+    p = load_layers(config, overrides, resolver(registry or get_registry())).data.get("parallel") or {}
+    world = 1
+    for key in ("tp", "pp", "cp", "dp_replicate", "dp_shard"):
+        if isinstance(p.get(key), int):
+            world *= p[key]
+    return world
+
+
+def import_native_run(
+    config: str | None,
+    overrides: list[str],
+    path: Path,
+    out: str | None,
+    to_hf: str | None,
+    registry: Registry | None = None,
+    weights_only: bool = False,
+    say: Callable[[str], None] = log.info,
+) -> Path | None:
+    """``primus checkpoint import --from PATH`` (and ``export`` of such a checkpoint): the Primus checkpoint it
+    wrote (None: only ``to_hf``). ``registry``: the installed plugins' when not given; ``say`` prints a line."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="primus-import-") as scratch:
+        return _import_native(config, overrides, path, out, to_hf, registry, weights_only, Path(scratch), say)
+
+
+def _import_native(config, overrides, path, out, to_hf, registry, weights_only, scratch: Path, say) -> Path | None:
+    import shutil
+
+    import yaml
+
+    from primus.core.contracts.plugins import get_registry
+    from primus.core.hf.contract import export_checkpoint
+    from primus.core.run.checkpoints import NAMING
+    from primus.core.run.rundir import RunFolder, checkpoint_root, output_dir
+
+    registry = registry or get_registry()
+    backend, found = recognised_or_refused(path, registry)
+    say(f"found {found.what} ({backend})")
+    user, build = native_config(config, overrides, backend, found.model, scratch / "build", registry, found.overrides)
+    cfg = user.config
+    name = NAMING.folder(Path(), found.step).name
+    if out is None and to_hf:  # the Hugging Face folder alone: the import in the scratch folder
+        done = import_native(build, found, scratch / name, weights_only=True)
+        written = export_checkpoint(build.config, done, to_hf, registry=build.registry)
+        say(f"exported {found.folder} -> {written}")
+        return None
+    resumable = found.optimizer and not weights_only
+    if out is None:
+        RunFolder(cfg).check_unused(resume=False)  # an earlier run's folder is not written into
+        target = (checkpoint_root(cfg) if resumable else output_dir(cfg) / "imported") / name
+    else:
+        target = Path(out)
+    created = not output_dir(cfg).exists()
+    try:
+        done = import_native(build, found, target, weights_only=weights_only)
+    except BaseException:
+        if created and out is None:
+            shutil.rmtree(output_dir(cfg), ignore_errors=True)
+        raise
+    if out is None and not (output_dir(cfg) / "config.yaml").exists():  # export and --resume read it
+        (output_dir(cfg) / "config.yaml").write_text(yaml.safe_dump(portable(user), sort_keys=False))
+    say(f"imported {found.folder} -> {done} ({backend}, model {cfg.model.name}, step {found.step})")
+    if resumable and out is None:
+        say(f"continue it with: primus train {output_dir(cfg) / 'config.yaml'} --resume")
+    elif not resumable:
+        why = "--weights-only" if found.optimizer else found.optimizer_dropped or "the source holds no optimizer state"
+        say(f"the weights alone ({why}): start a run from them with train.init_from={done}")
+    if to_hf:
+        written = export_checkpoint(cfg, done, to_hf, registry=user.registry)
+        say(f"exported {done} -> {written}")
+    return done

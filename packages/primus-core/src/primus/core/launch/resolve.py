@@ -7,9 +7,11 @@ Every command that takes a config resolves it here, before anything is written.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from primus.core.config.errors import ConfigError
@@ -19,6 +21,8 @@ from primus.core.config.schema import PrimusConfig
 from primus.core.config.validate import resolve_parallel, validate_config
 from primus.core.contracts.plugins import Registry, get_registry
 from primus.core.run.init_from import apply_layers
+
+log = logging.getLogger("primus.hf")
 
 
 @dataclass
@@ -97,3 +101,35 @@ def searched_micro_batches(res: Resolved) -> int | tuple[int, ...]:
     if res.layers.sources.get("train.micro_batch_size") == "command line":
         return mbs
     return (mbs, *(m for m in MICRO_BATCHES if m != mbs))
+
+
+def config_with_hf_model(config: str, overrides: list[str], hf_dir: str, check_plugins: bool = True):
+    """The resolved config of ``config`` + ``overrides`` whose model is the HF folder's architecture, and whose
+    tokenizer is the folder's (unless the user set ``data.tokenizer``, as with ``train.init_from``).
+    ``check_plugins=False``: without the checks that need the installed backends (as ``resolve`` has it)."""
+    import json
+
+    from primus.core.config.validate import resolve_parallel, validate_config
+    from primus.core.hf.config import model_fields_from_hf
+    from primus.core.run.init_from import settle_mtp, takes_model_tokenizer
+
+    res = resolve(config, overrides, check_plugins=check_plugins)
+    hf_json = Path(hf_dir) / "config.json"
+    if not hf_json.is_file():
+        from primus.core.hf.safetensors_io import HFCheckpointError
+
+        raise HFCheckpointError(f"--from-hf {hf_dir}: no config.json there (not a Hugging Face model folder)")
+    fields = model_fields_from_hf(json.loads(hf_json.read_text()), name=Path(hf_dir).absolute().name)
+    data = res.config.model_dump()
+    changed = [k for k, v in fields.items() if data["model"].get(k) != v and k != "name"]
+    if changed:
+        log.info("model from %s: %s", hf_json, ", ".join(f"{k}={fields[k]!r}" for k in changed))
+    if note := settle_mtp(fields, Path(hf_dir), res.layers.sources):  # as train.init_from takes model.mtp
+        log.info("%s", note)
+    if isinstance(fields.get("moe"), dict) and isinstance(data["model"].get("moe"), dict):
+        fields["moe"] = {**data["model"]["moe"], **fields["moe"]}  # the run's balancing / capacity stay
+    data["model"] = {**data["model"], **fields}
+    if (Path(hf_dir) / "tokenizer.json").is_file() and takes_model_tokenizer(res.layers.sources.get("data.tokenizer")):
+        data["data"]["tokenizer"] = str(Path(hf_dir).absolute())  # as train.init_from takes it: the embedding's own
+    cfg = validate_config(data, world_size=res.world_size, registry=res.registry if check_plugins else None)
+    return resolve_parallel(cfg, res.world_size)

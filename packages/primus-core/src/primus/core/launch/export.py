@@ -1,5 +1,5 @@
-"""``primus checkpoint export`` of a LoRA run's checkpoint (``train.lora``): it holds the trained adapters, not the
-frozen base, so its export is either
+"""``primus checkpoint export`` (:func:`export_command`): a run's checkpoint -> a Hugging Face folder. A LoRA run's
+checkpoint (``train.lora``) holds the trained adapters, not the frozen base, so its export is either
 
 - the **PEFT adapter folder** (``adapter_config.json`` + ``adapter_model.safetensors``, :mod:`primus.core.hf.peft`)
   that ``peft.PeftModel.from_pretrained`` loads on the base model, or
@@ -16,6 +16,7 @@ without one the canonical initial weights of ``train.seed`` (:mod:`primus.core.r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -177,3 +178,61 @@ def offline_overrides(config: str | Path | None) -> tuple[str, ...]:
     if isinstance(lora, dict) and lora.get("init_from"):
         return (*OFFLINE_OVERRIDES, "train.lora.init_from=null")
     return OFFLINE_OVERRIDES
+
+
+def export_command(
+    checkpoint: str,
+    overrides: list[str],
+    to_hf: str,
+    config: str | None,
+    max_shard_mb: int,
+    merge: bool,
+    base: str | None,
+    say: Callable[[str], None],
+) -> None:
+    """``primus checkpoint export``: a backend checkpoint (or the newest that verifies in a folder of them) -> a
+    Hugging Face folder; a LoRA run's -> a PEFT adapter folder, or with ``merge`` the full model; an engine's own
+    checkpoint is imported on the way (:func:`primus.core.launch.native.import_native_run`). ``say`` prints a line.
+    Refusals raise :class:`UserError`: a checkpoint whose files are not what its manifest records, or a folder without
+    manifest (an uncommitted save)."""
+    from primus.core.launch.resolve import resolve
+    from primus.core.run import checkpoints as ckpt
+    from primus.core.run.checkpoints import readable
+    from primus.core.run.init_from import find_run_config
+
+    if not to_hf:
+        raise UserError("--to-hf DIR is required")
+    if base is not None and not merge:
+        raise UserError("--base goes with --merge (the base the adapters merge into)")
+    path = Path(checkpoint)
+    if not path.exists():
+        raise UserError(f"checkpoint {path} does not exist")
+    if not ckpt.read_manifest(path) and not ckpt.complete_checkpoints(path, ckpt.NAMING):
+        if merge:
+            raise UserError(f"--merge: {path} is not a Primus checkpoint of a LoRA run (train.lora)")
+        from primus.core.contracts.plugins import get_registry
+        from primus.core.launch.native import import_native_run, recognise
+
+        if recognise(path, get_registry()) is not None:  # an engine's own checkpoint: imported on the way
+            import_native_run(config, overrides, path, None, to_hf, say=say)
+            return
+    source = config or find_run_config(path)
+    if source is None:
+        raise UserError(f"no config.yaml beside {path} or in its run folder: pass --config")
+    folder = readable(path)  # the checkpoint itself, or the newest under it, that verifies
+    res = resolve(str(source), [*offline_overrides(source), *overrides], world_size=1)
+    cfg = res.config
+    run_file = Path(source) if Path(source).is_file() else None
+    written = export(
+        cfg,
+        folder,
+        to_hf,
+        max_shard_bytes=max_shard_mb * 2**20,
+        registry=res.registry,
+        merge=merge,
+        base=base or (run_base(run_file) if run_file else None),
+    )
+    if folder != path:
+        say(f"exporting {folder}, the newest checkpoint under {path} that verifies")
+    what = "" if cfg.train.lora is None else (" (LoRA merged into its base)" if merge else " (PEFT LoRA adapter)")
+    say(f"exported {folder} ({cfg.backend.name}) -> {written}{what}")
