@@ -215,7 +215,7 @@ def attach(chunks: list[nn.Module], cfg: PrimusConfig, initialise: bool = True) 
                 linear = _submodule(layer, path)
                 if linear is None or not any(hf in wanted for hf in fused):
                     continue
-                shapes = {hf: _shape(cfg, hf) for hf in fused}
+                shapes = {hf: _shape(cfg, hf, i) for hf in fused}
                 module = LoRA(linear, path, shapes, cfg)
                 linear.add_module("lora", module)
                 linear.register_forward_hook(module.hook, with_kwargs=True)
@@ -230,11 +230,11 @@ def attach(chunks: list[nn.Module], cfg: PrimusConfig, initialise: bool = True) 
             _input_requires_grad(chunk)
 
 
-def _shape(cfg: PrimusConfig, hf: str) -> tuple[int, int]:
-    """[out, in] of HF projection ``hf`` (the same in every layer of these dense models)."""
+def _shape(cfg: PrimusConfig, hf: str, layer: int) -> tuple[int, int]:
+    """[out, in] of HF projection ``hf`` in ``layer`` (a mixture-of-experts model's dense MLP need not be layer 0's)."""
     from primus.core.hf.contract import layer_names, shapes
 
-    (out, n), _ = shapes(cfg.model)[layer_names(cfg.model, 0)[LORA_TARGETS[hf]]]
+    (out, n), _ = shapes(cfg.model)[layer_names(cfg.model, layer)[LORA_TARGETS[hf]]]
     return out, n
 
 

@@ -109,7 +109,6 @@ def config_with_hf_model(config: str, overrides: list[str], hf_dir: str, check_p
     ``check_plugins=False``: without the checks that need the installed backends (as ``resolve`` has it)."""
     import json
 
-    from primus.core.config.validate import resolve_parallel, validate_config
     from primus.core.hf.config import model_fields_from_hf
     from primus.core.run.init_from import settle_mtp, takes_model_tokenizer
 

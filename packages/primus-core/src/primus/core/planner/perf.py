@@ -218,20 +218,19 @@ def step_time(
         cast = cal.FP8_CAST_BYTES_PER_ELEMENT["compiled" if kernels.compiled else "eager"]
         fp8_weight_casts = m * 2 * cast * lps * layer_params * fp8_share / hbm
     ep_comm = expert_all_to_all(model, layout, seq_len, dev, gpus_per_node)
+    # the parameters the optimizer steps and whose gradients travel: under LoRA the adapters alone (fp32, whole on
+    # every TP rank; the base and the experts frozen)
+    trained = lps * lora_params_per_layer(model, lora) if lora is not None else params
     # the routed experts on this stage, whose whole per-parameter work counts (calibration.EXPERT_STEP_BYTES_PER_PARAM)
-    experts = lps * layer_mean(model, 0.0, routed_expert_params(model) / layout.ep) if model.moe is not None else 0.0
-    dense_bytes = layout.engine_profile.optimizer_bytes_per_param * (params - experts)
+    experts = 0.0
+    if model.moe is not None and lora is None:
+        experts = lps * layer_mean(model, 0.0, routed_expert_params(model) / layout.ep)
+    dense_bytes = layout.engine_profile.optimizer_bytes_per_param * (trained - experts)
     expert_bytes = cal.EXPERT_STEP_BYTES_PER_PARAM * experts
     if layout.dp_mode != "ddp":  # sharded: the dense weights over dp · cp, the E / ep experts over their own
         # data-parallel group (dp · cp / ep ranks: the experts differ across the ep ranks)
         dense_bytes /= layout.dp * layout.cp
         expert_bytes /= max(1.0, layout.dp * layout.cp / layout.ep)
-    trained = params  # the parameters the optimizer steps and whose gradients travel
-    if lora is not None:  # the adapters alone (fp32, whole on every TP rank), Adam over them; the experts frozen too
-        trained = lps * lora_params_per_layer(model, lora)
-        dense_bytes = layout.engine_profile.optimizer_bytes_per_param * trained
-        dense_bytes /= layout.dp * layout.cp if layout.dp_mode != "ddp" else 1
-        expert_bytes = 0.0
     optimizer = (dense_bytes + expert_bytes) / hbm
     compute += fp8_weight_casts + optimizer
     bubble = compute * (layout.pp - 1) / (m * layout.vpp) + (2 * m * layout.vpp * PP_HOP_S if layout.pp > 1 else 0.0)
